@@ -1,0 +1,28 @@
+"""kvcodec: store transformer KV caches compactly and safely (the .kvz format).
+
+Public API::
+
+    data = kvcodec.encode(cache, model=None, tier="lossless")
+    cache = kvcodec.decode(data, model=None)          # a transformers DynamicCache
+    kvcodec.save("cache.kvz", cache); kvcodec.load("cache.kvz")
+    kvcodec.inspect("cache.kvz")                      # header only, JSON-able dict
+    model, tokenizer = kvcodec.load_model("smollm2")  # the embedded default, offline
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FormatError, KvzError, LimitExceeded,
+    ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion,
+)
+from .cache import KVCache, to_canonical  # noqa: E402
+from .api import decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
+from .models import load_model, model_fingerprint  # noqa: E402
+
+__all__ = [
+    "__version__", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
+    "model_fingerprint", "KVCache", "to_canonical",
+    "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
+    "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "ConfigError",
+    "BackendUnavailable",
+]

@@ -1,0 +1,160 @@
+"""The canonical in-memory KV cache and adapters to and from transformers.
+
+:class:`KVCache` holds, per layer, keys ``[batch, kv_heads, seq, k_dim]`` and
+values ``[batch, kv_heads, seq, v_dim]`` of one dtype (float32, float16 or
+bfloat16), optional token ids ``[batch, tokens]``, and the position of the
+first cached token.  Layers may differ in length (sliding-window layers keep
+only their window; ``cumulative_length`` says how many tokens they have seen).
+
+Adapters: transformers 5.x ``DynamicCache`` (``cache.layers[i].keys/values``,
+including ``DynamicSlidingWindowLayer``), the legacy tuple of ``(k, v)`` pairs,
+and ``KVCache`` itself.  Anything else - quantized or offloaded cache layers,
+uninitialised layers, mixed dtypes or batch sizes - raises ``TypeError`` or
+``ValueError`` naming the layer; nothing is silently converted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["KVCache", "to_canonical"]
+
+SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_BY_NAME = {v: k for k, v in SUPPORTED_DTYPES.items()}
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@dataclass
+class KVCache:
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    tokens: torch.Tensor | None = None
+    start_position: int = 0
+    sliding_window: list[int | None] = field(default_factory=list)
+    cumulative_length: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} key tensors but {len(self.values)} value tensors")
+        if not self.keys:
+            raise ValueError("a cache needs at least one layer")
+        if not self.sliding_window:
+            self.sliding_window = [None] * len(self.keys)
+        if not self.cumulative_length:
+            self.cumulative_length = [int(k.shape[-2]) for k in self.keys]
+        dt = self.keys[0].dtype
+        if dt not in SUPPORTED_DTYPES:
+            raise TypeError(f"layer 0: dtype {dt} is not supported (float32, float16, bfloat16)")
+        b = self.keys[0].shape[0]
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for name, t in (("keys", k), ("values", v)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"layer {i} {name}: expected a torch.Tensor, got {type(t).__name__}")
+                if t.dim() != 4:
+                    raise ValueError(f"layer {i} {name}: expected [batch, heads, seq, dim], got shape {tuple(t.shape)}")
+                if t.dtype != dt:
+                    raise TypeError(f"layer {i} {name}: dtype {t.dtype} differs from layer 0's {dt}")
+                if t.shape[0] != b:
+                    raise ValueError(f"layer {i} {name}: batch {t.shape[0]} differs from layer 0's {b}")
+            if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+                raise ValueError(f"layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} disagree on heads/seq")
+        if self.tokens is not None:
+            t = self.tokens
+            if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"tokens must be an integer tensor [batch={b}, seq], got {tuple(t.shape)} {t.dtype}")
+            if t.shape[1] != max(k.shape[2] for k in self.keys):
+                raise ValueError(f"{t.shape[1]} token ids for a cache of {max(k.shape[2] for k in self.keys)} tokens")
+
+    # -- properties ---------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return max(int(k.shape[2]) for k in self.keys)
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+
+    def equal(self, other: "KVCache") -> bool:
+        """Bit-identical tensors (NaN payloads included)."""
+        if self.num_layers != other.num_layers or self.dtype != other.dtype:
+            return False
+        iv = _INT_VIEW[self.dtype]
+        for a, b in zip(self.keys + self.values, other.keys + other.values):
+            if a.shape != b.shape or not torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)):
+                return False
+        return True
+
+    # -- conversions ----------------------------------------------------------
+    def to_dynamic_cache(self, config=None):
+        """A transformers ``DynamicCache`` holding these tensors (no copy)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+        layers = []
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            sw = self.sliding_window[i]
+            layer = DynamicSlidingWindowLayer(sliding_window=sw) if sw is not None else DynamicLayer()
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+            if sw is not None:
+                layer.cumulative_length = self.cumulative_length[i]
+            layers.append(layer)
+        cache = DynamicCache()
+        cache.layers = layers
+        return cache
+
+    def to_legacy(self):
+        """The legacy tuple of ``(key, value)`` pairs."""
+        return tuple((k, v) for k, v in zip(self.keys, self.values))
+
+
+def to_canonical(cache) -> KVCache:
+    """Convert a supported cache object to :class:`KVCache` (tensors are not copied)."""
+    if isinstance(cache, KVCache):
+        return cache
+    layers = getattr(cache, "layers", None)
+    if layers is not None and not isinstance(cache, (tuple, list)):
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        keys, values, sw, cum = [], [], [], []
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, DynamicLayer):
+                raise TypeError(f"layer {i}: {type(layer).__name__} is not supported "
+                                "(only DynamicLayer / DynamicSlidingWindowLayer)")
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0 and layer.keys.dim() != 4:
+                raise ValueError(f"layer {i}: the cache layer holds no tensors (uninitialised)")
+            keys.append(layer.keys)
+            values.append(layer.values)
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                sw.append(int(layer.sliding_window))
+                cum.append(int(layer.cumulative_length))
+            else:
+                sw.append(None)
+                cum.append(int(layer.keys.shape[-2]))
+        return KVCache(keys, values, sliding_window=sw, cumulative_length=cum)
+    if isinstance(cache, (tuple, list)):
+        keys, values = [], []
+        for i, pair in enumerate(cache):
+            if not isinstance(pair, (tuple, list)) or len(pair) < 2:
+                raise TypeError(f"layer {i}: expected a (key, value) pair")
+            keys.append(pair[0])
+            values.append(pair[1])
+        return KVCache(keys, values)
+    raise TypeError(f"unsupported cache type {type(cache).__name__}: pass a DynamicCache, a tuple of "
+                    "(key, value) pairs, or a kvcodec.KVCache")

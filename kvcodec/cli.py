@@ -1,0 +1,206 @@
+"""The ``kvz`` command line.
+
+    kvz demo                       the main job on the embedded default model
+    kvz inspect FILE [--json] [--verify]
+    kvz encode --model smollm2 --text FILE [-o OUT.kvz] [--tier lossless] [--dtype bf16]
+    kvz decode FILE -o OUT.safetensors
+    kvz verify FILE
+    kvz bench [--out DIR] [--tokens N] [--genres ...]
+
+Errors print one line and exit non-zero (2 for bad input files, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import KvzError
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    # shown only when the job takes more than a second
+    return tqdm(total=total, desc=desc, unit="section", mininterval=1.0, delay=1.0, leave=False)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args) -> int:
+    from .api import inspect
+
+    info = inspect(args.file, verify_checksums=args.verify)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{args.file}: .kvz {info['format_version']}, {_human(info['file_bytes'])}")
+    m = info["model"]
+    print(f"  model        : {m['fingerprint'] if m else 'none recorded'}"
+          + (f" ({m.get('architecture')})" if m and m.get("architecture") else ""))
+    print(f"  tier / codec : {info['tier']} / {info['codec']['id']} {json.dumps(info['codec']['params'], sort_keys=True)}")
+    print(f"  cache        : {info['dtype']}, batch {info['batch']}, {info['num_layers']} layers, "
+          f"kv heads {info['kv_heads']}, head dims {info['head_dims']}, {info['tokens']} tokens, "
+          f"start position {info['start_position']}, token ids {'stored' if info['has_token_ids'] else 'not stored'}")
+    print(f"  size         : {_human(info['raw_tensor_bytes'])} raw -> {_human(info['file_bytes'])}: "
+          f"{info['ratio']}x, {info['bits_per_component']} bits/component")
+    print(f"  checksums    : {info['checksums']}")
+    print(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
+    if not getattr(args, "sections", True):
+        return 0
+    print("    #  type    layer part    chunk tokens         bytes  bits/comp")
+    for i, s in enumerate(info["sections"]):
+        if s["type"] == "kv":
+            print(f"  {i:4d} kv     {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
+                  f"{s['bytes']:9d}  {s['bits_per_component']}")
+        else:
+            print(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
+    return 0
+
+
+def _load_model(name: str, dtype: str):
+    from .models import load_model
+    from .runtime import DTYPE_ALIASES
+
+    model, tok = load_model(name, dtype=DTYPE_ALIASES[dtype])
+    return model, tok
+
+
+def cmd_encode(args) -> int:
+    from .api import save
+    from .runtime import prefill, tokenize
+
+    text = Path(args.text).read_text(encoding="utf-8")
+    t0 = time.perf_counter()
+    model, tok = _load_model(args.model, args.dtype)
+    ids = tokenize(tok, text, args.max_tokens)
+    cache = prefill(model, ids)
+    out = args.output or str(Path(args.text).with_suffix(".kvz").name)
+    from .cache import to_canonical
+
+    kv = to_canonical(cache)
+    bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
+    n = save(out, kv, (model, tok), tier=args.tier, chunk_tokens=args.chunk_tokens,
+             tokens=ids if args.store_tokens else None, progress=bar.update)
+    bar.close()
+    print(f"{out}: {ids.shape[1]} tokens, {_human(kv.nbytes())} {args.dtype} cache -> {_human(n)} "
+          f"({kv.nbytes() / n:.3f}x) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_decode(args) -> int:
+    from safetensors.torch import save_file
+
+    from .api import KvzFile
+
+    with KvzFile(args.file) as f:
+        bar = _progress(f.num_sections(), "decoding")
+        kv = f.to_kvcache(progress=bar.update)
+        bar.close()
+    tensors = {}
+    for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        tensors[f"layers.{i}.keys"] = k.contiguous()
+        tensors[f"layers.{i}.values"] = v.contiguous()
+    if kv.tokens is not None:
+        tensors["tokens"] = kv.tokens.contiguous()
+    save_file(tensors, args.output, metadata={"source": "kvz decode", "start_position": str(kv.start_position)})
+    print(f"{args.output}: {len(kv.keys)} layers, {kv.dtype_name}, {_human(kv.nbytes())}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .api import KvzFile
+
+    t0 = time.perf_counter()
+    with KvzFile(args.file) as f:
+        bar = _progress(f.num_sections(), "verifying")
+        kv = f.to_kvcache(progress=bar.update)
+        bar.close()
+    print(f"{args.file}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
+          f"({_human(kv.nbytes())}) in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvz", description="Store transformer KV caches compactly (.kvz).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("inspect", help="describe a .kvz file from its header (no model, no decoding)")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--verify", action="store_true", help="also read every payload and check its checksum")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("encode", help="run a model over a text file and store its KV cache")
+    s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
+    s.add_argument("--text", required=True)
+    s.add_argument("-o", "--output")
+    s.add_argument("--tier", default="lossless", choices=["lossless"])
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    s.add_argument("--max-tokens", type=int, default=2048)
+    s.add_argument("--chunk-tokens", type=int, default=4096)
+    s.add_argument("--no-tokens", dest="store_tokens", action="store_false", help="do not store token ids")
+    s.set_defaults(func=cmd_encode)
+
+    s = sub.add_parser("decode", help="decode a .kvz file to safetensors")
+    s.add_argument("file")
+    s.add_argument("-o", "--output", required=True)
+    s.set_defaults(func=cmd_decode)
+
+    s = sub.add_parser("verify", help="decode fully and check every checksum")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
+    s.add_argument("--out", default="bench_out", help="directory for bench.json and bench.md")
+    s.add_argument("--tokens", type=int, default=2048)
+    s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres)")
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"])
+    s.add_argument("--no-zstd19", action="store_true", help="skip the slow zstd-19 baseline")
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("demo", help="the main job: SmolLM2 cache -> .kvz -> back, bit-identical, generation identical")
+    s.add_argument("--text", help="text file (default: a shipped public-domain excerpt)")
+    s.add_argument("--tokens", type=int, default=1024)
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    s.add_argument("-o", "--output", default="demo.kvz")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvzError as e:
+        print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError) as e:
+        print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

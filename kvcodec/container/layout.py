@@ -1,0 +1,68 @@
+"""Wire constants of the .kvz container, mirrored from ``spec/kvz.md``.
+
+Field names in the spec (``Header_Length``) are the UPPER_CASE names here.
+Everything is little-endian.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+#: 8 bytes.  0x89 is not ASCII and cannot start a UTF-8 sequence, so the file is
+#: never mistaken for text; CR LF / LF and 0x1A catch line-ending conversion and
+#: DOS ``type`` (same reasoning as PNG's signature).
+MAGIC = b"\x89KVZ\r\n\x1a\n"
+#: last 8 bytes of every file
+END_MAGIC = b"\x89KVZEND\n"
+
+FORMAT_VERSION_MAJOR = 1
+FORMAT_VERSION_MINOR = 0
+
+PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
+HEADER_CHECKSUM = struct.Struct("<Q")
+SECTION_HEADER = struct.Struct("<HHIHHIQQQ")  # 40 bytes; see spec "Section header"
+SECTION_HEADER_CHECKED = 32  # Section_Header_Checksum covers the first 32 bytes
+INDEX_HEAD = struct.Struct("<II")  # Entry_Count, Reserved
+INDEX_ENTRY = struct.Struct("<QHHIIIQ")  # 32 bytes
+FOOTER = struct.Struct("<QQQ8s")  # Index_Offset, File_Length, Footer_Checksum, End_Magic
+
+# Section types (spec/registry.md).  Never reuse a retired number.
+SECTION_KV = 1
+SECTION_TOKENS = 2
+SECTION_INDEX = 0xFFFF
+SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKENS: "tokens", SECTION_INDEX: "index"}
+
+FLAG_CRITICAL = 0x0001  # a reader that does not know the type must reject the file
+FLAGS_RESERVED = 0xFFFE
+
+PART_KEYS = 0
+PART_VALUES = 1
+
+# Decoder limits (a decoder may lower them; these are the defaults).
+MAX_HEADER_BYTES = 16 << 20
+MAX_SECTIONS = 1 << 22
+MAX_LAYERS = 1 << 16
+MAX_BATCH = 1 << 16
+MAX_HEADS = 1 << 16
+MAX_HEAD_DIM = 1 << 16
+MAX_SEQ_LEN = 1 << 31
+MAX_CHUNK_TOKENS = 1 << 24
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 40  # 1 TiB of decoded tensors
+
+
+def xxh3(data) -> int:
+    """XXH3-64 with seed 0: the checksum of every checksummed field."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def footer_checksum(index_offset: int, file_length: int, header_checksum: int) -> int:
+    """Footer_Checksum: XXH3-64 of Index_Offset, File_Length and Header_Checksum (3 x u64 LE)."""
+    return xxh3(struct.pack("<QQQ", index_offset, file_length, header_checksum))
+
+
+def section_header(section_type: int, flags: int, layer: int, part: int, chunk: int, payload) -> bytes:
+    """The 40-byte section header of ``payload``."""
+    head = SECTION_HEADER.pack(section_type, flags, layer, part, 0, chunk, len(payload), xxh3(payload), 0)
+    return head[:SECTION_HEADER_CHECKED] + HEADER_CHECKSUM.pack(xxh3(head[:SECTION_HEADER_CHECKED]))

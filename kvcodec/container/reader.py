@@ -1,0 +1,236 @@
+"""Random-access reader of .kvz files.
+
+Opening a file reads the preamble, the header, the footer and the section
+index, and validates all of them (checksums, limits, tiling, canonical order);
+payloads are read only on demand, one section at a time, so reading one layer
+never touches the others.  Every violation raises a specific
+:class:`~kvcodec.errors.KvzError` naming the spec field and byte offset.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+from ..errors import (BadMagic, ChecksumMismatch, FormatError, LimitExceeded, OffsetError,
+                      ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion)
+from . import layout as L
+from .header import Header, parse
+
+MIN_FILE = L.PREAMBLE.size + 2 + L.HEADER_CHECKSUM.size + L.SECTION_HEADER.size + L.INDEX_HEAD.size + L.FOOTER.size
+
+
+@dataclass(frozen=True)
+class SectionEntry:
+    offset: int  # of the section header
+    section_type: int
+    part: int
+    layer: int
+    chunk: int
+    length: int  # payload bytes
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + L.SECTION_HEADER.size
+
+    @property
+    def name(self) -> str:
+        return L.SECTION_NAMES.get(self.section_type, f"type{self.section_type}")
+
+
+class KvzReader:
+    """Open a .kvz file for validated, lazy reading.
+
+    Parameters
+    ----------
+    source : bytes-like, path, or seekable binary file object
+    limits : dict, optional
+        Override decoder limits: ``max_output_bytes``, ``max_layers``, ``max_seq_len``,
+        ``max_heads``, ``max_head_dim``, ``max_batch``, ``max_header_bytes``.
+    """
+
+    def __init__(self, source, *, limits: dict | None = None):
+        self._own = False
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            self._f = io.BytesIO(bytes(source))
+        elif isinstance(source, (str, os.PathLike)):
+            self._f = open(source, "rb")
+            self._own = True
+        else:
+            self._f = source
+        self.limits = dict(limits or {})
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- low-level reads --------------------------------------------------
+    def _read_at(self, offset: int, n: int, field: str) -> bytes:
+        if offset + n > self.size:
+            raise TruncatedFile(f"need {n} bytes at offset {offset}, file has {self.size}", field=field, offset=offset)
+        self._f.seek(offset)
+        b = self._f.read(n)
+        if len(b) != n:
+            raise TruncatedFile(f"short read: {len(b)} of {n} bytes", field=field, offset=offset)
+        return b
+
+    def _open(self):
+        f = self._f
+        f.seek(0, os.SEEK_END)
+        self.size = f.tell()
+        head = self._read_at(0, min(self.size, L.PREAMBLE.size), "Magic")
+        if head[:len(L.MAGIC)] != L.MAGIC[:len(head)]:
+            raise BadMagic("not a .kvz file (magic mismatch)", field="Magic", offset=0)
+        if self.size < MIN_FILE:
+            raise TruncatedFile(f"file of {self.size} bytes is shorter than the smallest .kvz file ({MIN_FILE})",
+                                field="Magic", offset=self.size)
+        _, major, minor, hlen = L.PREAMBLE.unpack(head)
+        if major != L.FORMAT_VERSION_MAJOR:
+            raise UnsupportedVersion(f"format version {major}.{minor}; this decoder reads {L.FORMAT_VERSION_MAJOR}.x",
+                                     field="Version_Major", offset=8)
+        self.version = (major, minor)
+        max_header = self.limits.get("max_header_bytes", L.MAX_HEADER_BYTES)
+        if hlen > max_header:
+            raise LimitExceeded(f"Header_Length {hlen} exceeds the limit of {max_header}",
+                                field="Header_Length", offset=12)
+        hend = L.PREAMBLE.size + hlen
+        if hend + 8 + L.SECTION_HEADER.size + L.INDEX_HEAD.size + L.FOOTER.size > self.size:
+            raise TruncatedFile(f"Header_Length {hlen} runs past the end of a {self.size}-byte file",
+                                field="Header_Length", offset=12)
+        body = self._read_at(L.PREAMBLE.size, hlen, "Header")
+        (hsum,) = L.HEADER_CHECKSUM.unpack(self._read_at(hend, 8, "Header_Checksum"))
+        self.header_checksum = L.xxh3(head + body)
+        if hsum != self.header_checksum:
+            raise ChecksumMismatch(f"header checksum {hsum:016x} != computed {self.header_checksum:016x}",
+                                   field="Header_Checksum", offset=hend)
+        self.header: Header = parse(body, offset=L.PREAMBLE.size, limits=self.limits)
+        self.data_start = hend + 8
+        self._read_footer_and_index()
+
+    def _read_footer_and_index(self):
+        fo = self.size - L.FOOTER.size
+        index_offset, file_length, fsum, end = L.FOOTER.unpack(self._read_at(fo, L.FOOTER.size, "End_Magic"))
+        if end != L.END_MAGIC:
+            raise TruncatedFile("the file does not end with End_Magic (truncated, or not closed by its writer)",
+                                field="End_Magic", offset=self.size - 8)
+        if fsum != L.footer_checksum(index_offset, file_length, self.header_checksum):
+            raise ChecksumMismatch("footer checksum mismatch (or footer of another file)", field="Footer_Checksum",
+                                   offset=fo + 16)
+        if file_length < self.size:
+            raise TrailingData(f"{self.size - file_length} bytes beyond the length the footer declares",
+                               field="File_Length", offset=fo + 8)
+        if file_length > self.size:
+            raise TruncatedFile(f"File_Length {file_length} > actual size {self.size}", field="File_Length",
+                                offset=fo + 8)
+        if not self.data_start <= index_offset <= fo - L.SECTION_HEADER.size - L.INDEX_HEAD.size:
+            raise OffsetError(f"Index_Offset {index_offset} outside [{self.data_start}, {fo}]",
+                              field="Index_Offset", offset=fo)
+        ihead = self._section_header_at(index_offset)
+        typ, flags, layer, part, chunk, plen = ihead[:6]
+        if typ != L.SECTION_INDEX:
+            raise OffsetError(f"Index_Offset points at a section of type {typ}", field="Index_Offset", offset=fo)
+        if plen != fo - index_offset - L.SECTION_HEADER.size:
+            raise OffsetError(f"index payload of {plen} bytes does not end at the footer", field="Payload_Length",
+                              offset=index_offset + 16)
+        if (plen - L.INDEX_HEAD.size) % L.INDEX_ENTRY.size or plen > L.INDEX_HEAD.size + L.INDEX_ENTRY.size * L.MAX_SECTIONS:
+            raise FormatError(f"index payload of {plen} bytes is not a whole number of entries",
+                              field="Payload_Length", offset=index_offset + 16)
+        payload = self._read_at(index_offset + L.SECTION_HEADER.size, plen, "Index")
+        if L.xxh3(payload) != ihead[6]:
+            raise ChecksumMismatch("index payload checksum mismatch", field="Payload_Checksum",
+                                   offset=index_offset + 24)
+        count, reserved = L.INDEX_HEAD.unpack_from(payload, 0)
+        ip = index_offset + L.SECTION_HEADER.size
+        if reserved:
+            raise ReservedBitSet("index Reserved is not zero", field="Index.Reserved", offset=ip + 4)
+        if count != (plen - L.INDEX_HEAD.size) // L.INDEX_ENTRY.size:
+            raise FormatError(f"Entry_Count {count} disagrees with the index length", field="Entry_Count", offset=ip)
+        entries = []
+        pos = self.data_start
+        for i in range(count):
+            eo = ip + L.INDEX_HEAD.size + i * L.INDEX_ENTRY.size
+            off, typ, part, layer, chunk, res, n = L.INDEX_ENTRY.unpack_from(payload, L.INDEX_HEAD.size + i * L.INDEX_ENTRY.size)
+            if res:
+                raise ReservedBitSet(f"index entry {i}: Reserved is not zero", field="Index.Reserved", offset=eo + 20)
+            if off != pos:
+                raise OffsetError(f"index entry {i}: section at {off}, expected {pos} (holes or overlaps)",
+                                  field="Index.Offset", offset=eo)
+            if typ == L.SECTION_INDEX:
+                raise OffsetError(f"index entry {i}: an index inside the index", field="Index.Section_Type", offset=eo + 8)
+            pos = off + L.SECTION_HEADER.size + n
+            if pos > index_offset:
+                raise OffsetError(f"index entry {i}: section runs past the index", field="Index.Payload_Length",
+                                  offset=eo + 24)
+            entries.append(SectionEntry(off, typ, part, layer, chunk, n))
+        if pos != index_offset:
+            raise OffsetError(f"{index_offset - pos} bytes between the last section and the index",
+                              field="Index_Offset", offset=fo)
+        # known sections must be exactly the expected ones, in canonical order
+        known = []
+        for e in entries:
+            if e.section_type in L.SECTION_NAMES:
+                known.append(e)
+            else:
+                flags = self._section_header_at(e.offset)[1]
+                if flags & L.FLAG_CRITICAL:
+                    raise UnknownId(f"critical section of unknown type {e.section_type}", field="Section_Type",
+                                    offset=e.offset)
+        expected = self.header.expected_sections()
+        got = [(e.section_type, e.layer, e.part, e.chunk) for e in known]
+        if got != expected:
+            bad = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+            at = known[bad].offset if bad < len(known) else index_offset
+            want = expected[bad] if bad < len(expected) else "no more sections"
+            have = got[bad] if bad < len(got) else "no more sections"
+            raise OffsetError(f"section {bad}: found {have}, header implies {want} (type, layer, part, chunk)",
+                              field="Section_Type", offset=at)
+        self.sections = entries
+        self._by_key = {(e.section_type, e.layer, e.part, e.chunk): e for e in known}
+        self.index_offset = index_offset
+
+    def _section_header_at(self, offset: int):
+        raw = self._read_at(offset, L.SECTION_HEADER.size, "Section_Type")
+        typ, flags, layer, part, res, chunk, n, psum, hsum = L.SECTION_HEADER.unpack(raw)
+        if L.xxh3(raw[:L.SECTION_HEADER_CHECKED]) != hsum:
+            raise ChecksumMismatch("section header checksum mismatch", field="Section_Header_Checksum",
+                                   offset=offset + 32)
+        if res:
+            raise ReservedBitSet("section Reserved is not zero", field="Section.Reserved", offset=offset + 10)
+        if flags & L.FLAGS_RESERVED:
+            raise ReservedBitSet(f"reserved Section_Flags bits set: {flags:#06x}", field="Section_Flags",
+                                 offset=offset + 2)
+        return typ, flags, layer, part, chunk, n, psum
+
+    # -- public -----------------------------------------------------------
+    def entry(self, section_type: int, layer: int = 0, part: int = 0, chunk: int = 0) -> SectionEntry:
+        return self._by_key[(section_type, layer, part, chunk)]
+
+    def read_payload(self, e: SectionEntry) -> bytes:
+        """Read one section's payload, checking its header against the index and its checksum."""
+        typ, flags, layer, part, chunk, n, psum = self._section_header_at(e.offset)
+        if (typ, layer, part, chunk, n) != (e.section_type, e.layer, e.part, e.chunk, e.length):
+            raise OffsetError("section header disagrees with the index", field="Section_Type", offset=e.offset)
+        if not flags & L.FLAG_CRITICAL and typ in (L.SECTION_KV, L.SECTION_TOKENS):
+            raise FormatError("a kv/tokens section is not marked critical", field="Section_Flags", offset=e.offset + 2)
+        data = self._read_at(e.payload_offset, n, "Payload")
+        if L.xxh3(data) != psum:
+            raise ChecksumMismatch(f"{e.name} section (layer {e.layer}, part {e.part}, chunk {e.chunk}): "
+                                   "payload checksum mismatch", field="Payload_Checksum", offset=e.offset + 24)
+        return data
+
+    def verify_checksums(self) -> None:
+        """Read every section and check every checksum (no decoding)."""
+        for e in self.sections:
+            self.read_payload(e)
+
+    def close(self):
+        if self._own:
+            self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

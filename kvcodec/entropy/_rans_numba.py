@@ -1,0 +1,212 @@
+"""Numba kernels of kvcodec's interleaved, context-modelled rANS ("lane coder").
+
+READ ME FIRST (after ryg_rans):
+
+1. rANS is a stack: the encoder walks the symbols **backwards** and the
+   decoder reads them forwards.  The encoder collects 16-bit words in emission
+   order; the caller reverses them, so the stored stream is read front to back.
+2. Symbols form a matrix ``[rows, tokens]`` (a row is one channel of one head).
+   Rows are taken ``ways`` at a time ("a group"); inside a group the order is
+   token-major, lane ``j`` (row ``g0 + j``) always uses state ``j``.  So the
+   ``ways`` states are independent dependency chains the CPU can overlap, and
+   each lane's previous symbol (same channel, previous token) is known when its
+   next symbol is decoded: that is the context model.
+3. The context of symbol ``(r, t)`` is ``ctx_map[r, cls]`` where ``cls`` is a
+   class of the previous symbol of row ``r`` (see :func:`symbol_class`), and
+   the first symbol of a row uses the row's reference ``ref[r]`` as its
+   "previous symbol".  ``ctx_map`` picks one of the shared frequency tables.
+
+State ``x`` lives in ``[L, 2**32)`` with ``L = 2**16``; words are 16 bits, so at
+most one renormalisation per symbol; ``scale_bits`` <= 15.
+
+Kernels never raise: they return a status code (0 = ok) and the Python wrapper
+turns it into a :class:`~kvcodec.errors.FormatError`.  Decoder inputs are
+untrusted: every read of the word stream is bounds-checked here, and the
+wrapper validates tables, maps and references before calling.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+RANS_L = 1 << 16  # lower bound of the state; also the final state the decoder must reach
+
+OK = 0
+ERR_STREAM_SHORT = 1  # the word stream ended before the symbols did
+ERR_BAD_INIT_STATE = 2  # an initial state below L
+ERR_FINAL_STATE = 3  # a state did not return to L at the end
+ERR_STREAM_LONG = 4  # words left over after the last symbol
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def symbol_class(prev, ref, kbits, nclass):
+    """Class of the previous symbol: 0 when ``nclass == 1``, else
+    ``3 * sign + (0 if mag < ref_mag else 1 if mag == ref_mag else 2)``
+    where ``sign`` is the symbol's top bit and ``mag`` the rest."""
+    if nclass == 1:
+        return 0
+    mmask = (1 << (kbits - 1)) - 1
+    sign = prev >> (kbits - 1)
+    mag = prev & mmask
+    rmag = ref & mmask
+    if mag < rmag:
+        b = 0
+    elif mag == rmag:
+        b = 1
+    else:
+        b = 2
+    return sign * 3 + b
+
+
+@nb.njit(cache=True, nogil=True)
+def contexts(syms, refs, ctx_map, kbits, nclass, out):
+    """Table id of every symbol, for the encoder: ``out[r, t]``."""
+    rows, ntok = syms.shape
+    for r in range(rows):
+        prev = refs[r]
+        for t in range(ntok):
+            out[r, t] = ctx_map[r, symbol_class(prev, refs[r], kbits, nclass)]
+            prev = syms[r, t]
+
+
+@nb.njit(cache=True, nogil=True)
+def lanes_encode(syms, ctx, freq, cum, scale_bits, ways, out):
+    """Encode the ``[rows, tokens]`` matrix ``syms`` with per-symbol table ids ``ctx``.
+
+    Every coded symbol must have a non-zero frequency in its table (the caller
+    guarantees it).  ``out`` must hold ``rows * tokens + 2 * ways`` words.
+    Returns the number of words written, in emission order (to be reversed).
+    """
+    rows, ntok = syms.shape
+    states = np.empty(ways, dtype=np.uint64)
+    for j in range(ways):
+        states[j] = RANS_L
+    pos = 0
+    shift = np.uint64(32 - scale_bits)  # x_max = ((L >> sb) << 16) * f = f << (32 - sb)
+    sb = np.uint64(scale_bits)
+    ngroups = (rows + ways - 1) // ways
+    for g in range(ngroups - 1, -1, -1):
+        g0 = g * ways
+        lanes = min(ways, rows - g0)
+        for t in range(ntok - 1, -1, -1):
+            for j in range(lanes - 1, -1, -1):
+                r = g0 + j
+                c = ctx[r, t]
+                s = syms[r, t]
+                f = np.uint64(freq[c, s])
+                x = states[j]
+                if x >= (f << shift):
+                    out[pos] = np.uint16(x & np.uint64(0xFFFF))
+                    pos += 1
+                    x >>= np.uint64(16)
+                q = x // f
+                states[j] = (q << sb) + (x - q * f) + np.uint64(cum[c, s])
+    # Flush so that, after reversal, state 0 comes first, high word first.
+    for j in range(ways - 1, -1, -1):
+        x = states[j]
+        out[pos] = np.uint16(x & np.uint64(0xFFFF))
+        out[pos + 1] = np.uint16(x >> np.uint64(16))
+        pos += 2
+    return pos
+
+
+@nb.njit(cache=True, nogil=True)
+def build_decode_tables(freq, cum, entry, sym):
+    """``entry[c, slot] = freq << 16 | (slot - cum)`` and ``sym[c, slot]``."""
+    for c in range(freq.shape[0]):
+        for s in range(freq.shape[1]):
+            f = freq[c, s]
+            b = cum[c, s]
+            for k in range(f):
+                entry[c, b + k] = (f << 16) | k
+                sym[c, b + k] = s
+
+
+@nb.njit(cache=True, nogil=True)
+def lanes_decode(words, refs, ctx_map, entry, symt, scale_bits, ways, kbits, nclass, out):
+    """Inverse of :func:`lanes_encode`, contexts rebuilt on the fly.
+
+    ``out`` is the ``[rows, tokens]`` matrix to fill.  Returns a status code.
+    """
+    rows, ntok = out.shape
+    nw = words.shape[0]
+    if nw < 2 * ways:
+        return ERR_STREAM_SHORT
+    states = np.empty(ways, dtype=np.uint64)
+    prev = np.empty(ways, dtype=np.int64)
+    pos = 0
+    for j in range(ways):
+        x = (np.uint64(words[pos]) << np.uint64(16)) | np.uint64(words[pos + 1])
+        pos += 2
+        if x < RANS_L:
+            return ERR_BAD_INIT_STATE
+        states[j] = x
+    mask = np.uint64((1 << scale_bits) - 1)
+    sb = np.uint64(scale_bits)
+    lo = np.uint64(RANS_L)
+    for g0 in range(0, rows, ways):
+        lanes = min(ways, rows - g0)
+        for j in range(lanes):
+            prev[j] = refs[g0 + j]
+        for t in range(ntok):
+            for j in range(lanes):
+                r = g0 + j
+                c = ctx_map[r, symbol_class(prev[j], refs[r], kbits, nclass)]
+                x = states[j]
+                slot = x & mask
+                e = entry[c, slot]
+                s = symt[c, slot]
+                x = np.uint64(e >> 16) * (x >> sb) + np.uint64(e & 0xFFFF)
+                if x < lo:
+                    if pos >= nw:
+                        return ERR_STREAM_SHORT
+                    x = (x << np.uint64(16)) | np.uint64(words[pos])
+                    pos += 1
+                states[j] = x
+                prev[j] = s
+                out[r, t] = s
+    for j in range(ways):
+        if states[j] != lo:
+            return ERR_FINAL_STATE
+    if pos != nw:
+        return ERR_STREAM_LONG
+    return OK
+
+
+@nb.njit(cache=True, nogil=True)
+def pack_bits(values, width, out):
+    """Pack the low ``width`` bits of each value, LSB-first, into bytes ``out``."""
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    m = np.uint64((1 << width) - 1)
+    for i in range(values.shape[0]):
+        acc |= (np.uint64(values[i]) & m) << np.uint64(nacc)
+        nacc += width
+        while nacc >= 8:
+            out[pos] = np.uint8(acc & np.uint64(0xFF))
+            pos += 1
+            acc >>= np.uint64(8)
+            nacc -= 8
+    if nacc > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+        pos += 1
+    return pos
+
+
+@nb.njit(cache=True, nogil=True)
+def unpack_bits(data, width, out):
+    """Inverse of :func:`pack_bits` for ``out.shape[0]`` values (``data`` sized by the caller)."""
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    m = np.uint64((1 << width) - 1)
+    for i in range(out.shape[0]):
+        while nacc < width:
+            acc |= np.uint64(data[pos]) << np.uint64(nacc)
+            pos += 1
+            nacc += 8
+        out[i] = acc & m
+        acc >>= np.uint64(width)
+        nacc -= width

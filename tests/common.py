@@ -1,0 +1,56 @@
+"""Shared helpers: tiny random HF models, caches, and file corruption."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+def tiny_model(kind: str, dtype=torch.float32):
+    """A tiny randomly initialised causal LM of the given layout (seconds to build and run)."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(1234)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512)
+    if kind == "llama":  # GQA: 4 query heads share 2 kv heads
+        m = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+    elif kind == "qwen2":  # MQA, with biases on q/k/v
+        m = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, **common))
+    elif kind == "qwen2_mixed":  # one full-attention layer, one sliding-window layer
+        m = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, sliding_window=8, use_sliding_window=True,
+                                         layer_types=["full_attention", "sliding_attention"], **common))
+    elif kind == "mistral_sw":  # every layer sliding-window
+        m = MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **common))
+    elif kind == "gpt2":  # absolute positions, no GQA
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                                       bos_token_id=0, eos_token_id=0))
+    else:
+        raise ValueError(kind)
+    return m.to(dtype).eval()
+
+
+@torch.no_grad()
+def model_cache(model, ids):
+    out = model(ids, use_cache=True)
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def random_cache(layers=2, batch=1, heads=2, seq=16, dim=8, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, heads, seq, dim, generator=g).to(dtype) * 3,
+             torch.randn(batch, heads, seq, dim, generator=g).to(dtype)) for _ in range(layers)]
+
+
+def flip_bit(data: bytes, bit: int) -> bytes:
+    b = bytearray(data)
+    b[bit // 8] ^= 1 << (bit % 8)
+    return bytes(b)
+
+
+def patch(data: bytes, offset: int, new: bytes) -> bytes:
+    b = bytearray(data)
+    b[offset:offset + len(new)] = new
+    return bytes(b)

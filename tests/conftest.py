@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", max_examples=40, deadline=None)
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("expensive", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded model (fp32) and tokenizer; converted once per machine."""
+    from kvcodec import load_model
+
+    return load_model("smollm2")

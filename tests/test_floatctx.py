@@ -1,0 +1,139 @@
+"""The float_ctx_rans codec on raw bit patterns: exactness for every dtype and odd input."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from kvcodec.errors import ConfigError, FormatError, LimitExceeded
+from kvcodec.stages import floatctx as fc
+
+DTYPES = {"bfloat16": (torch.bfloat16, np.uint16, torch.int16), "float16": (torch.float16, np.uint16, torch.int16),
+          "float32": (torch.float32, np.uint32, torch.int32)}
+
+
+def bits(t, name):
+    _, npu, ti = DTYPES[name]
+    return t.contiguous().view(ti).numpy().view(npu)
+
+
+def kv_like(shape, name, seed=0):
+    """Channel-structured values like a real cache: per-channel scale and offset, a few outliers."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, s, d = shape
+    scale = torch.exp(torch.randn(1, h, 1, d, generator=g) * 1.5)
+    off = torch.randn(1, h, 1, d, generator=g) * 2
+    x = torch.randn(shape, generator=g) * scale + off
+    return bits(x.to(DTYPES[name][0]), name)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("shape", [(1, 3, 64, 64), (2, 1, 7, 5), (1, 1, 1, 1), (3, 2, 1, 9), (1, 2, 33, 3)])
+def test_round_trip_exact(name, shape):
+    x = kv_like(shape, name)
+    p = fc.encode(x, name, {})
+    np.testing.assert_array_equal(fc.decode(p, shape, name), x)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_special_values_round_trip(name):
+    tdt, npu, _ = DTYPES[name]
+    vals = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 6e-8, 65504.0,
+                         1.0, -1.0, 3.0e38], dtype=torch.float32).to(tdt)
+    x = bits(vals.repeat(40).reshape(1, 2, 20, 12), name).copy()
+    # NaN payloads and signs must survive bit-exactly
+    x.ravel()[5] = np.array(0xFFFFFFFF if npu is np.uint32 else 0xFFFF, dtype=npu)
+    x.ravel()[17] = np.array(0x7F800001 if npu is np.uint32 else 0x7C01, dtype=npu)
+    for cfg in ({}, {"context": "none"}, {"coded_bits": 2}, {"coded_bits": 16}):
+        p = fc.encode(x, name, cfg)
+        np.testing.assert_array_equal(fc.decode(p, x.shape, name), x)
+
+
+@given(st.data())
+def test_arbitrary_bit_patterns(data):
+    name = data.draw(st.sampled_from(list(DTYPES)))
+    npu = DTYPES[name][1]
+    shape = tuple(data.draw(st.integers(1, n)) for n in (2, 3, 40, 9))
+    maxv = np.iinfo(npu).max
+    flat = data.draw(st.lists(st.integers(0, int(maxv)), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    x = np.array(flat, dtype=npu).reshape(shape)
+    width = 8 * np.dtype(npu).itemsize
+    cfg = {"coded_bits": data.draw(st.integers(2, min(16, width))), "ways": data.draw(st.integers(1, 8)),
+           "scale_bits": data.draw(st.integers(12, 15)), "context": data.draw(st.sampled_from(["prev", "none"])),
+           "max_tables": data.draw(st.integers(1, 40))}
+    try:
+        p = fc.encode(x, name, cfg)
+    except ConfigError:
+        return  # more distinct symbols in one table than 2**scale_bits: refused, never mis-coded
+    np.testing.assert_array_equal(fc.decode(p, shape, name), x)
+
+
+def test_incompressible_data_is_stored_raw():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**16, size=(1, 2, 50, 8), dtype=np.uint16)
+    p = fc.encode(x, "float16", {})
+    assert p[0] == fc.MODE_RAW and len(p) == 1 + x.nbytes
+    np.testing.assert_array_equal(fc.decode(p, x.shape, "float16"), x)
+
+
+def test_compresses_structured_data():
+    x = kv_like((1, 3, 512, 64), "bfloat16")
+    p = fc.encode(x, "bfloat16", {})
+    assert len(p) < 0.8 * x.nbytes
+
+
+def test_empty_tensor():
+    x = np.zeros((1, 2, 0, 4), np.uint16)
+    p = fc.encode(x, "bfloat16", {})
+    assert fc.decode(p, x.shape, "bfloat16").shape == x.shape
+
+
+@pytest.mark.parametrize("bad", [{"coded_bits": 1}, {"coded_bits": 17}, {"scale_bits": 16}, {"ways": 0},
+                                 {"max_tables": 256}, {"context": "next"}, {"colour": 1}])
+def test_bad_config(bad):
+    with pytest.raises(ConfigError):
+        fc.encode(np.zeros((1, 1, 4, 4), np.uint16), "bfloat16", bad)
+
+
+def _coded():
+    x = kv_like((1, 2, 64, 16), "bfloat16", seed=3)
+    p = fc.encode(x, "bfloat16", {})
+    assert p[0] == fc.MODE_CODED
+    return x, p
+
+
+@pytest.mark.parametrize("offset,value,match", [
+    (0, 7, "unknown mode"), (1, 1, "Coded_Bits"), (1, 17, "Coded_Bits"), (2, 7, "Scale_Bits"), (2, 16, "Scale_Bits"),
+    (3, 0, "Ways"), (4, 2, "Num_Classes"), (5, 1, "reserved"), (6, 0, "Num_Tables"),
+])
+def test_fixed_field_violations(offset, value, match):
+    x, p = _coded()
+    b = bytearray(p)
+    b[offset] = value
+    with pytest.raises(FormatError, match=match):
+        fc.decode(bytes(b), x.shape, "bfloat16")
+
+
+def test_table_limit():
+    x, p = _coded()
+    b = bytearray(p)
+    b[2] = 15
+    b[6:8] = (255).to_bytes(2, "little")
+    with pytest.raises(LimitExceeded):
+        fc.decode(bytes(b), x.shape, "bfloat16")
+
+
+def test_length_fields_and_truncation():
+    x, p = _coded()
+    for cut in (0, 1, 10, 19, len(p) - 1):
+        with pytest.raises(FormatError):
+            fc.decode(p[:cut], x.shape, "bfloat16")
+    with pytest.raises(FormatError):
+        fc.decode(p + b"\0", x.shape, "bfloat16")
+    for off in (8, 12, 16):  # Side_Length, Side_Raw_Length, Num_Words
+        b = bytearray(p)
+        b[off:off + 4] = (int.from_bytes(b[off:off + 4], "little") + 1).to_bytes(4, "little")
+        with pytest.raises(FormatError):
+            fc.decode(bytes(b), x.shape, "bfloat16")
+    with pytest.raises(FormatError):  # the right bytes for another shape
+        fc.decode(p, (1, 2, 63, 16), "bfloat16")
