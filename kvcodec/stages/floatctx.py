@@ -216,8 +216,18 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError(f"payload has {len(mv)} bytes, its fields add up to {expect}",
                           field="Side_Length", offset=offset + 8)
     p = FIXED_SIZE
+    side_z = mv[p:p + side_len]
+    # The frame must declare its content size, and it must be Side_Raw_Length:
+    # python-zstandard allocates whatever a frame declares, so check first.
     try:
-        side = zstandard.ZstdDecompressor().decompress(mv[p:p + side_len], max_output_size=side_raw_len)
+        declared = zstandard.frame_content_size(side_z)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"side information is not a zstd frame: {e}", field="Side", offset=offset + p) from None
+    if declared != side_raw_len:
+        raise FormatError(f"zstd frame declares {declared} bytes, Side_Raw_Length says {side_raw_len}",
+                          field="Side", offset=offset + p)
+    try:
+        side = zstandard.ZstdDecompressor().decompress(side_z, max_output_size=side_raw_len, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise FormatError(f"side information is not a valid zstd frame: {e}", field="Side", offset=offset + p) from None
     if len(side) != side_raw_len:

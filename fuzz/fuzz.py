@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Time-bounded fuzzing of the .kvz decoder (pure Python, no extra tools).
+
+    python fuzz/fuzz.py --seconds 60            # all targets, split evenly
+    python fuzz/fuzz.py --target resealed --seconds 300 --seed 7
+
+Targets
+  bytes     arbitrary bytes (random, and random bytes behind a valid magic)
+  mutate    valid files (spec/vectors, fuzz/corpus) with bit flips, byte sets,
+            truncation, extension, splices and length fields overwritten
+  resealed  like ``mutate`` but every checksum is recomputed afterwards, so the
+            mutation reaches the header parser and the payload decoders
+            instead of stopping at a checksum
+  roundtrip random caches (dtype, shape, options) -> encode -> decode == input
+
+Any exception other than ``KvzError`` is a finding, as is an input that takes
+more than ``--hang`` seconds or allocates more than ``--max-mib`` MiB
+(tracemalloc, which sees NumPy's buffers).  Findings are written to
+``fuzz/crashes/`` and the run exits 1; copy each into ``tests/data/malformed/``
+as a regression file once fixed.  Run with ``NUMBA_BOUNDSCHECK=1`` to make
+out-of-bounds reads in the Numba kernels raise instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import struct
+import sys
+import time
+import tracemalloc
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import kvcodec  # noqa: E402
+from kvcodec.container import layout as L  # noqa: E402
+from kvcodec.errors import KvzError  # noqa: E402
+
+LIMITS = {"max_output_bytes": 1 << 24}
+INTERESTING32 = [0, 1, 2, 0x7F, 0x80, 0xFF, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
+
+
+def seeds() -> list[bytes]:
+    out = [p.read_bytes() for p in sorted((ROOT / "spec" / "vectors").glob("*.kvz"))]
+    out += [p.read_bytes() for p in sorted((ROOT / "fuzz" / "corpus").glob("*")) if p.is_file()]
+    return out
+
+
+def reseal(data: bytes) -> bytes:
+    """Recompute every checksum of a (possibly mutated) file, where its structure still parses."""
+    b = bytearray(data)
+    if len(b) < L.PREAMBLE.size:
+        return data
+    hlen = struct.unpack_from("<I", b, 12)[0]
+    hend = L.PREAMBLE.size + hlen
+    if hend + 8 > len(b):
+        return data
+    hsum = L.xxh3(bytes(b[:hend]))
+    struct.pack_into("<Q", b, hend, hsum)
+    pos = hend + 8
+    index_offset = None
+    while pos + 40 <= len(b) - 32:
+        n = struct.unpack_from("<Q", b, pos + 16)[0]
+        if pos + 40 + n > len(b):
+            break
+        typ = struct.unpack_from("<H", b, pos)[0]
+        struct.pack_into("<Q", b, pos + 24, L.xxh3(bytes(b[pos + 40:pos + 40 + n])))
+        struct.pack_into("<Q", b, pos + 32, L.xxh3(bytes(b[pos:pos + 32])))
+        if typ == L.SECTION_INDEX:
+            index_offset = pos
+        pos += 40 + n
+    if index_offset is not None and len(b) >= 32:
+        fo = len(b) - 32
+        io_, fl = struct.unpack_from("<QQ", b, fo)
+        struct.pack_into("<Q", b, fo + 16, L.footer_checksum(io_, fl, hsum))
+    return bytes(b)
+
+
+def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.choice([1, 1, 1, 2, 3, 8])):
+        op = rng.randrange(7)
+        if not b:
+            b = bytearray(rng.choice(pool))
+        if op == 0:  # bit flip
+            i = rng.randrange(len(b) * 8)
+            b[i // 8] ^= 1 << (i % 8)
+        elif op == 1:  # byte set
+            b[rng.randrange(len(b))] = rng.choice([0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)])
+        elif op == 2:  # truncate
+            del b[rng.randrange(len(b)):]
+        elif op == 3:  # extend
+            b += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        elif op == 4 and len(b) >= 4:  # 32-bit field overwrite
+            i = rng.randrange(len(b) - 3)
+            struct.pack_into("<I", b, i, rng.choice(INTERESTING32))
+        elif op == 5 and len(b) >= 8:  # 64-bit length field overwrite (section lengths, footer)
+            i = rng.randrange(len(b) - 7)
+            struct.pack_into("<Q", b, i, rng.choice([0, 1, len(b), 2**32, 2**63, 2**64 - 1]))
+        elif op == 6:  # splice from another seed
+            other = rng.choice(pool)
+            i, j = rng.randrange(len(b) + 1), rng.randrange(len(other) + 1)
+            b = b[:i] + other[j:j + rng.randrange(1, 200)] + b[i + rng.randrange(0, 200):]
+    return bytes(b)
+
+
+def random_cache(rng: random.Random):
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    layers = rng.randint(1, 3)
+    b, h, d = rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 9)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    kv = []
+    for _ in range(layers):
+        s = rng.randint(0, 40)
+        k = torch.randn(b, h, s, d, generator=g) * rng.choice([1e-3, 1, 1e3])
+        v = torch.randn(b, h, s, d, generator=g)
+        if rng.random() < 0.3 and k.numel():  # raw bit patterns, NaNs included
+            iv = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+            info = torch.iinfo(iv)
+            k = torch.randint(info.min, info.max, k.shape, generator=g, dtype=iv).view(dtype)
+            kv.append((k, v.to(dtype)))
+        else:
+            kv.append((k.to(dtype), v.to(dtype)))
+    opts = {"chunk_tokens": rng.choice([1, 3, 7, 4096])}
+    if rng.random() < 0.5:
+        opts.update(context=rng.choice(["prev", "none"]), ways=rng.randint(1, 8), scale_bits=rng.randint(13, 15),
+                    max_tables=rng.randint(1, 64))
+    return kv, opts
+
+
+def run_one(data: bytes, hang: float, max_mib: float):
+    """Decode; return None, or a description of the finding."""
+    tracemalloc.start()
+    t = time.perf_counter()
+    try:
+        kvcodec.decode(data, output="kvcache", limits=LIMITS, threads=1)
+    except KvzError:
+        pass
+    except Exception:
+        return "exception:\n" + traceback.format_exc()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    dt = time.perf_counter() - t
+    if dt > hang:
+        return f"hang: {dt:.1f} s"
+    if peak > max_mib * 2**20:
+        return f"allocation: peak {peak / 2**20:.1f} MiB"
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "roundtrip"], default="all")
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--hang", type=float, default=10.0)
+    ap.add_argument("--max-mib", type=float, default=256.0)
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    rng = random.Random(seed)
+    pool = seeds()
+    targets = ["bytes", "mutate", "resealed", "roundtrip"] if args.target == "all" else [args.target]
+    crashes = ROOT / "fuzz" / "crashes"
+    findings = 0
+    counts = {}
+    per = args.seconds / len(targets)
+    kvcodec.decode(pool[0], output="kvcache")  # JIT warm-up outside the clock
+    for target in targets:
+        end = time.perf_counter() + per
+        n = 0
+        while time.perf_counter() < end:
+            n += 1
+            if target == "roundtrip":
+                kv, opts = random_cache(rng)
+                try:
+                    data = kvcodec.encode(kv, threads=1, **opts)
+                    back = kvcodec.decode(data, output="kvcache")
+                    ok = back.equal(kvcodec.to_canonical(kv))
+                    problem = None if ok else "round trip changed the tensors"
+                except kvcodec.ConfigError:
+                    problem = None  # refused options (too many symbols for scale_bits): not a bug
+                except Exception:
+                    problem = "exception:\n" + traceback.format_exc()
+                    data = b""
+            else:
+                if target == "bytes":
+                    size = rng.randrange(0, 400)
+                    data = bytes(rng.randrange(256) for _ in range(size))
+                    if rng.random() < 0.5:
+                        data = L.MAGIC + data
+                else:
+                    data = mutate(rng, rng.choice(pool), pool)
+                    if target == "resealed":
+                        data = reseal(data)
+                problem = run_one(data, args.hang, args.max_mib)
+            if problem:
+                findings += 1
+                crashes.mkdir(exist_ok=True)
+                name = hashlib.sha256(data).hexdigest()[:16]
+                (crashes / f"{target}-{name}.bin").write_bytes(data)
+                print(f"FINDING ({target}, seed {seed}, input {n}): {problem}", file=sys.stderr)
+        counts[target] = n
+    print(f"fuzz: seed {seed}, {sum(counts.values())} inputs {counts}, {findings} findings")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Regenerate the golden vectors in spec/vectors/ - on purpose, never from a test.
+
+Each case writes ``<case>.kvz`` and ``<case>.json``; the JSON holds the encode
+options and the SHA-256 of every *input* tensor (computed here from the
+inputs, before encoding), so the tests check decoding against the inputs,
+not against the decoder's own output.  Inputs come from NumPy's PCG64 with
+fixed seeds, so they are the same on every platform.
+
+    python scripts/make_vectors.py          # rewrite all vectors
+    python scripts/make_vectors.py --check  # exit 1 if any vector would change
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kvcodec
+
+OUT = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+INFO = {"kvcodec_version": "golden-vector"}
+
+
+def _tensor(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    view = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}[dtype]
+    return torch.from_numpy(np.ascontiguousarray(bits).view(view)).view(dtype)
+
+
+def structured(rng, shape, dtype):
+    """Channel-structured floats (per-channel scale and offset), as in real caches."""
+    b, h, s, d = shape
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal((1, h, 1, d))) + rng.standard_normal((1, h, 1, d))
+    return torch.from_numpy(x.astype(np.float32)).to(dtype)
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def cases():
+    rng = np.random.default_rng(20261129)
+    # 1: bf16, GQA-like 2 layers x 2 heads, 24 tokens, default options
+    kv = [(structured(rng, (1, 2, 24, 8), torch.bfloat16), structured(rng, (1, 2, 24, 8), torch.bfloat16))
+          for _ in range(2)]
+    yield "bf16_basic", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), {}
+    # 2: fp32, batch 2, token ids, start position, chunked into 4-token sections, no context model
+    kv = [(structured(rng, (2, 1, 10, 4), torch.float32), structured(rng, (2, 1, 10, 6), torch.float32))
+          for _ in range(2)]
+    toks = torch.from_numpy(rng.integers(0, 50000, size=(2, 10)))
+    yield "fp32_chunked_tokens", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], toks, 7), \
+        {"chunk_tokens": 4, "context": "none", "ways": 3}
+    # 3: fp16 with special values (inf, nan payloads, -0, subnormals) and one incompressible layer (raw mode)
+    k = structured(rng, (1, 2, 16, 8), torch.float16)
+    k.view(torch.int16).view(-1)[:6] = torch.tensor([0x7C00, -1024, 0x7E01, -32768, 1, 0x7C01], dtype=torch.int16)
+    noise = _tensor(rng.integers(0, 2**16, size=(1, 2, 16, 8), dtype=np.uint16), torch.float16)
+    yield "fp16_special_raw", kvcodec.KVCache([k, noise], [noise.clone(), k.clone()]), {"coded_bits": 6}
+    # 4: sliding-window layer beside a full layer (different lengths), bf16
+    full = (structured(rng, (1, 1, 12, 4), torch.bfloat16), structured(rng, (1, 1, 12, 4), torch.bfloat16))
+    win = (structured(rng, (1, 1, 5, 4), torch.bfloat16), structured(rng, (1, 1, 5, 4), torch.bfloat16))
+    yield "bf16_sliding_window", kvcodec.KVCache([full[0], win[0]], [full[1], win[1]],
+                                                 sliding_window=[None, 6], cumulative_length=[12, 12]), \
+        {"chunk_tokens": 5}
+
+
+def build():
+    for name, kv, opts in cases():
+        data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
+        meta = {
+            "options": opts,
+            "dtype": kv.dtype_name,
+            "file_sha256": hashlib.sha256(data).hexdigest(),
+            "keys_sha256": [sha(t) for t in kv.keys],
+            "values_sha256": [sha(t) for t in kv.values],
+            "tokens": None if kv.tokens is None else kv.tokens.tolist(),
+            "start_position": kv.start_position,
+        }
+        yield name, data, meta
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    changed = 0
+    for name, data, meta in build():
+        kvz, js = OUT / f"{name}.kvz", OUT / f"{name}.json"
+        text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+        same = kvz.is_file() and kvz.read_bytes() == data and js.is_file() and js.read_text() == text
+        changed += not same
+        if args.check:
+            print(f"{name}: {'unchanged' if same else 'WOULD CHANGE'}")
+            continue
+        kvz.write_bytes(data)
+        js.write_text(text)
+        print(f"{name}: {len(data)} bytes{'' if same else ' (rewritten)'}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Public API on tiny random HF models (Llama, Qwen2, Mistral, GPT-2 layouts)."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.runtime import cache_kwarg
+
+from .common import VOCAB, model_cache, random_cache, tiny_model
+
+LAYOUTS = ["llama", "qwen2", "qwen2_mixed", "mistral_sw", "gpt2"]
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_model_cache_round_trip_bit_identical(kind, dtype):
+    model = tiny_model(kind, dtype)
+    ids = torch.randint(0, VOCAB, (2, 21))  # batch 2; longer than the sliding windows
+    cache = model_cache(model, ids)
+    data = kvcodec.encode(cache, model)
+    back = kvcodec.decode(data, model, output="kvcache")
+    assert back.equal(kvcodec.to_canonical(cache))
+    # sliding-window layers keep their window and their cumulative length
+    orig = kvcodec.to_canonical(cache)
+    assert back.sliding_window == orig.sliding_window
+    assert back.cumulative_length == orig.cumulative_length
+    assert kvcodec.encode(back, model) == data  # canonical: re-encoding gives the same bytes
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_generation_continues_identically(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(0, VOCAB, (2, 21))
+    cache = model_cache(model, ids[:, :-1])
+    restored = kvcodec.decode(kvcodec.encode(cache, model), model)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    a = model.generate(ids, **{cache_kwarg(model): copy.deepcopy(cache)}, **kw)
+    b = model.generate(ids, **{cache_kwarg(model): restored}, **kw)
+    assert torch.equal(a, b)
+    fresh = model.generate(ids, **kw)
+    assert torch.equal(a, fresh)  # sanity: the cache path is the normal path
+
+
+def test_different_lengths_per_layer_are_kept():
+    model = tiny_model("qwen2_mixed")
+    cache = model_cache(model, torch.randint(0, VOCAB, (1, 30)))
+    kv = kvcodec.to_canonical(cache)
+    assert kv.keys[0].shape[2] == 30 and kv.keys[1].shape[2] < 30
+    back = kvcodec.decode(kvcodec.encode(cache, chunk_tokens=7), output="kvcache")
+    assert [k.shape for k in back.keys] == [k.shape for k in kv.keys]
+    assert back.equal(kv)
+
+
+def test_legacy_tuple_and_kvcache_inputs():
+    legacy = random_cache(layers=3, batch=2, heads=2, seq=9, dim=4)
+    data = kvcodec.encode(legacy)
+    out = kvcodec.decode(data, output="legacy")
+    assert isinstance(out, tuple) and len(out) == 3
+    for (k, v), (k2, v2) in zip(legacy, out):
+        assert torch.equal(k.view(torch.int16), k2.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), v2.view(torch.int16))
+    dyn = kvcodec.decode(data)
+    assert type(dyn).__name__ == "DynamicCache" and dyn.get_seq_length() == 9
+
+
+def test_different_v_head_dim():
+    cache = [(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 3))]
+    assert kvcodec.decode(kvcodec.encode(cache), output="kvcache").equal(kvcodec.to_canonical(cache))
+
+
+def test_tokens_and_start_position_stored():
+    kv = kvcodec.KVCache(*zip(*random_cache(layers=1, seq=5)), tokens=torch.tensor([[5, 6, 7, 8, 9]]),
+                         start_position=11)
+    kv.keys, kv.values = list(kv.keys), list(kv.values)
+    back = kvcodec.decode(kvcodec.encode(kv), output="kvcache")
+    assert back.tokens.tolist() == [[5, 6, 7, 8, 9]] and back.start_position == 11
+
+
+@pytest.mark.parametrize("bad,err", [
+    ([(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4))], ValueError),  # seq mismatch
+    ([(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4).half())], TypeError),  # mixed dtype
+    ([(torch.randn(1, 2, 5, 4).double(), torch.randn(1, 2, 5, 4).double())], TypeError),  # float64
+    ([(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)), (torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))],
+     ValueError),  # batch differs across layers
+    ([(torch.randn(2, 5, 4), torch.randn(2, 5, 4))], ValueError),  # 3-d
+    ("not a cache", TypeError),
+    ([], ValueError),
+])
+def test_unsupported_caches_raise_clear_errors(bad, err):
+    with pytest.raises(err):
+        kvcodec.encode(bad)
+
+
+def test_quantized_cache_layers_are_refused():
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class FakeQuantizedLayer:  # not a DynamicLayer: must not be silently read
+        keys = torch.zeros(1, 1, 1, 1)
+        values = torch.zeros(1, 1, 1, 1)
+
+    c = DynamicCache()
+    c.layers = [FakeQuantizedLayer()]
+    with pytest.raises(TypeError, match="not supported"):
+        kvcodec.encode(c)
+    c.layers = [DynamicLayer()]  # never filled
+    with pytest.raises(ValueError, match="uninitialised"):
+        kvcodec.encode(c)
+
+
+def test_model_fingerprint_and_mismatch():
+    m1, m2 = tiny_model("llama"), tiny_model("qwen2")
+    cache = model_cache(m1, torch.randint(0, VOCAB, (1, 6)))
+    data = kvcodec.encode(cache, m1)
+    info = kvcodec.inspect(data)
+    assert info["model"]["fingerprint"] == kvcodec.model_fingerprint(m1)
+    kvcodec.decode(data, m1)
+    kvcodec.decode(data)  # the lossless tier does not need the model
+    with pytest.raises(kvcodec.ModelMismatch):
+        kvcodec.decode(data, m2)
+    m3 = copy.deepcopy(m1)
+    with torch.no_grad():
+        next(m3.parameters())[0, 0] += 1e-3  # one weight changed: another model
+    with pytest.raises(kvcodec.ModelMismatch):
+        kvcodec.decode(data, m3)
+
+
+def test_save_load_paths_and_fsspec(tmp_path):
+    cache = random_cache(layers=2, seq=12)
+    p = tmp_path / "c.kvz"
+    n = kvcodec.save(p, cache, chunk_tokens=5)
+    assert p.stat().st_size == n and not (tmp_path / "c.kvz.tmp").exists()
+    assert kvcodec.load(p, output="kvcache").equal(kvcodec.to_canonical(cache))
+    kvcodec.save("memory://bucket/c.kvz", cache)
+    assert kvcodec.load("memory://bucket/c.kvz", output="kvcache").equal(kvcodec.to_canonical(cache))
+    assert kvcodec.inspect("memory://bucket/c.kvz")["num_layers"] == 2
+
+
+def test_failed_save_leaves_no_file(tmp_path):
+    p = tmp_path / "x.kvz"
+    with pytest.raises(TypeError):
+        kvcodec.save(p, [(torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2).half())])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_is_json_and_header_only():
+    data = kvcodec.encode(random_cache(layers=2, seq=8), tokens=torch.arange(8).unsqueeze(0))
+    info = kvcodec.inspect(data)
+    json.dumps(info)
+    assert info["num_layers"] == 2 and info["tokens"] == 8 and info["has_token_ids"]
+    assert [s["type"] for s in info["sections"]] == ["tokens", "kv", "kv", "kv", "kv"]
+    # a corrupted payload does not disturb inspect (it never reads payloads) unless asked to verify
+    bad = bytearray(data)
+    first_kv = info["sections"][1]
+    bad[first_kv["offset"] + 45] ^= 1
+    assert kvcodec.inspect(bytes(bad))["num_layers"] == 2
+    with pytest.raises(kvcodec.ChecksumMismatch):
+        kvcodec.inspect(bytes(bad), verify_checksums=True)
+
+
+def test_threads_do_not_change_bytes():
+    cache = random_cache(layers=5, seq=20)
+    assert kvcodec.encode(cache, threads=1, chunk_tokens=6) == kvcodec.encode(cache, threads=4, chunk_tokens=6)
+    data = kvcodec.encode(cache)
+    assert kvcodec.decode(data, threads=1, output="kvcache").equal(kvcodec.decode(data, threads=3, output="kvcache"))
+
+
+def test_bad_options():
+    with pytest.raises(kvcodec.ConfigError):
+        kvcodec.encode(random_cache(), tier="exact")
+    with pytest.raises(kvcodec.ConfigError):
+        kvcodec.encode(random_cache(), chunk_tokens=0)
+    with pytest.raises(kvcodec.ConfigError):
+        kvcodec.encode(random_cache(), colour="red")
