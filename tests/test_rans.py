@@ -5,7 +5,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from kvcodec.entropy import rans
+from kvcodec.entropy._rans_ref import unpack_bits_ref
 from kvcodec.errors import FormatError
+
+
+def decode_syms(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok):
+    """Symbols only: lowbits 0, one output column per row."""
+    out = np.zeros((rows, ntok, 1), dtype=np.uint16)
+    rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, kbits, nclass, 0, b"", out)
+    return out[:, :, 0]
 
 
 def _problem(rng, rows, ntok, kbits, nclass, ntables, skew):
@@ -33,14 +41,14 @@ def test_numba_matches_reference_and_round_trips(seed, rows, ntok, kbits, nclass
     sb = min(15, max(8, kbits + extra_bits))
     freq = rans.normalize_counts(counts, sb)
     words = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, kbits, nclass)
-    got = rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok)
+    got = decode_syms(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok)
     np.testing.assert_array_equal(got, syms)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_BACKEND", "python")
         ref_words = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, kbits, nclass)
         np.testing.assert_array_equal(ref_words, words)
         np.testing.assert_array_equal(
-            rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok), syms)
+            decode_syms(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok), syms)
 
 
 def test_hand_computed_stream():
@@ -79,11 +87,11 @@ def test_corrupt_streams_raise_format_error(monkeypatch, backend):
     words = rans.lanes_encode(syms, refs, cmap, freq, 10, 4, 6, 6)
     for bad in (words[:-1], words[:3], np.concatenate([words, [7]]).astype(np.uint16)):
         with pytest.raises(FormatError):
-            rans.lanes_decode(bad, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
+            decode_syms(bad, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
     zero_state = words.copy()
     zero_state[0] = 0
     with pytest.raises(FormatError):
-        rans.lanes_decode(zero_state, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
+        decode_syms(zero_state, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
 
 
 def test_single_bit_flips_are_mostly_caught_by_the_stream_itself():
@@ -98,7 +106,7 @@ def test_single_bit_flips_are_mostly_caught_by_the_stream_itself():
         b[bit // 8] ^= 1 << (bit % 8)
         w = np.frombuffer(bytes(b), dtype=np.uint16)
         try:
-            out = rans.lanes_decode(w, refs, cmap, freq, 9, 2, 5, 6, 3, 20)
+            out = decode_syms(w, refs, cmap, freq, 9, 2, 5, 6, 3, 20)
         except FormatError:
             caught += 1
             continue
@@ -114,19 +122,37 @@ def test_bit_packing_round_trip_and_reference(values, width):
     v = np.array(values, dtype=np.uint32) & np.uint32((1 << width) - 1)
     packed = rans.pack_bits(v, width)
     assert len(packed) == rans.packed_size(len(v), width)
-    np.testing.assert_array_equal(rans.unpack_bits(packed, width, len(v), np.uint32), v)
+    np.testing.assert_array_equal(unpack_bits_ref(packed, width, len(v)), v)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_BACKEND", "python")
         assert rans.pack_bits(v, width) == packed
 
 
-def test_unpack_rejects_nonzero_padding_and_wrong_length():
-    packed = bytearray(rans.pack_bits(np.array([1, 2, 3], np.uint32), 3))  # 9 bits -> 2 bytes
-    with pytest.raises(FormatError):
-        rans.unpack_bits(bytes(packed) + b"\0", 3, 3, np.uint32)
-    packed[-1] |= 0x80
+@pytest.mark.parametrize("ways", [1, 3, 4, 8])
+@pytest.mark.parametrize("backend", ["numba", "python"])
+def test_fused_decode_assembles_words(monkeypatch, backend, ways):
+    """Symbols and raw low bits land in out[bh, t, d] for row bh * dim + d (unrolled and generic kernels)."""
+    monkeypatch.setenv("KVCODEC_BACKEND", backend)
+    rng = np.random.default_rng(ways)
+    bh, ntok, dim, kbits, lowbits = 3, 17, 5, 7, 9
+    full = rng.integers(0, 1 << 16, size=(bh, ntok, dim)).astype(np.uint16)
+    rows = full.transpose(0, 2, 1).reshape(bh * dim, ntok)
+    syms = rows >> lowbits
+    refs = rng.integers(0, 1 << (kbits - 1), size=bh * dim).astype(np.uint16)
+    cmap = rng.integers(0, 3, size=(bh * dim, 6)).astype(np.uint8)
+    ctx = rans.contexts(syms.astype(np.uint16), refs, cmap, kbits, 6)
+    counts = np.zeros((3, 1 << kbits), np.int64)
+    np.add.at(counts, (ctx.ravel(), syms.ravel().astype(np.int64)), 1)
+    freq = rans.normalize_counts(counts, 12)
+    words = rans.lanes_encode(syms, refs, cmap, freq, 12, ways, kbits, 6)
+    raw = rans.pack_bits(rans.coding_order(rows & ((1 << lowbits) - 1), ways), lowbits)
+    out = np.zeros_like(full)
+    rans.lanes_decode(words, refs, cmap, freq, 12, ways, kbits, 6, lowbits, raw, out)
+    np.testing.assert_array_equal(out, full)
+    bad = bytearray(raw)
+    bad[-1] |= 0x80  # 3*17*5*9 bits = 2295: the last byte has one used bit
     with pytest.raises(FormatError, match="padding"):
-        rans.unpack_bits(bytes(packed), 3, 3, np.uint32)
+        rans.lanes_decode(words, refs, cmap, freq, 12, ways, kbits, 6, lowbits, bytes(bad), out)
 
 
 def test_table_round_trip_and_validation():

@@ -124,54 +124,80 @@ def build_decode_tables(freq, cum, entry, sym):
 
 
 @nb.njit(cache=True, nogil=True)
-def lanes_decode(words, refs, ctx_map, entry, symt, scale_bits, ways, kbits, nclass, out):
-    """Inverse of :func:`lanes_encode`, contexts rebuilt on the fly.
+def lanes_decode_tail(words, nwords, pos, states, start_row, refs, ctx_map, entry, symt, scale_bits, kbits, nclass,
+                      lowbits, raw, rp, acc, nacc, out):
+    """Fused decode of the groups from ``start_row`` on, any number of ways.
 
-    ``out`` is the ``[rows, tokens]`` matrix to fill.  Returns a status code.
+    Decodes each symbol, takes the next ``lowbits`` raw bits, and writes the
+    assembled word to ``out[bh, t, d]`` for row ``r = bh * dim + d``.  The
+    renormalisation is branch-free (a data-dependent branch mispredicts on
+    every other symbol: 123 -> 183 MB/s measured), so ``words`` must carry
+    ``ways`` zero words of padding after its ``nwords`` real ones, and ``raw``
+    8 zero bytes.  Returns ``(status, pos, rp)``; on success the caller checks
+    ``pos == nwords`` and that ``rp`` used exactly the raw bytes.
     """
-    rows, ntok = out.shape
-    nw = words.shape[0]
-    if nw < 2 * ways:
-        return ERR_STREAM_SHORT
-    states = np.empty(ways, dtype=np.uint64)
+    bh_n, ntok, dim = out.shape
+    rows = bh_n * dim
+    ways = states.shape[0]
     prev = np.empty(ways, dtype=np.int64)
-    pos = 0
-    for j in range(ways):
-        x = (np.uint64(words[pos]) << np.uint64(16)) | np.uint64(words[pos + 1])
-        pos += 2
-        if x < RANS_L:
-            return ERR_BAD_INIT_STATE
-        states[j] = x
+    rref = np.empty(ways, dtype=np.int64)
+    base = np.empty(ways, dtype=np.int64)
     mask = np.uint64((1 << scale_bits) - 1)
     sb = np.uint64(scale_bits)
     lo = np.uint64(RANS_L)
-    for g0 in range(0, rows, ways):
+    kb1 = kbits - 1
+    mm = (1 << kb1) - 1
+    use_cls = 1 if nclass > 1 else 0
+    lmask = np.uint64((1 << lowbits) - 1)
+    lb = np.uint64(lowbits)
+    flat = out.reshape(bh_n * ntok * dim)
+    for g0 in range(start_row, rows, ways):
         lanes = min(ways, rows - g0)
         for j in range(lanes):
-            prev[j] = refs[g0 + j]
+            r = g0 + j
+            prev[j] = refs[r]
+            rref[j] = refs[r] & mm
+            base[j] = (r // dim) * ntok * dim + r % dim
         for t in range(ntok):
             for j in range(lanes):
-                r = g0 + j
-                c = ctx_map[r, symbol_class(prev[j], refs[r], kbits, nclass)]
+                pv = prev[j]
+                g = pv & mm
+                c = ctx_map[g0 + j, ((pv >> kb1) * 3 + (g >= rref[j]) + (g > rref[j])) * use_cls]
                 x = states[j]
                 slot = x & mask
                 e = entry[c, slot]
-                s = symt[c, slot]
+                s = np.int64(symt[c, slot])
                 x = np.uint64(e >> 16) * (x >> sb) + np.uint64(e & 0xFFFF)
-                if x < lo:
-                    if pos >= nw:
-                        return ERR_STREAM_SHORT
-                    x = (x << np.uint64(16)) | np.uint64(words[pos])
-                    pos += 1
+                n = np.uint64(x < lo)
+                x = (x << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
                 states[j] = x
                 prev[j] = s
-                out[r, t] = s
+                while nacc < lowbits:
+                    acc |= np.uint64(raw[rp]) << np.uint64(nacc)
+                    rp += 1
+                    nacc += 8
+                flat[base[j] + t * dim] = (np.uint64(s) << lb) | (acc & lmask)
+                acc >>= lb
+                nacc -= lowbits
+            if pos > nwords:
+                return ERR_STREAM_SHORT, pos, rp
     for j in range(ways):
         if states[j] != lo:
-            return ERR_FINAL_STATE
-    if pos != nw:
-        return ERR_STREAM_LONG
-    return OK
+            return ERR_FINAL_STATE, pos, rp
+    if pos != nwords:
+        return ERR_STREAM_LONG, pos, rp
+    return OK, pos, rp
+
+
+@nb.njit(cache=True, nogil=True)
+def lanes_decode_fused(words, nwords, ways, refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, raw, out):
+    """Generic-``ways`` fused decoder (see :func:`lanes_decode_tail`)."""
+    states = np.empty(ways, dtype=np.uint64)
+    for j in range(ways):
+        states[j] = (np.uint64(words[2 * j]) << np.uint64(16)) | np.uint64(words[2 * j + 1])
+    return lanes_decode_tail(words, nwords, 2 * ways, states, 0, refs, ctx_map, entry, symt, scale_bits, kbits,
+                             nclass, lowbits, raw, 0, np.uint64(0), 0, out)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -193,20 +219,3 @@ def pack_bits(values, width, out):
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
     return pos
-
-
-@nb.njit(cache=True, nogil=True)
-def unpack_bits(data, width, out):
-    """Inverse of :func:`pack_bits` for ``out.shape[0]`` values (``data`` sized by the caller)."""
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
-    m = np.uint64((1 << width) - 1)
-    for i in range(out.shape[0]):
-        while nacc < width:
-            acc |= np.uint64(data[pos]) << np.uint64(nacc)
-            pos += 1
-            nacc += 8
-        out[i] = acc & m
-        acc >>= np.uint64(width)
-        nacc -= width

@@ -106,3 +106,16 @@ def pack_bits_ref(values, width: int) -> bytes:
     if nacc:
         out.append(acc & 0xFF)
     return bytes(out)
+
+
+def unpack_bits_ref(data: bytes, width: int, n: int) -> np.ndarray:
+    out, acc, nacc, pos = [], 0, 0, 0
+    for _ in range(n):
+        while nacc < width:
+            acc |= data[pos] << nacc
+            pos += 1
+            nacc += 8
+        out.append(acc & ((1 << width) - 1))
+        acc >>= width
+        nacc -= width
+    return np.array(out, dtype=np.uint64)

@@ -21,7 +21,7 @@ from ..errors import FormatError
 
 __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
-    "contexts", "lanes_encode", "lanes_decode", "pack_bits", "unpack_bits", "packed_size",
+    "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
     "pack_tables", "unpack_tables", "max_tables_bytes", "backend",
 ]
 
@@ -133,35 +133,76 @@ _STATUS = {
 }
 
 
-def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
-                 rows: int, ntok: int, *, field: str = "Words", offset: int | None = None) -> np.ndarray:
-    """Decode a ``[rows, tokens]`` uint16 symbol matrix; FormatError on a bad stream.
+def coding_order(a: np.ndarray, ways: int) -> np.ndarray:
+    """Elements of a ``[rows, tokens]`` matrix in coding order (groups of ``ways`` rows, token-major)."""
+    rows, ntok = a.shape
+    full = rows - rows % ways
+    head = a[:full].reshape(full // ways, ways, ntok).transpose(0, 2, 1).ravel()
+    return np.concatenate([head, a[full:].T.ravel()])
 
-    ``freq``, ``refs`` and ``ctx_map`` must already be validated (tables sum to
-    ``2**scale_bits``, map entries < number of tables, refs < alphabet).
+
+def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
+                 lowbits: int, raw, out: np.ndarray, *, field: str = "Words", offset: int | None = None,
+                 raw_offset: int | None = None) -> None:
+    """Decode symbols and raw low bits into ``out[bh, tokens, dim]`` (uint16/uint32), in place.
+
+    Row ``r`` of the symbol matrix is ``out[r // dim, :, r % dim]``; each output
+    word is ``symbol << lowbits | next lowbits raw bits``.  ``freq``, ``refs``
+    and ``ctx_map`` must already be validated (tables sum to ``2**scale_bits``,
+    map entries < number of tables, refs < ``2**(kbits-1)``), and ``raw`` must
+    hold exactly ``packed_size(out.size, lowbits)`` bytes.  Raises
+    :class:`FormatError` on a corrupt stream.
     """
     _check_args(scale_bits, ways)
     words = np.ascontiguousarray(words, dtype=np.uint16)
+    nwords = words.shape[0]
+    bh, ntok, dim = out.shape
+    rows = bh * dim
+    n = out.size
+    if nwords < 2 * ways:
+        raise FormatError(f"rANS stream: {_STATUS[1]}", field=field, offset=offset)
+    init = (words[0:2 * ways:2].astype(np.uint32) << 16) | words[1:2 * ways:2]
+    if int(init.min()) < 1 << 16:
+        raise FormatError(f"rANS stream: {_STATUS[2]}", field=field, offset=offset)
+    raw = np.frombuffer(raw, dtype=np.uint8)
+    used = (n * lowbits) % 8
+    if used and int(raw[-1]) >> used:
+        raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
+                          offset=raw_offset)
     freq = np.ascontiguousarray(freq, dtype=np.uint32)
     if backend() == "python":
-        from ._rans_ref import lanes_decode_ref
+        from ._rans_ref import lanes_decode_ref, unpack_bits_ref
 
         try:
-            return lanes_decode_ref(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass,
-                                    rows, ntok).astype(np.uint16)
+            syms = lanes_decode_ref(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, rows, ntok)
         except ValueError as e:
             raise FormatError(f"rANS stream: {e}", field=field, offset=offset) from None
-    from ._rans_numba import build_decode_tables, lanes_decode as _dec
+        low = unpack_bits_ref(raw.tobytes(), lowbits, n)
+        order = coding_order(np.arange(n, dtype=np.int64).reshape(rows, ntok), ways)
+        words_out = np.zeros(n, dtype=np.uint64)
+        words_out[order] = (syms.ravel().astype(np.uint64)[order] << np.uint64(lowbits)) | low.astype(np.uint64)
+        out[...] = words_out.reshape(bh, dim, ntok).transpose(0, 2, 1)
+        return
+    from ._rans_numba import build_decode_tables, lanes_decode_fused
 
     entry = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint32)
     symt = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint16)
     build_decode_tables(freq, cumulative(freq), entry, symt)
-    out = np.empty((rows, ntok), dtype=np.uint16)
-    status = _dec(words, np.ascontiguousarray(refs, dtype=np.int64), np.ascontiguousarray(ctx_map, dtype=np.int64),
-                  entry, symt, scale_bits, ways, kbits, nclass, out)
+    padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
+    rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
+    refs = np.ascontiguousarray(refs, dtype=np.int64)
+    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.int64)
+    args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, rawp, out)
+    if ways in (4, 8):
+        from . import _lanes_unrolled as U
+
+        status, pos, rp = (U.decode_w4 if ways == 4 else U.decode_w8)(padded, nwords, *args)
+    else:
+        status, pos, rp = lanes_decode_fused(padded, nwords, ways, *args)
     if status:
         raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
-    return out
+    if rp != raw.shape[0]:  # cannot happen for a validated raw length; kept as an invariant check
+        raise FormatError(f"raw bits: used {rp} of {raw.shape[0]} bytes", field="Raw_Bits", offset=raw_offset)
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
@@ -182,25 +223,6 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
 
 def packed_size(n: int, width: int) -> int:
     return (n * width + 7) // 8
-
-
-def unpack_bits(data, width: int, n: int, dtype, *, field: str = "Raw_Bits",
-                offset: int | None = None) -> np.ndarray:
-    """Inverse of :func:`pack_bits`; the padding bits of the last byte must be zero."""
-    out = np.zeros(n, dtype=dtype)
-    if width == 0 or n == 0:
-        return out
-    buf = np.frombuffer(data, dtype=np.uint8)
-    if buf.shape[0] != packed_size(n, width):
-        raise FormatError(f"raw bits: {buf.shape[0]} bytes, expected {packed_size(n, width)}",
-                          field=field, offset=offset)
-    used = (n * width) % 8
-    if used and int(buf[-1]) >> used:
-        raise FormatError("raw bits: padding bits of the last byte are not zero", field=field, offset=offset)
-    from ._rans_numba import unpack_bits as _unpack
-
-    _unpack(buf, width, out)
-    return out
 
 
 # --- frequency tables on the wire -------------------------------------------

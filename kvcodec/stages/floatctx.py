@@ -45,7 +45,7 @@ _FIXED = struct.Struct("<BBBBBBHIII")  # Mode .. Num_Words: 20 bytes
 FIXED_SIZE = _FIXED.size
 MAX_TABLE_ENTRIES = 1 << 22  # Num_Tables * 2**Scale_Bits: bounds the decoder's tables (24 MiB)
 
-DEFAULTS = {"scale_bits": 12, "ways": 4, "max_tables": 32, "context": "prev", "coded_bits": None}
+DEFAULTS = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
 
 
 def _uint(width: int):
@@ -134,13 +134,14 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     # histograms per (row, class)
     ident = np.arange(b * h * d * nclass, dtype=np.int64).reshape(b * h * d, nclass)
     cls = rans.contexts(syms, refs, ident, k, nclass).astype(np.int64)
-    counts = np.zeros((b * h * d * nclass, nsym), dtype=np.int64)
-    np.add.at(counts, (cls.ravel(), syms.ravel().astype(np.int64)), 1)
+    counts = np.bincount((cls * nsym + syms).ravel(), minlength=b * h * d * nclass * nsym)
+    counts = counts.reshape(b * h * d * nclass, nsym)
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1
     tcounts = np.zeros((g, nsym), dtype=np.int64)
-    np.add.at(tcounts, assign, counts)
+    for t in range(g):
+        tcounts[t] = counts[assign == t].sum(axis=0)
     if (tcounts > 0).sum(axis=1).max() > (1 << sb):
         raise ConfigError(f"{CODEC_ID}: a table has more distinct symbols than 2**scale_bits; raise scale_bits")
     freq = rans.normalize_counts(tcounts, sb)
@@ -149,7 +150,7 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     words_out = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, k, nclass, ctx=ctx.astype(np.int32))
     side = refs.astype("<u2").tobytes() + ctx_map.tobytes() + rans.pack_tables(freq)
     side_z = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(side)
-    low = rans.pack_bits((rows & ((1 << lowbits) - 1)).ravel(), lowbits) if lowbits else b""
+    low = rans.pack_bits(rans.coding_order(rows & ((1 << lowbits) - 1), ways), lowbits) if lowbits else b""
     out = b"".join([
         _FIXED.pack(MODE_CODED, k, sb, ways, nclass, 0, g, len(side_z), len(side), words_out.size),
         side_z, words_out.astype("<u2").tobytes(), low,
@@ -242,11 +243,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     freq = rans.unpack_tables(side[2 * rows + rows * nclass:], g, 1 << k, sb, field="Side", offset=offset + p)
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    syms = rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, rows, s, field="Words", offset=offset + p)
-    p += 2 * nwords
-    ut = _uint(width)
-    out = syms.astype(ut) << ut(lowbits)
-    if lowbits:
-        low = rans.unpack_bits(mv[p:p + low_len], lowbits, n, ut, field="Raw_Bits", offset=offset + p)
-        out |= low.reshape(rows, s)
-    return np.ascontiguousarray(out.reshape(b, h, d, s).transpose(0, 1, 3, 2))
+    out = np.empty((b, h, s, d), dtype=_uint(width))
+    rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:],
+                      out.reshape(b * h, s, d), field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
+    return out

@@ -1,0 +1,201 @@
+"""``kvz bench``: sizes and speeds of the lossless tier against zstd, on real caches.
+
+For each corpus text and dtype: SmolLM2's KV cache of the first ``--tokens``
+tokens (one prefill), then, side by side in one process,
+
+* raw bytes; order-0 entropy of the 16/32-bit words (a bound for any coder
+  that sees the words one at a time, without context);
+* zstd -3 and zstd -19 on the raw bytes, and zstd -3 on byte-grouped planes
+  (all high bytes, then all next bytes ...), the usual float trick;
+* kvz lossless with one thread and with every core.
+
+Speeds are raw (uncompressed) megabytes per second, the median of
+``--repeats`` runs (zstd -19 encode: one run).  Peak memory is the tracemalloc
+peak of one separate, untimed run (NumPy buffers are traced; the cache tensors
+themselves are not counted).  Results: ``OUT/bench.json`` and ``OUT/bench.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+DEFAULT_GENRES = [
+    "prose_en_austen_pride_and_prejudice.txt",
+    "code_python_textwrap.py",
+    "data_iso_3166-1.json",
+    "nonen_zh_debian_reference_ch1.txt",
+]
+
+
+def _median_time(fn, repeats: int) -> tuple[float, object]:
+    ts, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), out
+
+
+def _peak(fn) -> float:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def _raw_bytes(kv) -> bytes:
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in kv.keys + kv.values)
+
+
+def _entropy0(raw: bytes, width: int) -> float:
+    words = np.frombuffer(raw, dtype={2: np.uint16, 4: np.uint32}[width])
+    _, counts = np.unique(words, return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def _byte_grouped(raw: bytes, width: int) -> bytes:
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.copy().tobytes()
+
+
+def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
+    from . import api
+
+    raw = _raw_bytes(kv)
+    n = len(raw)
+    width = kv.keys[0].element_size()
+    rows = [{"method": "raw", "bytes": n}]
+    rows.append({"method": "order-0 entropy (bound)", "bytes": int(_entropy0(raw, width) * n / width / 8)})
+    cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    te, z = _median_time(lambda: cctx.compress(raw), repeats)
+    td, _ = _median_time(lambda: dctx.decompress(z), repeats)
+    rows.append({"method": "zstd -3", "bytes": len(z), "enc_s": te, "dec_s": td,
+                 "peak_enc_mib": _peak(lambda: cctx.compress(raw)), "peak_dec_mib": _peak(lambda: dctx.decompress(z))})
+    if zstd19:
+        c19 = zstandard.ZstdCompressor(level=19)
+        te, z19 = _median_time(lambda: c19.compress(raw), 1)
+        td, _ = _median_time(lambda: dctx.decompress(z19), repeats)
+        rows.append({"method": "zstd -19", "bytes": len(z19), "enc_s": te, "dec_s": td})
+    te, zg = _median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)
+    td, _ = _median_time(lambda: dctx.decompress(zg), repeats)
+    rows.append({"method": "zstd -3, byte-grouped", "bytes": len(zg), "enc_s": te, "dec_s": td})
+    for threads in sorted({1, os.cpu_count() or 1}):
+        api.decode(api.encode(kv, threads=threads), output="kvcache", threads=threads)  # JIT warm-up
+        te, data = _median_time(lambda: api.encode(kv, threads=threads), repeats)
+        td, back = _median_time(lambda: api.decode(data, output="kvcache", threads=threads), repeats)
+        assert back.equal(kv), "lossless round trip failed"
+        rows.append({"method": f"kvz lossless, {threads} thread{'s' if threads > 1 else ''}", "bytes": len(data),
+                     "enc_s": te, "dec_s": td,
+                     "peak_enc_mib": _peak(lambda: api.encode(kv, threads=threads)),
+                     "peak_dec_mib": _peak(lambda: api.decode(data, output="kvcache", threads=threads))})
+    for r in rows:
+        r["ratio"] = n / r["bytes"]
+        r["bits_per_component"] = 8 * r["bytes"] / (n / width)
+        if "enc_s" in r:
+            r["enc_mb_s"] = n / r["enc_s"] / 1e6
+            r["dec_mb_s"] = n / r["dec_s"] / 1e6
+    return rows
+
+
+def _fmt(x, spec):
+    return format(x, spec) if x is not None else "-"
+
+
+def to_markdown(results: dict) -> str:
+    lines = [f"Command: `{results['command']}`", "",
+             f"Machine: {results['machine']}; torch {results['torch']}, numba {results['numba']}, "
+             f"zstandard {results['zstandard']}; {results['cpus']} CPUs.", ""]
+    for case in results["cases"]:
+        lines.append(f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
+                     f"{case['raw_bytes'] / 2**20:.2f} MiB raw")
+        lines.append("")
+        lines.append("| method | bytes | ratio | bits/comp | enc MB/s | dec MB/s | peak enc MiB | peak dec MiB |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in case["rows"]:
+            lines.append(f"| {r['method']} | {r['bytes']} | {r['ratio']:.3f} | {r['bits_per_component']:.2f} | "
+                         f"{_fmt(r.get('enc_mb_s'), '.0f')} | {_fmt(r.get('dec_mb_s'), '.0f')} | "
+                         f"{_fmt(r.get('peak_enc_mib'), '.1f')} | {_fmt(r.get('peak_dec_mib'), '.1f')} |")
+        lines.append("")
+    lines.append(summary(results))
+    return "\n".join(lines) + "\n"
+
+
+def summary(results: dict) -> str:
+    out = ["### Summary (geometric means over texts)", "",
+           "| dtype | zstd -3 | zstd -19 | byte-grouped zstd -3 | kvz lossless | kvz dec / zstd-3 dec (1 thread) | "
+           "kvz dec / zstd-3 dec (all threads) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for dtype in sorted({c["dtype"] for c in results["cases"]}):
+        cases = [c for c in results["cases"] if c["dtype"] == dtype]
+
+        def gm(method, key="ratio"):
+            vals = [r[key] for c in cases for r in c["rows"] if r["method"] == method]
+            return float(np.exp(np.mean(np.log(vals)))) if vals else None
+
+        def speed_ratio(method):
+            vals = []
+            for c in cases:
+                z = next(r for r in c["rows"] if r["method"] == "zstd -3")
+                k = [r for r in c["rows"] if r["method"].startswith(method)]
+                if k:
+                    vals.append(k[0]["dec_mb_s"] / z["dec_mb_s"])
+            return float(np.exp(np.mean(np.log(vals)))) if vals else None
+
+        multi = [r["method"] for r in cases[0]["rows"] if r["method"].startswith("kvz") and "threads" in r["method"]]
+        out.append(f"| {dtype} | {_fmt(gm('zstd -3'), '.3f')} | {_fmt(gm('zstd -19'), '.3f')} | "
+                   f"{_fmt(gm('zstd -3, byte-grouped'), '.3f')} | {_fmt(gm('kvz lossless, 1 thread'), '.3f')} | "
+                   f"{_fmt(speed_ratio('kvz lossless, 1 thread'), '.2f')} | "
+                   f"{_fmt(speed_ratio(multi[0]) if multi else None, '.2f')} |")
+    return "\n".join(out)
+
+
+def run_bench(args) -> int:
+    import numba
+
+    from .cache import to_canonical
+    from .models import load_model
+    from .runtime import DTYPE_ALIASES, corpus_dir, prefill, tokenize
+
+    cdir = corpus_dir()
+    if cdir is None:
+        print("kvz bench: corpus not found; set KVCODEC_CORPUS to the folder with the corpus texts")
+        return 1
+    genres = args.genres or DEFAULT_GENRES
+    model, tok = load_model("smollm2")
+    results = {"command": "kvz bench " + " ".join(f"--{k} {v}" for k, v in (("tokens", args.tokens),
+                                                                             ("repeats", args.repeats))),
+               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+               "cpus": os.cpu_count(), "torch": torch.__version__, "numba": numba.__version__,
+               "zstandard": zstandard.__version__, "cases": []}
+    for dname in args.dtypes:
+        m = model.to(DTYPE_ALIASES[dname])
+        for g in genres:
+            text = (cdir / g).read_text(encoding="utf-8")
+            ids = tokenize(tok, text, args.tokens)
+            kv = to_canonical(prefill(m, ids))
+            t = time.perf_counter()
+            rows = bench_cache(kv, args.repeats, not args.no_zstd19)
+            case = {"text": g, "dtype": dname, "tokens": int(ids.shape[1]), "raw_bytes": kv.nbytes(), "rows": rows}
+            results["cases"].append(case)
+            kvz = next(r for r in rows if r["method"] == "kvz lossless, 1 thread")
+            z3 = next(r for r in rows if r["method"] == "zstd -3")
+            print(f"{g} {dname}: kvz {kvz['ratio']:.3f}x (dec {kvz['dec_mb_s']:.0f} MB/s) vs zstd-3 "
+                  f"{z3['ratio']:.3f}x (dec {z3['dec_mb_s']:.0f} MB/s) [{time.perf_counter() - t:.0f} s]", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    (out / "bench.md").write_text(to_markdown(results))
+    print(summary(results))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0

@@ -1,0 +1,54 @@
+"""The kvz command line on golden vectors and bad files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import kvcodec
+from kvcodec.cli import main
+
+VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+VEC = VECTORS / "fp32_chunked_tokens.kvz"
+
+
+def test_inspect_text_and_json(capsys):
+    assert main(["inspect", str(VEC)]) == 0
+    out = capsys.readouterr().out
+    assert "float_ctx_rans" in out and "float32" in out and "bits/comp" in out
+    assert main(["inspect", str(VEC), "--json", "--verify"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checksums"] == "all checksums ok" and info["batch"] == 2
+
+
+def test_verify_and_decode(tmp_path, capsys):
+    assert main(["verify", str(VEC)]) == 0
+    assert "ok" in capsys.readouterr().out
+    out = tmp_path / "x.safetensors"
+    assert main(["decode", str(VEC), "-o", str(out)]) == 0
+    tensors = load_file(str(out))
+    kv = kvcodec.load(VEC, output="kvcache")
+    assert (tensors["layers.1.values"].view(-1) == kv.values[1].view(-1)).all()
+    assert tensors["tokens"].tolist() == kv.tokens.tolist()
+
+
+def test_bad_file_one_line_error_and_exit_code(tmp_path, capsys):
+    bad = tmp_path / "bad.kvz"
+    bad.write_bytes(VEC.read_bytes()[:-5])
+    for cmd in ("inspect", "verify"):
+        assert main([cmd, str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "TruncatedFile" in err and "End_Magic" in err
+
+
+def test_console_script_entry_point():
+    r = subprocess.run([sys.executable, "-m", "kvcodec.cli", "inspect", str(VEC)], capture_output=True, text=True)
+    assert r.returncode == 0 and "tokens" in r.stdout
+
+
+def test_missing_file_exit_code(capsys):
+    assert main(["inspect", "/nonexistent/file.kvz"]) == 1
+    assert "No such file" in capsys.readouterr().err
