@@ -79,6 +79,13 @@ def check_config(cfg: dict, dtype: str) -> dict:
 
 # --- encoder ---------------------------------------------------------------
 
+def _group_sums(assign: np.ndarray, rows: np.ndarray, g: int) -> np.ndarray:
+    """``out[t] = rows[assign == t].sum(axis=0)`` as one matrix product."""
+    onehot = np.zeros((g, assign.size), dtype=rows.dtype)
+    onehot[assign, np.arange(assign.size)] = 1
+    return onehot @ rows
+
+
 def _cluster(counts: np.ndarray, n_tables: int, iters: int = 8) -> np.ndarray:
     """Assign each histogram row to one of ``n_tables`` tables (k-means on code length).
 
@@ -97,9 +104,7 @@ def _cluster(counts: np.ndarray, n_tables: int, iters: int = 8) -> np.ndarray:
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
     for _ in range(iters):
-        q = np.zeros((g, used.size))
-        np.add.at(q, a, h)
-        q += 1e-3
+        q = _group_sums(a, h, g) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
         na = np.argmin(-(h @ logq.T), axis=1)
         if np.array_equal(na, a):
@@ -128,9 +133,13 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     rows = np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(b * h * d, s)
     syms = (rows >> lowbits).astype(np.uint16)
     nsym = 1 << k
-    # reference symbol of each row: sign 0, the median magnitude
-    mag = syms & np.uint16((1 << (k - 1)) - 1)
-    refs = np.median(mag, axis=1).astype(np.uint16)
+    # reference symbol of each row: sign 0, the (lower) median magnitude
+    half = 1 << (k - 1)
+    nrows = b * h * d
+    mag = (syms & np.uint16(half - 1)).astype(np.int64)
+    cdf = np.cumsum(np.bincount((mag + np.arange(nrows)[:, None] * half).ravel(),
+                                minlength=nrows * half).reshape(nrows, half), axis=1)
+    refs = np.argmax(cdf >= (s + 1) // 2, axis=1).astype(np.uint16)
     # histograms per (row, class)
     ident = np.arange(b * h * d * nclass, dtype=np.int64).reshape(b * h * d, nclass)
     cls = rans.contexts(syms, refs, ident, k, nclass).astype(np.int64)
@@ -139,9 +148,7 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1
-    tcounts = np.zeros((g, nsym), dtype=np.int64)
-    for t in range(g):
-        tcounts[t] = counts[assign == t].sum(axis=0)
+    tcounts = _group_sums(assign, counts.astype(np.float64), g).astype(np.int64)
     if (tcounts > 0).sum(axis=1).max() > (1 << sb):
         raise ConfigError(f"{CODEC_ID}: a table has more distinct symbols than 2**scale_bits; raise scale_bits")
     freq = rans.normalize_counts(tcounts, sb)
