@@ -131,6 +131,9 @@ class KvzReader:
         typ, flags, layer, part, chunk, plen = ihead[:6]
         if typ != L.SECTION_INDEX:
             raise OffsetError(f"Index_Offset points at a section of type {typ}", field="Index_Offset", offset=fo)
+        if flags != L.FLAG_CRITICAL or layer or part or chunk:
+            raise FormatError("index section header: flags must be 1 and Layer/Part/Chunk 0",
+                              field="Section_Flags", offset=index_offset + 2)
         if plen != fo - index_offset - L.SECTION_HEADER.size:
             raise OffsetError(f"index payload of {plen} bytes does not end at the footer", field="Payload_Length",
                               offset=index_offset + 16)
