@@ -49,7 +49,7 @@ MAX_HEADS = 1 << 16
 MAX_HEAD_DIM = 1 << 16
 MAX_SEQ_LEN = 1 << 31
 MAX_CHUNK_TOKENS = 1 << 24
-DEFAULT_MAX_OUTPUT_BYTES = 1 << 40  # 1 TiB of decoded tensors
+DEFAULT_MAX_OUTPUT_BYTES = 64 << 30  # 64 GiB of decoded tensors; callers may raise or lower it
 
 
 def xxh3(data) -> int:
