@@ -331,7 +331,8 @@ def check_model(header, model) -> None:
     rec = _model_record(model)
     if rec["fingerprint"] != header.model["fingerprint"]:
         raise ModelMismatch(f"file was made with model {header.model['fingerprint'][:16]}…, "
-                            f"the model given is {rec['fingerprint'][:16]}…", field="Header.model.fingerprint")
+                            f"the model given is {rec['fingerprint'][:16]}…", field="Header.model.fingerprint",
+                            offset=L.PREAMBLE.size)
 
 
 def open_kvz(source, model=None, **kwargs) -> KvzFile:
