@@ -194,6 +194,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and the like
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KvzError as e:
         print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -52,3 +52,11 @@ def test_console_script_entry_point():
 def test_missing_file_exit_code(capsys):
     assert main(["inspect", "/nonexistent/file.kvz"]) == 1
     assert "No such file" in capsys.readouterr().err
+
+
+def test_inspect_reads_a_pipe():
+    with open(VEC, "rb") as f:
+        r = subprocess.run([sys.executable, "-m", "kvcodec.cli", "inspect", "/dev/stdin", "--json"], stdin=f,
+                           capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["num_layers"] == 2

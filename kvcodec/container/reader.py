@@ -59,6 +59,15 @@ class KvzReader:
             self._own = True
         else:
             self._f = source
+        seekable = getattr(self._f, "seekable", None)
+        if seekable is not None and not seekable():
+            # pipes and sockets: buffer (the index is at the end, so a random-access
+            # reader needs all of it anyway)
+            data = self._f.read()
+            if self._own:
+                self._f.close()
+                self._own = False
+            self._f = io.BytesIO(data)
         self.limits = dict(limits or {})
         try:
             self._open()
