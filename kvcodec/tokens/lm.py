@@ -1,0 +1,141 @@
+"""Arithmetic coding of token ids with the model's own next-token distribution.
+
+The decoder can only compute token i's distribution after decoding token i-1,
+so it runs the model one token at a time.  A batched prefill gives slightly
+different logits (measured on SmolLM2: ~1e-4), and the range coder needs
+*bit-identical* probabilities on both sides, so the encoder computes them by
+the very same procedure: an incremental pass, one token per forward call, with
+a transformers ``DynamicCache``.  The procedure is described by
+:meth:`LMTokenCoder.procedure` (to be recorded in the file); the decoder checks
+a checksum per chunk of tokens, so a decoder whose numerics differ (another
+CPU, another torch, another thread count) stops at the first bad chunk with a
+clear error instead of emitting wrong tokens.
+
+Probabilities: ``softmax`` of the float32 logits computed in float64, passed to
+constriction's ``Categorical(perfect=False)`` (24-bit fixed point; every
+symbol keeps a probability >= 2**-24, so no token is ever uncodable).  The
+first token has no context and is coded uniformly over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import ChecksumMismatch, FormatError
+from ..runtime import cache_kwarg
+
+CHUNK_TOKENS = 256
+
+
+@dataclass
+class TokenStream:
+    words: np.ndarray  # uint32 words of constriction's range coder
+    num_tokens: int
+    chunk_tokens: int
+    chunk_checksums: list[int] = field(default_factory=list)  # XXH3-64 of each chunk's ids (u32 LE)
+    cross_entropy_bits: float = 0.0  # sum of -log2 p(t_i) under the coded distributions (encoder side)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * int(self.words.size)
+
+
+def _chunk_checksum(ids: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(ids.astype("<u4").tobytes())
+
+
+class LMTokenCoder:
+    """Code token ids with ``model``'s next-token distribution (see the module docstring).
+
+    Examples
+    --------
+    >>> # stream = LMTokenCoder(model).encode(ids); ids2 = LMTokenCoder(model).decode(stream)
+    """
+
+    def __init__(self, model, chunk_tokens: int = CHUNK_TOKENS):
+        import constriction
+
+        self.model = model.eval()
+        self.chunk_tokens = chunk_tokens
+        self._stream = constriction.stream
+        self._family = constriction.stream.model.Categorical(perfect=False)
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self._cache_kw = cache_kwarg(model)
+
+    def procedure(self) -> dict:
+        """What a decoder must reproduce to get the same probabilities (informative versions included)."""
+        p = next(self.model.parameters())
+        return {
+            "schedule": "incremental, one token per forward call, transformers DynamicCache",
+            "probabilities": "softmax(float64(logits)); first token uniform",
+            "coder": "constriction.stream.queue.RangeEncoder, Categorical(perfect=False)",
+            "chunk_tokens": self.chunk_tokens,
+            "dtype": str(p.dtype).replace("torch.", ""),
+            "device": p.device.type,
+            "threads": torch.get_num_threads(),
+            "versions": {"torch": torch.__version__, "transformers": md.version("transformers"),
+                         "constriction": md.version("constriction")},
+        }
+
+    def _steps(self):
+        """Generator: send token i-1, receive the float64 distribution of token i."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache()
+        probs = np.full(self.vocab, 1.0 / self.vocab)
+        while True:
+            tok = yield probs
+            with torch.no_grad():
+                ids = torch.tensor([[int(tok)]], device=next(self.model.parameters()).device)
+                out = self.model(ids, use_cache=True, **{self._cache_kw: cache})
+                logits = out.logits[0, -1].float().double()
+                probs = torch.softmax(logits, dim=0).cpu().numpy()
+
+    def encode(self, tokens) -> TokenStream:
+        ids = np.asarray(torch.as_tensor(tokens).reshape(-1).cpu(), dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
+            raise ValueError(f"token ids must be in [0, {self.vocab})")
+        enc = self._stream.queue.RangeEncoder()
+        steps = self._steps()
+        probs = next(steps)
+        ce = 0.0
+        for i, t in enumerate(ids):
+            enc.encode(np.array([t], dtype=np.int32), self._family, probs[None, :])
+            ce -= math.log2(max(float(probs[t]) / float(probs.sum()), 2.0 ** -24))
+            if i + 1 < ids.size:
+                probs = steps.send(t)
+        sums = [_chunk_checksum(ids[a:a + self.chunk_tokens]) for a in range(0, ids.size, self.chunk_tokens)]
+        return TokenStream(enc.get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens, sums, ce)
+
+    def decode(self, stream: TokenStream) -> torch.Tensor:
+        """Decode ``stream.num_tokens`` ids; raises ChecksumMismatch at the first bad chunk."""
+        n = stream.num_tokens
+        if len(stream.chunk_checksums) != -(-n // stream.chunk_tokens):
+            raise FormatError(f"{len(stream.chunk_checksums)} chunk checksums for {n} tokens "
+                              f"in chunks of {stream.chunk_tokens}", field="Chunk_Checksums")
+        dec = self._stream.queue.RangeDecoder(np.ascontiguousarray(stream.words, dtype=np.uint32))
+        steps = self._steps()
+        probs = next(steps)
+        out = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            t = int(dec.decode(self._family, probs[None, :])[0])
+            out[i] = t
+            if (i + 1) % stream.chunk_tokens == 0 or i + 1 == n:
+                k = i // stream.chunk_tokens
+                a = k * stream.chunk_tokens
+                if _chunk_checksum(out[a:i + 1]) != stream.chunk_checksums[k]:
+                    raise ChecksumMismatch(
+                        f"token chunk {k} (tokens {a}..{i}) decodes to ids whose checksum differs: this decoder "
+                        "computes different probabilities than the encoder did (another model, dtype, device, "
+                        "library version or thread count; see the recorded procedure), or the stream is corrupt",
+                        field="Chunk_Checksums")
+            if i + 1 < n:
+                probs = steps.send(t)
+        return torch.from_numpy(out)
+

@@ -1,0 +1,109 @@
+"""Token channel building blocks: recovery from layer-0 values, LM coding with chunk checksums."""
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.tokens import LMTokenCoder, layer0_value_table, recover_tokens
+from kvcodec.tokens.lm import TokenStream
+from kvcodec.tokens.recover import min_pairwise_distance
+
+from .common import VOCAB, model_cache, tiny_model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_sw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recover_tokens_exactly(kind, dtype):
+    model = tiny_model(kind, dtype)
+    ids = torch.randint(0, VOCAB, (2, 30))
+    kv = kvcodec.to_canonical(model_cache(model, ids))
+    r = recover_tokens(kv.values[0], model)
+    s = kv.values[0].shape[2]  # a sliding-window layer keeps only the last tokens
+    assert r.ok, r.reason
+    assert torch.equal(r.tokens, ids[:, -s:])
+
+
+def test_recovery_does_not_depend_on_position():
+    """A cache continued after a prefix (not starting at position 0) still identifies its tokens."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    kv = kvcodec.to_canonical(model_cache(model, ids))
+    tail = kv.values[0][:, :, 25:]
+    r = recover_tokens(tail, model)
+    assert r.ok and torch.equal(r.tokens, ids[:, 25:])
+
+
+def test_modified_cache_is_refused_not_guessed():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 20))
+    v0 = kvcodec.to_canonical(model_cache(model, ids)).values[0]
+    noisy = v0 + 0.2 * v0.abs().mean() * torch.randn_like(v0)  # like a coarse quantizer
+    r = recover_tokens(noisy, model)
+    assert not r.ok and r.tokens is None and "modified" in r.reason
+
+
+def test_duplicate_vocab_rows_resolve_to_one_token():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[7] = emb[3]  # tokens 3 and 7 now have identical KV everywhere
+    ids = torch.tensor([[7, 1, 3, 7, 2]])
+    r = recover_tokens(kvcodec.to_canonical(model_cache(model, ids)).values[0], model)
+    assert r.ok and r.tokens.tolist() == [[3, 1, 3, 3, 2]]
+    d, dups = min_pairwise_distance(layer0_value_table(model))
+    assert dups == 1 and d > 0
+
+
+def test_absolute_position_models_are_refused_clearly():
+    model = tiny_model("gpt2")
+    with pytest.raises(kvcodec.ConfigError, match="not supported yet"):
+        layer0_value_table(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_lm_coder_round_trip_and_size(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(0, VOCAB, (300,))
+    coder = LMTokenCoder(model, chunk_tokens=64)
+    stream = coder.encode(ids)
+    assert torch.equal(coder.decode(stream), ids)
+    assert len(stream.chunk_checksums) == 5
+    # within the range coder's flush of the ideal code length
+    assert stream.nbytes <= stream.cross_entropy_bits / 8 * 1.005 + 16
+
+
+def test_lm_decoder_with_other_numerics_fails_at_a_chunk():
+    a, b = tiny_model("llama"), tiny_model("llama")
+    with torch.no_grad():
+        for p in b.parameters():  # another model: other probabilities everywhere
+            p.mul_(1.5)
+    ids = torch.randint(0, VOCAB, (200,))
+    stream = LMTokenCoder(a, chunk_tokens=50).encode(ids)
+    with pytest.raises(kvcodec.ChecksumMismatch, match="token chunk"):
+        LMTokenCoder(b, chunk_tokens=50).decode(stream)
+
+
+def test_lm_truncated_stream_is_detected():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (120,))
+    coder = LMTokenCoder(model, chunk_tokens=40)
+    s = coder.encode(ids)
+    short = TokenStream(s.words[: max(1, s.words.size // 2)], s.num_tokens, s.chunk_tokens, s.chunk_checksums)
+    with pytest.raises(kvcodec.KvzError):
+        coder.decode(short)
+    with pytest.raises(kvcodec.FormatError):
+        coder.decode(TokenStream(s.words, s.num_tokens, s.chunk_tokens, s.chunk_checksums[:-1]))
+
+
+@pytest.mark.slow
+def test_smollm2_tokens_recovered_and_coded_near_cross_entropy(smollm2):
+    from kvcodec.runtime import demo_text, prefill, tokenize
+
+    model, tok = smollm2
+    ids = tokenize(tok, demo_text(), 96)
+    kv = kvcodec.to_canonical(prefill(model, ids))
+    r = recover_tokens(kv.values[0], model)
+    assert r.ok and torch.equal(r.tokens, ids)
+    stream = LMTokenCoder(model).encode(ids[0])
+    assert stream.nbytes <= stream.cross_entropy_bits / 8 * 1.005 + 16
+    assert stream.nbytes * 8 / ids.shape[1] < 8  # fluent English: a few bits per token
