@@ -6,6 +6,7 @@
     kvz decode FILE -o OUT.safetensors
     kvz verify FILE
     kvz bench [--out DIR] [--tokens N] [--genres ...]
+    kvz claims [--out docs]           the seed paper's claims, measured (docs/claims.md)
 
 Errors print one line and exit non-zero (2 for bad input files, 1 otherwise).
 """
@@ -136,6 +137,12 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_claims(args) -> int:
+    from .claims import run_claims
+
+    return run_claims(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -180,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"])
     s.add_argument("--no-zstd19", action="store_true", help="skip the slow zstd-19 baseline")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("claims", help="measure the seed paper's claims on SmolLM2; writes docs/claims.md")
+    s.add_argument("--out", default="docs")
+    s.add_argument("--tokens", type=int, default=512, help="tokens per corpus text")
+    s.add_argument("--long-tokens", type=int, default=2048, help="tokens for the texts in --long")
+    s.add_argument("--long", nargs="*", default=["prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"])
+    s.add_argument("--files", nargs="*", help="corpus file names (default: all)")
+    s.set_defaults(func=cmd_claims)
 
     s = sub.add_parser("demo", help="the main job: SmolLM2 cache -> .kvz -> back, bit-identical, generation identical")
     s.add_argument("--text", help="text file (default: a shipped public-domain excerpt)")

@@ -107,3 +107,30 @@ def test_smollm2_tokens_recovered_and_coded_near_cross_entropy(smollm2):
     stream = LMTokenCoder(model).encode(ids[0])
     assert stream.nbytes <= stream.cross_entropy_bits / 8 * 1.005 + 16
     assert stream.nbytes * 8 / ids.shape[1] < 8  # fluent English: a few bits per token
+
+
+def test_static_coder_round_trip_and_adaptivity():
+    from kvcodec.tokens.static import StaticTokenCoder
+
+    rng = torch.Generator().manual_seed(3)
+    pattern = torch.randint(0, 1000, (20,), generator=rng)
+    ids = pattern.repeat(30)  # a repetitive text: the adaptive model must learn it
+    coder = StaticTokenCoder(50000, chunk_tokens=100)
+    words, sums, ideal = coder.encode(ids)
+    assert torch.equal(coder.decode(words, ids.numel(), sums), ids)
+    assert words.size * 32 <= ideal * 1.01 + 64
+    assert words.size * 32 / ids.numel() < 2.5  # vs log2(50000) = 15.6 bits for an unadaptive code
+    bad = words.copy()
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(kvcodec.KvzError):
+        coder.decode(bad, ids.numel(), sums)
+
+
+def test_static_coder_frequencies_are_integers():
+    from kvcodec.tokens.static import StaticTokenCoder
+
+    model = StaticTokenCoder(300)._model()
+    f = next(model)
+    for t in [5, 7, 5, 7, 5, 9]:
+        assert (f == torch.from_numpy(f).floor().numpy()).all() and f.min() >= 1 and f.max() < 2**53
+        f = model.send(t)

@@ -9,7 +9,9 @@ package holds the two pieces the token tiers are built from:
   verification;
 * :mod:`.lm` - arithmetic-code token ids with the model's own next-token
   distribution (constriction's range coder), computed by one recorded,
-  deterministic procedure, with a checksum per token chunk.
+  deterministic procedure, with a checksum per token chunk;
+* :mod:`.static` - the same without a neural network (adaptive Witten-Bell
+  order-2 model), so a restore costs one parallel prefill.
 
 They are not yet wired into the .kvz container: the ``exact`` / ``tokens``
 tiers, the residual channel and schedule replay come next.

@@ -40,6 +40,7 @@ class TokenStream:
     chunk_tokens: int
     chunk_checksums: list[int] = field(default_factory=list)  # XXH3-64 of each chunk's ids (u32 LE)
     cross_entropy_bits: float = 0.0  # sum of -log2 p(t_i) under the coded distributions (encoder side)
+    token_bits: np.ndarray | None = None  # -log2 p(t_i) of each token (encoder side)
 
     @property
     def nbytes(self) -> int:
@@ -104,14 +105,15 @@ class LMTokenCoder:
         enc = self._stream.queue.RangeEncoder()
         steps = self._steps()
         probs = next(steps)
-        ce = 0.0
+        bits = np.empty(ids.size)
         for i, t in enumerate(ids):
             enc.encode(np.array([t], dtype=np.int32), self._family, probs[None, :])
-            ce -= math.log2(max(float(probs[t]) / float(probs.sum()), 2.0 ** -24))
+            bits[i] = -math.log2(max(float(probs[t]) / float(probs.sum()), 2.0 ** -24))
             if i + 1 < ids.size:
                 probs = steps.send(t)
         sums = [_chunk_checksum(ids[a:a + self.chunk_tokens]) for a in range(0, ids.size, self.chunk_tokens)]
-        return TokenStream(enc.get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens, sums, ce)
+        return TokenStream(enc.get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens, sums,
+                           float(bits.sum()), bits)
 
     def decode(self, stream: TokenStream) -> torch.Tensor:
         """Decode ``stream.num_tokens`` ids; raises ChecksumMismatch at the first bad chunk."""
