@@ -33,7 +33,6 @@ import tracemalloc
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

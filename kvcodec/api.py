@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .cache import DTYPE_BY_NAME, KVCache, SUPPORTED_DTYPES, to_canonical
+from .cache import DTYPE_BY_NAME, KVCache, to_canonical
 from .container import layout as L
 from .container.header import TIERS
 from .container.reader import KvzReader
@@ -428,5 +428,3 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
         if owned is not None:
             owned.close()
 
-
-SUPPORTED = sorted(SUPPORTED_DTYPES.values())

@@ -78,7 +78,8 @@ def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
     width = kv.keys[0].element_size()
     rows = [{"method": "raw", "bytes": n}]
     if width == 2:  # for 32-bit words the empirical entropy of 2**32 symbols from ~2**24 samples means nothing
-        rows.append({"method": "order-0 entropy of the 16-bit words", "bytes": int(_entropy0(raw, width) * n / width / 8)})
+        bound = int(_entropy0(raw, width) * n / width / 8)
+        rows.append({"method": "order-0 entropy of the 16-bit words", "bytes": bound})
     cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     te, z = _median_time(lambda: cctx.compress(raw), repeats)
     td, _ = _median_time(lambda: dctx.decompress(z), repeats)

@@ -137,7 +137,7 @@ def to_canonical(cache) -> KVCache:
             if not isinstance(layer, DynamicLayer):
                 raise TypeError(f"layer {i}: {type(layer).__name__} is not supported "
                                 "(only DynamicLayer / DynamicSlidingWindowLayer)")
-            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0 and layer.keys.dim() != 4:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.dim() != 4:
                 raise ValueError(f"layer {i}: the cache layer holds no tensors (uninitialised)")
             keys.append(layer.keys)
             values.append(layer.values)

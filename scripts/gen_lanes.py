@@ -66,8 +66,10 @@ def decode_w{W}(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, nc
 def gen(W: int) -> str:
     init = "\n".join(f"    x{i} = (np.uint64(words[{2*i}]) << np.uint64(16)) | np.uint64(words[{2*i+1}])" for i in range(W))
     group = "\n".join(
-        f"        p{i} = np.int64(refs[g0 + {i}]); r{i} = p{i} & mm; m{i} = ctx_map[g0 + {i}]; "
-        f"o{i} = ((g0 + {i}) // dim) * ntok * dim + (g0 + {i}) % dim" for i in range(W))
+        f"        p{i} = np.int64(refs[g0 + {i}])\n"
+        f"        r{i} = p{i} & mm\n"
+        f"        m{i} = ctx_map[g0 + {i}]\n"
+        f"        o{i} = ((g0 + {i}) // dim) * ntok * dim + (g0 + {i}) % dim" for i in range(W))
     step = []
     for i in range(W):
         step.append(f"            g = p{i} & mm\n"

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file
 
 import kvcodec

@@ -38,10 +38,22 @@ def decode_w4(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
     flat = out.reshape(bh_n * ntok * dim)
     full = rows - rows % 4
     for g0 in range(0, full, 4):
-        p0 = np.int64(refs[g0 + 0]); r0 = p0 & mm; m0 = ctx_map[g0 + 0]; o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
-        p1 = np.int64(refs[g0 + 1]); r1 = p1 & mm; m1 = ctx_map[g0 + 1]; o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
-        p2 = np.int64(refs[g0 + 2]); r2 = p2 & mm; m2 = ctx_map[g0 + 2]; o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
-        p3 = np.int64(refs[g0 + 3]); r3 = p3 & mm; m3 = ctx_map[g0 + 3]; o3 = ((g0 + 3) // dim) * ntok * dim + (g0 + 3) % dim
+        p0 = np.int64(refs[g0 + 0])
+        r0 = p0 & mm
+        m0 = ctx_map[g0 + 0]
+        o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
+        p1 = np.int64(refs[g0 + 1])
+        r1 = p1 & mm
+        m1 = ctx_map[g0 + 1]
+        o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
+        p2 = np.int64(refs[g0 + 2])
+        r2 = p2 & mm
+        m2 = ctx_map[g0 + 2]
+        o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
+        p3 = np.int64(refs[g0 + 3])
+        r3 = p3 & mm
+        m3 = ctx_map[g0 + 3]
+        o3 = ((g0 + 3) // dim) * ntok * dim + (g0 + 3) % dim
         for t in range(ntok):
             g = p0 & mm
             c = m0[((p0 >> kb1) * 3 + (g >= r0) + (g > r0)) * use_cls]
@@ -150,14 +162,38 @@ def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
     flat = out.reshape(bh_n * ntok * dim)
     full = rows - rows % 8
     for g0 in range(0, full, 8):
-        p0 = np.int64(refs[g0 + 0]); r0 = p0 & mm; m0 = ctx_map[g0 + 0]; o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
-        p1 = np.int64(refs[g0 + 1]); r1 = p1 & mm; m1 = ctx_map[g0 + 1]; o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
-        p2 = np.int64(refs[g0 + 2]); r2 = p2 & mm; m2 = ctx_map[g0 + 2]; o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
-        p3 = np.int64(refs[g0 + 3]); r3 = p3 & mm; m3 = ctx_map[g0 + 3]; o3 = ((g0 + 3) // dim) * ntok * dim + (g0 + 3) % dim
-        p4 = np.int64(refs[g0 + 4]); r4 = p4 & mm; m4 = ctx_map[g0 + 4]; o4 = ((g0 + 4) // dim) * ntok * dim + (g0 + 4) % dim
-        p5 = np.int64(refs[g0 + 5]); r5 = p5 & mm; m5 = ctx_map[g0 + 5]; o5 = ((g0 + 5) // dim) * ntok * dim + (g0 + 5) % dim
-        p6 = np.int64(refs[g0 + 6]); r6 = p6 & mm; m6 = ctx_map[g0 + 6]; o6 = ((g0 + 6) // dim) * ntok * dim + (g0 + 6) % dim
-        p7 = np.int64(refs[g0 + 7]); r7 = p7 & mm; m7 = ctx_map[g0 + 7]; o7 = ((g0 + 7) // dim) * ntok * dim + (g0 + 7) % dim
+        p0 = np.int64(refs[g0 + 0])
+        r0 = p0 & mm
+        m0 = ctx_map[g0 + 0]
+        o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
+        p1 = np.int64(refs[g0 + 1])
+        r1 = p1 & mm
+        m1 = ctx_map[g0 + 1]
+        o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
+        p2 = np.int64(refs[g0 + 2])
+        r2 = p2 & mm
+        m2 = ctx_map[g0 + 2]
+        o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
+        p3 = np.int64(refs[g0 + 3])
+        r3 = p3 & mm
+        m3 = ctx_map[g0 + 3]
+        o3 = ((g0 + 3) // dim) * ntok * dim + (g0 + 3) % dim
+        p4 = np.int64(refs[g0 + 4])
+        r4 = p4 & mm
+        m4 = ctx_map[g0 + 4]
+        o4 = ((g0 + 4) // dim) * ntok * dim + (g0 + 4) % dim
+        p5 = np.int64(refs[g0 + 5])
+        r5 = p5 & mm
+        m5 = ctx_map[g0 + 5]
+        o5 = ((g0 + 5) // dim) * ntok * dim + (g0 + 5) % dim
+        p6 = np.int64(refs[g0 + 6])
+        r6 = p6 & mm
+        m6 = ctx_map[g0 + 6]
+        o6 = ((g0 + 6) // dim) * ntok * dim + (g0 + 6) % dim
+        p7 = np.int64(refs[g0 + 7])
+        r7 = p7 & mm
+        m7 = ctx_map[g0 + 7]
+        o7 = ((g0 + 7) // dim) * ntok * dim + (g0 + 7) % dim
         for t in range(ntok):
             g = p0 & mm
             c = m0[((p0 >> kb1) * 3 + (g >= r0) + (g > r0)) * use_cls]
