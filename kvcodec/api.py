@@ -283,12 +283,15 @@ class KvzFile:
             lay = h.layers[li]
             a, b = lay.chunk_range(c, h.chunk_tokens)
             shape = (h.batch, lay.kv_heads, b - a, lay.k_dim if p == L.PART_KEYS else lay.v_dim)
-            return floatctx.decode(prepared[0], shape, h.dtype, offset=prepared[1])
+            whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
+            return floatctx.decode(prepared[0], shape, h.dtype, offset=prepared[1],
+                                   out=outs[li, p] if whole else None)
 
         def put(job, arr):
             li, p, c = job
-            a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
-            outs[li, p][:, :, a:b] = arr
+            if arr is not outs[li, p]:
+                a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
+                outs[li, p][:, :, a:b] = arr
 
         _run_ordered(jobs, work, self.threads, put, progress, prepare)
         return {key: _tensor(arr, self.dtype) for key, arr in outs.items()}

@@ -169,11 +169,14 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
 
 # --- decoder ---------------------------------------------------------------
 
-def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0) -> np.ndarray:
+def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0,
+           out: np.ndarray | None = None) -> np.ndarray:
     """Decode a payload into a ``[B, H, S, D]`` array of uint16/uint32 bit patterns.
 
     ``offset`` is the payload's position in the file, for error messages.
-    Every field is validated before anything is allocated from it.
+    ``out``, if given, is a C-contiguous array of that shape and dtype to decode
+    into (saves a copy).  Every field is validated before anything is allocated
+    from it.
     """
     width, _ = DTYPES[dtype]
     mv = memoryview(payload)
@@ -186,7 +189,11 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         if len(mv) != 1 + n * width:
             raise FormatError(f"raw payload has {len(mv) - 1} bytes, expected {n * width}",
                               field="Payload_Length", offset=offset)
-        return np.frombuffer(mv[1:], dtype=f"<u{width}").astype(_uint(width)).reshape(shape)
+        data = np.frombuffer(mv[1:], dtype=f"<u{width}").reshape(shape)
+        if out is None:
+            return data.astype(_uint(width))
+        out[...] = data
+        return out
     if mode != MODE_CODED:
         raise FormatError(f"unknown mode {mode}", field="Mode", offset=offset)
     if n == 0:
@@ -250,7 +257,10 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     freq = rans.unpack_tables(side[2 * rows + rows * nclass:], g, 1 << k, sb, field="Side", offset=offset + p)
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    out = np.empty((b, h, s, d), dtype=_uint(width))
+    if out is None:
+        out = np.empty((b, h, s, d), dtype=_uint(width))
+    elif out.shape != (b, h, s, d) or out.dtype != _uint(width) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {(b, h, s, d)}")
     rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:],
                       out.reshape(b * h, s, d), field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
     return out
