@@ -129,7 +129,9 @@ def _write(sink, cache, model, tier: str, chunk_tokens: int, tokens, info, threa
     def work(job, _):
         return floatctx.encode(_bits(job[3]), kv.dtype_name, params)
 
-    _run_ordered(jobs, work, threads, lambda job, payload: writer.write_section(
+    # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and
+    # the jobs contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
+    _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, payload: writer.write_section(
         L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2]), progress)
     return writer.close()
 
@@ -179,6 +181,8 @@ def encode(cache, model=None, *, tier: str = "lossless", chunk_tokens: int = DEF
         Tokens per section: the granularity of random access.
     tokens : int tensor [batch, seq], optional
         Token ids to store alongside the cache.
+    threads : int, optional
+        Sections coded in parallel; default 1 (faster here, see BENCHMARKS.md).
     **options
         Codec options (``scale_bits``, ``ways``, ``max_tables``, ``context``, ``coded_bits``).
 
