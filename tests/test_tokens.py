@@ -134,3 +134,25 @@ def test_static_coder_frequencies_are_integers():
     for t in [5, 7, 5, 7, 5, 9]:
         assert (f == torch.from_numpy(f).floor().numpy()).all() and f.min() >= 1 and f.max() < 2**53
         f = model.send(t)
+
+
+def test_recording_cache_records_generate_schedule_and_replay_is_bit_exact():
+    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens import RecordingCache
+    from kvcodec.tokens.schedule import expand, runs
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 12))
+    rec = RecordingCache()
+    out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert runs(rec.schedule) == [[12, 1], [1, 5]]  # prefill, then one call per new token (the last is not cached)
+    assert expand(runs(rec.schedule)) == rec.schedule
+    # replaying the recorded schedule over the same tokens regenerates the cache bit for bit
+    tokens = out[:, :sum(rec.schedule)]
+    replay = RecordingCache()
+    pos = 0
+    with torch.no_grad():
+        for n in rec.schedule:
+            model(tokens[:, pos:pos + n], use_cache=True, **{cache_kwarg(model): replay})
+            pos += n
+    assert kvcodec.to_canonical(replay).equal(kvcodec.to_canonical(rec))

@@ -11,7 +11,9 @@ package holds the two pieces the token tiers are built from:
   distribution (constriction's range coder), computed by one recorded,
   deterministic procedure, with a checksum per token chunk;
 * :mod:`.static` - the same without a neural network (adaptive Witten-Bell
-  order-2 model), so a restore costs one parallel prefill.
+  order-2 model), so a restore costs one parallel prefill;
+* :mod:`.schedule` - :class:`RecordingCache`, which records how a cache was
+  filled (the chunk boundaries a bit-exact regeneration must replay).
 
 They are not yet wired into the .kvz container: the ``exact`` / ``tokens``
 tiers, the residual channel and schedule replay come next.
@@ -19,5 +21,7 @@ tiers, the residual channel and schedule replay come next.
 
 from .lm import LMTokenCoder, TokenStream
 from .recover import RecoveredTokens, layer0_value_table, recover_tokens
+from .schedule import RecordingCache
 
-__all__ = ["LMTokenCoder", "TokenStream", "RecoveredTokens", "layer0_value_table", "recover_tokens"]
+__all__ = ["LMTokenCoder", "TokenStream", "RecoveredTokens", "layer0_value_table", "recover_tokens",
+           "RecordingCache"]
