@@ -60,7 +60,7 @@ def run_claims(args) -> int:
         t = time.perf_counter()
         stream = coder.encode(ids[0])
         enc_s = time.perf_counter() - t
-        static_words, _, _ = StaticTokenCoder(coder.vocab).encode(ids[0])
+        static = StaticTokenCoder(coder.vocab).encode(ids[0])
         kv = to_canonical(prefill(model, ids))
         rec = recover_tokens(kv.values[0], model, table=table)
         bits = stream.token_bits
@@ -69,7 +69,7 @@ def run_claims(args) -> int:
             "coded_bytes": stream.nbytes,
             "cross_entropy_bits": stream.cross_entropy_bits,
             "coded_bits_per_token": 8 * stream.nbytes / ids.shape[1],
-            "static_bits_per_token": 32 * static_words.size / ids.shape[1],
+            "static_bits_per_token": 8 * static.nbytes / ids.shape[1],
             "cross_entropy_bits_per_token_after_first": float(bits[1:].mean()) if bits.size > 1 else None,
             "ratio_vs_bf16_cache": comps * 2 * ids.shape[1] / stream.nbytes,
             "ratio_vs_fp32_cache": comps * 4 * ids.shape[1] / stream.nbytes,

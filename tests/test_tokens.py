@@ -116,20 +116,20 @@ def test_static_coder_round_trip_and_adaptivity():
     pattern = torch.randint(0, 1000, (20,), generator=rng)
     ids = pattern.repeat(30)  # a repetitive text: the adaptive model must learn it
     coder = StaticTokenCoder(50000, chunk_tokens=100)
-    words, sums, ideal = coder.encode(ids)
-    assert torch.equal(coder.decode(words, ids.numel(), sums), ids)
-    assert words.size * 32 <= ideal * 1.01 + 64
-    assert words.size * 32 / ids.numel() < 2.5  # vs log2(50000) = 15.6 bits for an unadaptive code
-    bad = words.copy()
+    s = coder.encode(ids)
+    assert torch.equal(coder.decode(s), ids)
+    assert s.nbytes * 8 <= s.cross_entropy_bits * 1.01 + 64
+    assert s.nbytes * 8 / ids.numel() < 2.5  # vs log2(50000) = 15.6 bits for an unadaptive code
+    bad = s.words.copy()
     bad[len(bad) // 2] ^= 1
     with pytest.raises(kvcodec.KvzError):
-        coder.decode(bad, ids.numel(), sums)
+        coder.decode(TokenStream(bad, s.num_tokens, s.chunk_tokens, s.chunk_checksums))
 
 
 def test_static_coder_frequencies_are_integers():
     from kvcodec.tokens.static import StaticTokenCoder
 
-    model = StaticTokenCoder(300)._model()
+    model = StaticTokenCoder(300)._distributions()
     f = next(model)
     for t in [5, 7, 5, 7, 5, 9]:
         assert (f == torch.from_numpy(f).floor().numpy()).all() and f.min() >= 1 and f.max() < 2**53

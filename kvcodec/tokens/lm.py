@@ -20,15 +20,13 @@ first token has no context and is coded uniformly over the vocabulary.
 from __future__ import annotations
 
 import importlib.metadata as md
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import xxhash
 
-from ..errors import ChecksumMismatch, FormatError
 from ..runtime import cache_kwarg
+from ._coder import RangeTokenCoder
 
 CHUNK_TOKENS = 256
 
@@ -47,11 +45,7 @@ class TokenStream:
         return 4 * int(self.words.size)
 
 
-def _chunk_checksum(ids: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(ids.astype("<u4").tobytes())
-
-
-class LMTokenCoder:
+class LMTokenCoder(RangeTokenCoder):
     """Code token ids with ``model``'s next-token distribution (see the module docstring).
 
     Examples
@@ -59,14 +53,12 @@ class LMTokenCoder:
     >>> # stream = LMTokenCoder(model).encode(ids); ids2 = LMTokenCoder(model).decode(stream)
     """
 
-    def __init__(self, model, chunk_tokens: int = CHUNK_TOKENS):
-        import constriction
+    MISMATCH_HINT = ("this decoder computes different probabilities than the encoder did (another model, dtype, "
+                     "device, library version or thread count; see the recorded procedure), or the stream is corrupt")
 
+    def __init__(self, model, chunk_tokens: int = CHUNK_TOKENS):
+        super().__init__(int(model.get_output_embeddings().weight.shape[0]), chunk_tokens)
         self.model = model.eval()
-        self.chunk_tokens = chunk_tokens
-        self._stream = constriction.stream
-        self._family = constriction.stream.model.Categorical(perfect=False)
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
         self._cache_kw = cache_kwarg(model)
 
     def procedure(self) -> dict:
@@ -84,7 +76,7 @@ class LMTokenCoder:
                          "constriction": md.version("constriction")},
         }
 
-    def _steps(self):
+    def _distributions(self):
         """Generator: send token i-1, receive the float64 distribution of token i."""
         from transformers.cache_utils import DynamicCache
 
@@ -97,47 +89,3 @@ class LMTokenCoder:
                 out = self.model(ids, use_cache=True, **{self._cache_kw: cache})
                 logits = out.logits[0, -1].float().double()
                 probs = torch.softmax(logits, dim=0).cpu().numpy()
-
-    def encode(self, tokens) -> TokenStream:
-        ids = np.asarray(torch.as_tensor(tokens).reshape(-1).cpu(), dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
-            raise ValueError(f"token ids must be in [0, {self.vocab})")
-        enc = self._stream.queue.RangeEncoder()
-        steps = self._steps()
-        probs = next(steps)
-        bits = np.empty(ids.size)
-        for i, t in enumerate(ids):
-            enc.encode(np.array([t], dtype=np.int32), self._family, probs[None, :])
-            bits[i] = -math.log2(max(float(probs[t]) / float(probs.sum()), 2.0 ** -24))
-            if i + 1 < ids.size:
-                probs = steps.send(t)
-        sums = [_chunk_checksum(ids[a:a + self.chunk_tokens]) for a in range(0, ids.size, self.chunk_tokens)]
-        return TokenStream(enc.get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens, sums,
-                           float(bits.sum()), bits)
-
-    def decode(self, stream: TokenStream) -> torch.Tensor:
-        """Decode ``stream.num_tokens`` ids; raises ChecksumMismatch at the first bad chunk."""
-        n = stream.num_tokens
-        if len(stream.chunk_checksums) != -(-n // stream.chunk_tokens):
-            raise FormatError(f"{len(stream.chunk_checksums)} chunk checksums for {n} tokens "
-                              f"in chunks of {stream.chunk_tokens}", field="Chunk_Checksums")
-        dec = self._stream.queue.RangeDecoder(np.ascontiguousarray(stream.words, dtype=np.uint32))
-        steps = self._steps()
-        probs = next(steps)
-        out = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            t = int(dec.decode(self._family, probs[None, :])[0])
-            out[i] = t
-            if (i + 1) % stream.chunk_tokens == 0 or i + 1 == n:
-                k = i // stream.chunk_tokens
-                a = k * stream.chunk_tokens
-                if _chunk_checksum(out[a:i + 1]) != stream.chunk_checksums[k]:
-                    raise ChecksumMismatch(
-                        f"token chunk {k} (tokens {a}..{i}) decodes to ids whose checksum differs: this decoder "
-                        "computes different probabilities than the encoder did (another model, dtype, device, "
-                        "library version or thread count; see the recorded procedure), or the stream is corrupt",
-                        field="Chunk_Checksums")
-            if i + 1 < n:
-                probs = steps.send(t)
-        return torch.from_numpy(out)
-

@@ -23,26 +23,19 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
-import torch
-import xxhash
 
-from ..errors import ChecksumMismatch, FormatError
+from ._coder import RangeTokenCoder
 
-class StaticTokenCoder:
+class StaticTokenCoder(RangeTokenCoder):
     """Adaptive context-model coder for token ids in ``[0, vocab)``."""
 
     PROCEDURE = {"id": "static-wb-o2", "smoothing": "Witten-Bell, orders 2/1/0", "frequency_scale": 2 ** 40,
                  "coder": "constriction.stream.queue.RangeEncoder, Categorical(perfect=False)"}
 
     def __init__(self, vocab: int, chunk_tokens: int = 256):
-        import constriction
+        super().__init__(vocab, chunk_tokens)
 
-        self.vocab = int(vocab)
-        self.chunk_tokens = chunk_tokens
-        self._stream = constriction.stream
-        self._family = constriction.stream.model.Categorical(perfect=False)
-
-    def _model(self):
+    def _distributions(self):
         vocab = self.vocab
         c0 = np.zeros(vocab, dtype=np.float64)
         n0 = d0 = 0
@@ -69,39 +62,3 @@ class StaticTokenCoder:
                 d = c2[(hist[-2], hist[-1])]
                 d[tok] = d.get(tok, 0) + 1
             hist.append(tok)
-
-    def encode(self, tokens):
-        """Returns ``(uint32 words, chunk checksums, ideal code length in bits)``."""
-        ids = np.asarray(torch.as_tensor(tokens).reshape(-1), dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
-            raise ValueError(f"token ids must be in [0, {self.vocab})")
-        enc = self._stream.queue.RangeEncoder()
-        model = self._model()
-        f = next(model)
-        bits = 0.0
-        for t in ids.tolist():
-            enc.encode(np.array([t], dtype=np.int32), self._family, f[None, :])
-            bits -= np.log2(f[t] / f.sum())
-            f = model.send(t)
-        sums = [xxhash.xxh3_64_intdigest(ids[a:a + self.chunk_tokens].astype("<u4").tobytes())
-                for a in range(0, ids.size, self.chunk_tokens)]
-        return enc.get_compressed().astype(np.uint32), sums, float(bits)
-
-    def decode(self, words, n: int, sums: list[int]) -> torch.Tensor:
-        if len(sums) != -(-n // self.chunk_tokens):
-            raise FormatError(f"{len(sums)} chunk checksums for {n} tokens", field="Chunk_Checksums")
-        dec = self._stream.queue.RangeDecoder(np.ascontiguousarray(words, dtype=np.uint32))
-        model = self._model()
-        f = next(model)
-        out = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            t = int(dec.decode(self._family, f[None, :])[0])
-            out[i] = t
-            if (i + 1) % self.chunk_tokens == 0 or i + 1 == n:
-                k = i // self.chunk_tokens
-                a = k * self.chunk_tokens
-                if xxhash.xxh3_64_intdigest(out[a:i + 1].astype("<u4").tobytes()) != sums[k]:
-                    raise ChecksumMismatch(f"token chunk {k} (tokens {a}..{i}): checksum mismatch (corrupt stream)",
-                                           field="Chunk_Checksums")
-            f = model.send(t)
-        return torch.from_numpy(out)
