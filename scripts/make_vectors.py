@@ -69,8 +69,15 @@ def cases():
         {"chunk_tokens": 5}
 
 
+def tiny():
+    """The smallest useful file, dumped in hex in spec/kvz.md Appendix A."""
+    k = torch.tensor([[[[1.0], [-2.0]]]], dtype=torch.float16)
+    v = torch.tensor([[[[0.5], [0.25]]]], dtype=torch.float16)
+    return kvcodec.KVCache([k], [v])
+
+
 def build():
-    for name, kv, opts in cases():
+    for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})]:
         data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
         meta = {
             "options": opts,

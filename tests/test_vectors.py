@@ -15,7 +15,7 @@ import kvcodec
 from kvcodec.container.reader import KvzReader
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-CASES = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window"]
+CASES = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny"]
 
 
 def sha(t):
