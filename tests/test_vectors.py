@@ -55,3 +55,22 @@ def test_reencode_vector_identically(case, backend, monkeypatch):
 def test_raw_mode_vector_has_a_raw_section():
     info = kvcodec.inspect(VECTORS / "fp16_special_raw.kvz")
     assert max(s["bits_per_component"] or 0 for s in info["sections"]) > 16
+
+
+def test_spec_byte_walkthrough_matches_the_vector():
+    """Every fully written hex line of spec/kvz.md Appendix A.1 is the vector's bytes at that offset."""
+    import re
+
+    spec = (VECTORS.parent / "kvz.md").read_text()
+    block = spec.split("### A.1")[1].split("```")[1]
+    data = (VECTORS / "fp16_tiny.kvz").read_bytes()
+    checked = 0
+    for line in block.splitlines():
+        m = re.match(r"^(\d+)\s+((?:[0-9a-f]{2}(?: \| | |$))+)", line)
+        if not m or "..." in line:
+            continue
+        hexes = bytes(int(h, 16) for h in re.findall(r"[0-9a-f]{2}", m.group(2)))
+        off = int(m.group(1))
+        assert data[off:off + len(hexes)] == hexes, line
+        checked += 1
+    assert checked >= 8
