@@ -117,7 +117,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     """Parse and validate header bytes located at ``offset`` in the file."""
     lim = {"max_layers": L.MAX_LAYERS, "max_batch": L.MAX_BATCH, "max_heads": L.MAX_HEADS,
            "max_head_dim": L.MAX_HEAD_DIM, "max_seq_len": L.MAX_SEQ_LEN,
-           "max_output_bytes": L.DEFAULT_MAX_OUTPUT_BYTES, **(limits or {})}
+           "max_output_bytes": L.default_max_output_bytes(), **(limits or {})}
     v = _V(offset)
     try:
         text = data.decode("utf-8")
@@ -196,5 +196,5 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         v.fail("cache.chunk_tokens", f"the cache would need more than {L.MAX_SECTIONS} sections", LimitExceeded)
     if hdr.tensor_bytes() > lim["max_output_bytes"]:
         v.fail("cache.layers", f"decoded tensors would take {hdr.tensor_bytes()} bytes, over the limit of "
-               f"{lim['max_output_bytes']} (raise max_output_bytes to allow)", LimitExceeded)
+               f"{lim['max_output_bytes']} (pass limits={{'max_output_bytes': ...}} to allow)", LimitExceeded)
     return hdr

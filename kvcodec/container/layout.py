@@ -49,7 +49,22 @@ MAX_HEADS = 1 << 16
 MAX_HEAD_DIM = 1 << 16
 MAX_SEQ_LEN = 1 << 31
 MAX_CHUNK_TOKENS = 1 << 24
-DEFAULT_MAX_OUTPUT_BYTES = 64 << 30  # 64 GiB of decoded tensors; callers may raise or lower it
+MAX_OUTPUT_BYTES_CAP = 64 << 30  # decoded tensors; callers may raise or lower the limit
+
+
+def default_max_output_bytes() -> int:
+    """64 GiB or three quarters of physical memory, whichever is smaller.
+
+    A coded payload can describe far more data than its own size, so the
+    default must keep a hostile header from exhausting this machine's memory.
+    """
+    import os
+
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return MAX_OUTPUT_BYTES_CAP
+    return min(MAX_OUTPUT_BYTES_CAP, phys * 3 // 4)
 
 
 def xxh3(data) -> int:
