@@ -112,12 +112,11 @@ def _write(sink, cache, model, tier: str, chunk_tokens: int, tokens, info, threa
             tokens = tokens.unsqueeze(0)
         kv = KVCache(kv.keys, kv.values, tokens, kv.start_position, kv.sliding_window, kv.cumulative_length)
     params = floatctx.check_config(dict(options), kv.dtype_name)
-    header = _header(kv, tier, params, chunk_tokens, model, info)
-    writer = KvzWriter(sink, header)
-    if kv.tokens is not None:
-        ids = kv.tokens.to("cpu", torch.int64).numpy()
-        if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
-            raise ValueError("token ids must be in [0, 2**32)")
+    ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
+    if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    writer = KvzWriter(sink, _header(kv, tier, params, chunk_tokens, model, info))
+    if ids is not None:
         writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
     jobs = []
     for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
