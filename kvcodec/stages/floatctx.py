@@ -122,7 +122,6 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     """Encode a ``[B, H, S, D]`` array of raw float bit patterns (uint16/uint32)."""
     width, _ = DTYPES[dtype]
     cfg = check_config(cfg, dtype)
-    raw = np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
     b, h, s, d = words.shape
     n = words.size
     if n == 0:
@@ -162,8 +161,8 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
         _FIXED.pack(MODE_CODED, k, sb, ways, nclass, 0, g, len(side_z), len(side), words_out.size),
         side_z, words_out.astype("<u2").tobytes(), low,
     ])
-    if len(out) >= 1 + len(raw):
-        return bytes([MODE_RAW]) + raw
+    if len(out) >= 1 + n * width:  # coding does not pay: store the words as they are
+        return bytes([MODE_RAW]) + np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
     return out
 
 
