@@ -56,7 +56,11 @@ def _model_record(model) -> dict | None:
         model, tok = model
     else:
         tok = None
-    rec = {"fingerprint": fingerprint_of(model, tok)}
+    rec = {"fingerprint": fingerprint_of(model)}
+    if tok is not None:
+        from .models import tokenizer_fingerprint
+
+        rec["tokenizer"] = tokenizer_fingerprint(tok)
     arch = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(arch, str):
         rec["architecture"] = arch
@@ -77,17 +81,18 @@ def _tensor(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --- encoding ------------------------------------------------------------------
-def _header(kv: KVCache, tier: str, codec_params: dict, chunk_tokens: int, model, info) -> dict:
-    return {
+def _header(kv: KVCache, tier: str, codec: dict, chunk_tokens: int, model, info, tokens: dict | None = None,
+            num_tokens: int | None = None) -> dict:
+    h = {
         "format": "kvz",
         "tier": tier,
-        "codec": {"id": floatctx.CODEC_ID, "params": codec_params},
+        "codec": codec,
         "cache": {
             "dtype": kv.dtype_name,
             "batch": kv.batch,
             "chunk_tokens": chunk_tokens,
             "start_position": int(kv.start_position),
-            "num_tokens": 0 if kv.tokens is None else int(kv.tokens.shape[1]),
+            "num_tokens": (0 if kv.tokens is None else int(kv.tokens.shape[1])) if num_tokens is None else num_tokens,
             "layers": [
                 {"kv_heads": int(k.shape[1]), "k_dim": int(k.shape[3]), "v_dim": int(v.shape[3]),
                  "seq_len": int(k.shape[2]), "sliding_window": kv.sliding_window[i],
@@ -98,11 +103,44 @@ def _header(kv: KVCache, tier: str, codec_params: dict, chunk_tokens: int, model
         "model": _model_record(model),
         "info": {"kvcodec_version": __version__} if info is None else info,
     }
+    if tokens is not None:  # format 1.1: runs of identical layers are written once, with "repeat"
+        h["tokens"] = tokens
+        runs = []
+        for lay in h["cache"]["layers"]:
+            if runs and {k: x for k, x in runs[-1].items() if k != "repeat"} == lay:
+                runs[-1]["repeat"] = runs[-1].get("repeat", 1) + 1
+            else:
+                runs.append(dict(lay))
+        h["cache"]["layers"] = runs
+    return h
 
 
-def _write(sink, cache, model, tier: str, chunk_tokens: int, tokens, info, threads, options, progress=None):
+_UNSET = object()
+
+
+def _resolve_tier(tier, model, tolerance):
+    if tier is None:
+        tier = "lossless" if model is None else ("tokens" if tolerance is not _UNSET and tolerance != 0 else "exact")
     if tier not in TIERS:
         raise ConfigError(f"unknown tier {tier!r}; this version implements {sorted(TIERS)}")
+    if tier == "lossless":
+        if tolerance is not _UNSET and tolerance not in (0, None):
+            raise ConfigError("tolerance applies to the token tiers (tier='tokens')")
+        return tier, None
+    if model is None:
+        raise ConfigError(f"tier {tier!r} stores the cache as its tokens and needs the model: encode(cache, model)")
+    if tolerance is _UNSET:
+        tolerance = 0 if tier == "exact" else None
+    if tier == "exact" and tolerance != 0:
+        raise ConfigError("tier 'exact' is bit-identical (tolerance 0); use tier='tokens' with tolerance=eps")
+    if tolerance is not None and not (isinstance(tolerance, (int, float)) and tolerance >= 0):
+        raise ConfigError("tolerance must be None or a number >= 0")
+    return tier, tolerance
+
+
+def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, options, progress=None, tok=None):
+    tok = tok or {}
+    tier, tolerance = _resolve_tier(tier, model, tok.get("tolerance", _UNSET))
     if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= L.MAX_CHUNK_TOKENS:
         raise ConfigError(f"chunk_tokens must be an int in [1, {L.MAX_CHUNK_TOKENS}]")
     kv = to_canonical(cache)
@@ -110,12 +148,35 @@ def _write(sink, cache, model, tier: str, chunk_tokens: int, tokens, info, threa
         tokens = torch.as_tensor(tokens)
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
+    if tier != "lossless":
+        from . import tokentier
+
+        if options:
+            raise ConfigError(f"options {sorted(options)} apply to the lossless tier only")
+        try:
+            enc = tokentier.prepare(cache, kv, model, tier=tier, tokens=tokens,
+                                    token_model=tok.get("token_model") or ("draft" if tok.get("draft") else "lm"),
+                                    draft=tok.get("draft"), schedule=tok.get("schedule"),
+                                    attention_mask=tok.get("attention_mask"), tolerance=tolerance)
+        except tokentier.Fallback as e:
+            import warnings
+
+            from .errors import FallbackWarning
+
+            warnings.warn(f"tier {tier!r} cannot store this cache ({e}); stored losslessly instead",
+                          FallbackWarning, stacklevel=3)
+            info = {**({"kvcodec_version": __version__} if info is None else info), "fallback": str(e)}
+            tier = "lossless"
+        else:
+            return _write_token_tier(sink, kv, enc, model, tier, chunk_tokens, tolerance, info, progress)
+    if tokens is not None:
         kv = KVCache(kv.keys, kv.values, tokens, kv.start_position, kv.sliding_window, kv.cumulative_length)
     params = floatctx.check_config(dict(options), kv.dtype_name)
     ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
     if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
         raise ValueError("token ids must be in [0, 2**32)")
-    writer = KvzWriter(sink, _header(kv, tier, params, chunk_tokens, model, info))
+    writer = KvzWriter(sink, _header(kv, tier, {"id": floatctx.CODEC_ID, "params": params}, chunk_tokens, model,
+                                     info))
     if ids is not None:
         writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
     jobs = []
@@ -132,6 +193,30 @@ def _write(sink, cache, model, tier: str, chunk_tokens: int, tokens, info, threa
     # the jobs contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
     _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, payload: writer.write_section(
         L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2]), progress)
+    return writer.close()
+
+
+def _write_token_tier(sink, kv: KVCache, enc, model, tier, chunk_tokens, tolerance, info, progress):
+    from . import tokentier
+    from .stages import residual
+
+    base = {"kvcodec_version": __version__} if info is None else dict(info)
+    base.setdefault("schedule_source", enc.how)
+    header = _header(kv, tier, {"id": residual.CODEC_ID, "params": {}}, chunk_tokens, model, base, enc.header_tokens,
+                     num_tokens=int(enc.tokens.shape[1]))
+    writer = KvzWriter(sink, header)
+    for r, stream in enumerate(enc.streams):
+        writer.write_section(L.SECTION_TOKEN_STREAM, tokentier.pack_stream(stream), chunk=r)
+    if tolerance is not None:
+        for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
+            for part, orig, reg in ((L.PART_KEYS, k, enc.regen.keys[li]), (L.PART_VALUES, v, enc.regen.values[li])):
+                for c in range(-(-orig.shape[2] // chunk_tokens)):
+                    a, b = c * chunk_tokens, min(orig.shape[2], (c + 1) * chunk_tokens)
+                    payload = residual.encode(_bits(orig[:, :, a:b]), _bits(reg[:, :, a:b]), kv.dtype_name,
+                                              tolerance or 0.0)
+                    writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
+                    if progress:
+                        progress(1)
     return writer.close()
 
 
@@ -165,25 +250,49 @@ def _run_ordered(jobs, work, threads, consume, progress=None, prepare=None):
             done(j, f.result())
 
 
-def encode(cache, model=None, *, tier: str = "lossless", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-           tokens=None, info: dict | None = None, threads: int | None = None, **options) -> bytes:
+def encode(cache, model=None, *, tier: str | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+           tokens=None, token_model: str | None = None, draft=None, schedule=None, attention_mask=None,
+           tolerance=_UNSET, info: dict | None = None, threads: int | None = None, **options) -> bytes:
     """Encode a KV cache to .kvz bytes.
 
     Parameters
     ----------
-    cache : DynamicCache, tuple of (key, value) pairs, or KVCache
+    cache : DynamicCache (or :class:`~kvcodec.tokens.RecordingCache`), tuple of (key, value) pairs, or KVCache
     model : transformers model or (model, tokenizer), optional
-        Recorded by fingerprint; tiers that recompute the cache need it.
+        The model the cache was made with.  Given a model, the default tier is
+        ``"exact"``: the cache is stored as its tokens plus a residual and
+        decoding recomputes it with the model.
     tier : str
-        ``"lossless"`` (bit-exact, no model needed to decode).
+        ``"exact"`` (default with a model: tokens + residual, bit-identical),
+        ``"tokens"`` (tokens only - restore is recompute - or, with
+        ``tolerance=eps``, a residual bounding the error by eps), or
+        ``"lossless"`` (default without a model: the tensors themselves,
+        bit-exact, no model needed to decode).  When the token tiers cannot
+        store the cache (unsupported architecture, tokens not recoverable, a
+        cache not starting at position 0) the encoder stores it losslessly and
+        warns (:class:`~kvcodec.errors.FallbackWarning`).
     chunk_tokens : int
-        Tokens per section: the granularity of random access.
+        Tokens per kv / residual section: the granularity of random access.
     tokens : int tensor [batch, seq], optional
-        Token ids to store alongside the cache.
+        The cache's token ids.  Token tiers recover them from the cache when
+        omitted; the lossless tier stores them alongside when given.
+    token_model : ``"lm"`` (default), ``"static"`` or ``"draft"``
+        Probability model of the token channel: the model itself (decoding
+        runs it token by token), an adaptive context model (decoding = one
+        prefill), or ``draft`` (a smaller model with the same tokenizer).
+    schedule : None, ``"infer"``, ``"prefill"``, list of call sizes or of ``[size, count]`` runs
+        How the cache was filled (forward calls and their sizes).  Default:
+        the schedule a :class:`~kvcodec.tokens.RecordingCache` recorded, else
+        inferred (one prefill; or one prefill then single steps, as
+        ``generate()`` does).
+    attention_mask : [batch, seq] 0/1, optional
+        Left padding of a padded batch (inferred from pad tokens when omitted).
+    tolerance : float or None
+        Token tiers: 0 = lossless residual, eps = max abs error eps, None = no residual.
     threads : int, optional
         Sections coded in parallel; default 1 (faster here, see BENCHMARKS.md).
     **options
-        Codec options (``scale_bits``, ``ways``, ``max_tables``, ``context``, ``coded_bits``).
+        Lossless codec options (``scale_bits``, ``ways``, ``max_tables``, ``context``, ``coded_bits``).
 
     Examples
     --------
@@ -195,7 +304,9 @@ def encode(cache, model=None, *, tier: str = "lossless", chunk_tokens: int = DEF
     True
     """
     buf = io.BytesIO()
-    _write(buf, cache, model, tier, chunk_tokens, tokens, info, threads, options)
+    _write(buf, cache, model, tier, chunk_tokens, tokens, info, threads, options,
+           tok=dict(token_model=token_model, draft=draft, schedule=schedule, attention_mask=attention_mask,
+                    tolerance=tolerance))
     return buf.getvalue()
 
 
@@ -213,13 +324,15 @@ def save(path, cache, model=None, **kwargs) -> int:
     """
     progress = kwargs.pop("progress", None)
     enc = {k: kwargs.pop(k) for k in ("tier", "chunk_tokens", "tokens", "info", "threads") if k in kwargs}
+    tok = {k: kwargs.pop(k) for k in ("token_model", "draft", "schedule", "attention_mask", "tolerance")
+           if k in kwargs}
     is_local = isinstance(path, os.PathLike) or "://" not in str(path)
     target = os.fspath(path) if is_local else path
     tmp = f"{target}.tmp" if is_local else target
     f = _open_path(tmp, "wb")
     try:
-        n = _write(f, cache, model, enc.get("tier", "lossless"), enc.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
-                   enc.get("tokens"), enc.get("info"), enc.get("threads"), kwargs, progress)
+        n = _write(f, cache, model, enc.get("tier"), enc.get("chunk_tokens", DEFAULT_CHUNK_TOKENS),
+                   enc.get("tokens"), enc.get("info"), enc.get("threads"), kwargs, progress, tok)
     except BaseException:
         f.close()
         if is_local and os.path.exists(tmp):
@@ -238,8 +351,9 @@ class KvzFile:
     >>> # with kvcodec.open_kvz("cache.kvz") as f: k, v = f.layer(3)
     """
 
-    def __init__(self, source, model=None, *, limits: dict | None = None, threads: int | None = None):
+    def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None):
         self._owned = None
+        self.model, self.draft, self._regen = model, draft, None
         if isinstance(source, (str, os.PathLike)) and "://" in str(source):
             self._owned = _open_path(source, "rb")
             source = self._owned
@@ -248,6 +362,41 @@ class KvzFile:
         self.threads = threads
         if model is not None:
             check_model(self.header, model)
+        t = self.header.tokens
+        if t is not None and draft is not None and t.draft is not None:
+            check_model(self.header, draft, t.draft, "draft")
+
+    @property
+    def is_token_tier(self) -> bool:
+        return self.header.tokens is not None
+
+    def _regenerated(self):
+        """Token tiers: (tokens, regenerated KVCache), decoded once."""
+        if self._regen is None:
+            from . import tokentier
+
+            h = self.header
+            if self.model is None:
+                raise ConfigError(f"this file's tier {h.tier!r} is restored by recomputing the cache with the model "
+                                  "it was made with: decode(data, model)")
+            if h.tokens.draft is not None and self.draft is None:
+                raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
+            streams = []
+            for r in range(h.batch):
+                e = self.reader.entry(L.SECTION_TOKEN_STREAM, 0, 0, r)
+                streams.append(tokentier.unpack_stream(self.reader.read_payload(e),
+                                                       expect_tokens=h.num_tokens - h.tokens.padding[r],
+                                                       chunk=h.tokens.chunk_tokens, offset=e.payload_offset))
+            tokens, regen = tokentier.regenerate(h, streams, self.model, self.draft)
+            for i, lay in enumerate(h.layers):
+                if (regen.keys[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.k_dim)
+                        or regen.values[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.v_dim)
+                        or regen.dtype != self.dtype):
+                    raise ModelMismatch(f"layer {i}: the model regenerates {tuple(regen.keys[i].shape)} "
+                                        f"{regen.dtype}, the header says {(h.batch, lay.kv_heads, lay.seq_len)} "
+                                        f"{h.dtype}", field=f"Header.cache.layers[{i}]", offset=L.PREAMBLE.size)
+            self._regen = (tokens, regen)
+        return self._regen
 
     @property
     def dtype(self) -> torch.dtype:
@@ -255,6 +404,8 @@ class KvzFile:
 
     def tokens(self) -> torch.Tensor | None:
         h = self.header
+        if self.is_token_tier:
+            return self._regenerated()[0]
         if not h.num_tokens:
             return None
         e = self.reader.entry(L.SECTION_TOKENS)
@@ -264,9 +415,35 @@ class KvzFile:
         ids = np.frombuffer(self.reader.read_payload(e), dtype="<u4").astype(np.int64)
         return torch.from_numpy(ids.reshape(h.batch, h.num_tokens))
 
+    def _decode_token_tier(self, layers, progress=None) -> dict:
+        from .stages import residual
+
+        h = self.header
+        _, regen = self._regenerated()
+        outs = {}
+        for li in layers:
+            lay = h.layers[li]
+            for p, t in ((L.PART_KEYS, regen.keys[li]), (L.PART_VALUES, regen.values[li])):
+                if not h.tokens.has_residual:
+                    outs[li, p] = t
+                    continue
+                bits = _bits(t).copy()
+                for c in range(lay.chunks(h.chunk_tokens)):
+                    a, b = lay.chunk_range(c, h.chunk_tokens)
+                    e = self.reader.entry(L.SECTION_RESIDUAL, li, p, c)
+                    bits[:, :, a:b] = residual.decode(
+                        self.reader.read_payload(e), np.ascontiguousarray(bits[:, :, a:b]), h.dtype,
+                        offset=e.payload_offset, what=f"layer {li} {('keys', 'values')[p]} chunk {c}")
+                    if progress:
+                        progress(1)
+                outs[li, p] = _tensor(bits, self.dtype)
+        return outs
+
     def _decode(self, layers, progress=None) -> dict:
         """Decode the keys and values of ``layers``: {(layer, part): tensor}."""
         h = self.header
+        if self.is_token_tier:
+            return self._decode_token_tier(layers, progress)
         outs = {}
         jobs = []
         for li in layers:
@@ -300,7 +477,8 @@ class KvzFile:
         return {key: _tensor(arr, self.dtype) for key, arr in outs.items()}
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode one layer's keys and values, reading only its sections."""
+        """Decode one layer's keys and values, reading only its sections (token tiers regenerate the whole
+        cache once, then apply this layer's residual)."""
         if not 0 <= i < len(self.header.layers):
             raise IndexError(f"layer {i} of {len(self.header.layers)}")
         d = self._decode([i])
@@ -330,18 +508,23 @@ class KvzFile:
         self.close()
 
 
-def check_model(header, model) -> None:
+def check_model(header, model, recorded: dict | None = None, what: str = "model") -> None:
     """Raise :class:`ModelMismatch` if ``model`` is not the one recorded in the file."""
-    if header.model is None:
+    recorded = header.model if recorded is None else recorded
+    if recorded is None:
         return
     rec = _model_record(model)
-    if rec["fingerprint"] != header.model["fingerprint"]:
-        raise ModelMismatch(f"file was made with model {header.model['fingerprint'][:16]}…, "
-                            f"the model given is {rec['fingerprint'][:16]}…", field="Header.model.fingerprint",
-                            offset=L.PREAMBLE.size)
+    if rec["fingerprint"] != recorded["fingerprint"]:
+        raise ModelMismatch(f"file was made with {what} {recorded['fingerprint'][:16]}…, "
+                            f"the {what} given is {rec['fingerprint'][:16]}… (another model, another dtype or "
+                            "modified weights)", field=f"Header.{what}.fingerprint", offset=L.PREAMBLE.size)
+    if "tokenizer" in rec and "tokenizer" in recorded and rec["tokenizer"] != recorded["tokenizer"]:
+        raise ModelMismatch(f"file was made with a {what} whose tokenizer differs from the one given",
+                            field=f"Header.{what}.tokenizer", offset=L.PREAMBLE.size)
 
 
 def open_kvz(source, model=None, **kwargs) -> KvzFile:
+    # kwargs: draft=, limits=, threads=
     """Open a .kvz file (bytes, path, fsspec URL or file object) for lazy reading."""
     return KvzFile(source, model, **kwargs)
 
@@ -356,14 +539,18 @@ def _convert(kv: KVCache, output: str):
     raise ConfigError(f"output must be 'dynamic', 'kvcache' or 'legacy', not {output!r}")
 
 
-def decode(data, model=None, *, output: str = "dynamic", limits: dict | None = None, threads: int | None = None,
-           progress=None):
+def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dict | None = None,
+           threads: int | None = None, progress=None):
     """Decode .kvz bytes into a cache (a ``DynamicCache`` by default).
 
-    ``output="kvcache"`` returns a :class:`KVCache`, ``"legacy"`` a tuple of pairs.
-    ``limits`` caps what the file may ask for (``max_output_bytes`` ...).
+    ``model`` is required for the token tiers (``exact``, ``tokens``): the cache
+    is recomputed with it; it must be the model the file was made with
+    (:class:`~kvcodec.errors.ModelMismatch` otherwise).  ``draft`` likewise for
+    files whose tokens were coded with a draft model.  ``output="kvcache"``
+    returns a :class:`KVCache`, ``"legacy"`` a tuple of pairs.  ``limits`` caps
+    what the file may ask for (``max_output_bytes`` ...).
     """
-    with KvzFile(data, model, limits=limits, threads=threads) as f:
+    with KvzFile(data, model, draft=draft, limits=limits, threads=threads) as f:
         return _convert(f.to_kvcache(progress), output)
 
 
@@ -394,7 +581,9 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
             sections = []
             for e in r.sections:
                 d = {"type": e.name, "offset": e.offset, "bytes": e.length}
-                if e.section_type == L.SECTION_KV:
+                if e.section_type == L.SECTION_TOKEN_STREAM:
+                    d.update(batch_row=e.chunk)
+                if e.section_type in (L.SECTION_KV, L.SECTION_RESIDUAL):
                     lay = h.layers[e.layer]
                     a, b = lay.chunk_range(e.chunk, h.chunk_tokens)
                     dim = lay.k_dim if e.part == L.PART_KEYS else lay.v_dim
@@ -408,6 +597,20 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
                 r.verify_checksums()
                 status = "all checksums ok"
             raw = h.tensor_bytes()
+            token_channel = None
+            if h.tokens is not None:
+                t = h.tokens
+                coded = sum(h.num_tokens - p for p in t.padding)
+                stream_bytes = sum(e.length for e in r.sections if e.section_type == L.SECTION_TOKEN_STREAM)
+                token_channel = {
+                    "token_model": t.token_model, "draft": t.draft, "schedule": t.raw["schedule"],
+                    "padding": list(t.padding), "positions": t.positions, "tolerance": t.tolerance,
+                    "max_abs_deviation": t.raw["max_abs_deviation"],
+                    "coded_tokens": coded, "token_stream_bytes": stream_bytes,
+                    "bits_per_token": round(8 * stream_bytes / coded, 4) if coded else None,
+                    "residual_bytes": sum(e.length for e in r.sections if e.section_type == L.SECTION_RESIDUAL),
+                    "procedure": t.raw["procedure"],
+                }
             return {
                 "format_version": f"{r.version[0]}.{r.version[1]}",
                 "file_bytes": r.size,
@@ -427,6 +630,7 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
                 "ratio": round(raw / r.size, 4) if r.size else None,
                 "bits_per_component": round(8 * r.size / (raw / h.itemsize), 4) if raw else None,
                 "info": h.raw.get("info"),
+                "token_channel": token_channel,
                 "checksums": status,
                 "sections": sections,
             }

@@ -104,3 +104,8 @@ class ConfigError(KvzError, ValueError):
 
 class BackendUnavailable(KvzError, ImportError):
     """An optional backend (Triton, a GPU) is not available."""
+
+
+class FallbackWarning(UserWarning):
+    """An encoder could not use the tier asked for and used another one (the reason is in the message and in
+    the file's ``info.fallback``)."""

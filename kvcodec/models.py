@@ -160,3 +160,11 @@ def model_fingerprint(model, tokenizer=None) -> str:
         vocab = tokenizer.get_vocab()
         h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
     return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hex SHA-256 of a tokenizer's vocabulary (token -> id), the identity of its ids."""
+    h = hashlib.sha256(b"kvcodec-tokenizer-fingerprint-v1\0")
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
+    return h.hexdigest()

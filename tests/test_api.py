@@ -113,18 +113,24 @@ def test_quantized_cache_layers_are_refused():
 def test_model_fingerprint_and_mismatch():
     m1, m2 = tiny_model("llama"), tiny_model("qwen2")
     cache = model_cache(m1, torch.randint(0, VOCAB, (1, 6)))
-    data = kvcodec.encode(cache, m1)
-    info = kvcodec.inspect(data)
-    assert info["model"]["fingerprint"] == kvcodec.model_fingerprint(m1)
-    kvcodec.decode(data, m1)
-    kvcodec.decode(data)  # the lossless tier does not need the model
-    with pytest.raises(kvcodec.ModelMismatch):
-        kvcodec.decode(data, m2)
     m3 = copy.deepcopy(m1)
     with torch.no_grad():
         next(m3.parameters())[0, 0] += 1e-3  # one weight changed: another model
-    with pytest.raises(kvcodec.ModelMismatch):
-        kvcodec.decode(data, m3)
+    for tier in ("lossless", "exact", "tokens"):
+        data = kvcodec.encode(cache, m1, tier=tier)
+        info = kvcodec.inspect(data)
+        assert info["model"]["fingerprint"] == kvcodec.model_fingerprint(m1)
+        assert info["tier"] == tier
+        kvcodec.decode(data, m1)
+        if tier == "lossless":
+            kvcodec.decode(data)  # the lossless tier does not need the model
+        else:
+            with pytest.raises(kvcodec.ConfigError, match="decode\\(data, model\\)"):
+                kvcodec.decode(data)
+        with pytest.raises(kvcodec.ModelMismatch):
+            kvcodec.decode(data, m2)
+        with pytest.raises(kvcodec.ModelMismatch):
+            kvcodec.decode(data, m3)
 
 
 def test_save_load_paths_and_fsspec(tmp_path):

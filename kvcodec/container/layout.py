@@ -18,7 +18,10 @@ MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
-FORMAT_VERSION_MINOR = 0
+FORMAT_VERSION_MINOR = 1  # the highest minor version this code reads and writes
+#: a writer stamps the lowest minor version that can express the file: 0 for the lossless tier,
+#: 1 for the token tiers (sections 3 and 4), so 1.0 readers keep reading lossless files
+TIER_MIN_MINOR = {"lossless": 0, "tokens": 1, "exact": 1}
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")
@@ -31,8 +34,11 @@ FOOTER = struct.Struct("<QQQ8s")  # Index_Offset, File_Length, Footer_Checksum, 
 # Section types (spec/registry.md).  Never reuse a retired number.
 SECTION_KV = 1
 SECTION_TOKENS = 2
+SECTION_TOKEN_STREAM = 3  # format 1.1
+SECTION_RESIDUAL = 4  # format 1.1
 SECTION_INDEX = 0xFFFF
-SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKENS: "tokens", SECTION_INDEX: "index"}
+SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKENS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
+                 SECTION_RESIDUAL: "residual", SECTION_INDEX: "index"}
 
 FLAG_CRITICAL = 0x0001  # a reader that does not know the type must reject the file
 FLAGS_RESERVED = 0xFFFE

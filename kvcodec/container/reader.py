@@ -115,6 +115,9 @@ class KvzReader:
             raise ChecksumMismatch(f"header checksum {hsum:016x} != computed {self.header_checksum:016x}",
                                    field="Header_Checksum", offset=hend)
         self.header: Header = parse(body, offset=L.PREAMBLE.size, limits=self.limits)
+        if minor < L.TIER_MIN_MINOR[self.header.tier]:
+            raise FormatError(f"tier {self.header.tier!r} needs format 1.{L.TIER_MIN_MINOR[self.header.tier]}, "
+                              f"the file says 1.{minor}", field="Version_Minor", offset=10)
         self.data_start = hend + 8
         self._read_footer_and_index()
 
@@ -224,8 +227,8 @@ class KvzReader:
         typ, flags, layer, part, chunk, n, psum = self._section_header_at(e.offset)
         if (typ, layer, part, chunk, n) != (e.section_type, e.layer, e.part, e.chunk, e.length):
             raise OffsetError("section header disagrees with the index", field="Section_Type", offset=e.offset)
-        if not flags & L.FLAG_CRITICAL and typ in (L.SECTION_KV, L.SECTION_TOKENS):
-            raise FormatError("a kv/tokens section is not marked critical", field="Section_Flags", offset=e.offset + 2)
+        if not flags & L.FLAG_CRITICAL and typ in L.SECTION_NAMES:
+            raise FormatError(f"a {e.name} section is not marked critical", field="Section_Flags", offset=e.offset + 2)
         data = self._read_at(e.payload_offset, n, "Payload")
         if L.xxh3(data) != psum:
             raise ChecksumMismatch(f"{e.name} section (layer {e.layer}, part {e.part}, chunk {e.chunk}): "

@@ -38,7 +38,8 @@ class KvzWriter:
         body = dumps(header)
         if len(body) > L.MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(body)} bytes exceeds {L.MAX_HEADER_BYTES}")
-        pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, L.FORMAT_VERSION_MINOR, len(body))
+        minor = L.TIER_MIN_MINOR.get(header.get("tier"), L.FORMAT_VERSION_MINOR)
+        pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))
 

@@ -126,24 +126,36 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     n = words.size
     if n == 0:
         return bytes([MODE_RAW])
-    k, sb, ways = cfg["coded_bits"], cfg["scale_bits"], cfg["ways"]
-    nclass = 6 if cfg["context"] == "prev" else 1
+    k, ways = cfg["coded_bits"], cfg["ways"]
     lowbits = 8 * width - k
     rows = np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(b * h * d, s)
     syms = (rows >> lowbits).astype(np.uint16)
+    low = rans.pack_bits(rans.coding_order(rows & ((1 << lowbits) - 1), ways), lowbits) if lowbits else b""
+    out = encode_symbols(syms, k, cfg) + low
+    if len(out) >= 1 + n * width:  # coding does not pay: store the words as they are
+        return bytes([MODE_RAW]) + np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
+    return out
+
+
+def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
+    """The coded part of a Mode 1 payload (fixed fields, side information, rANS words) for a
+    ``[rows, tokens]`` matrix of ``k``-bit symbols; the caller appends the raw low bits."""
+    sb, ways = cfg["scale_bits"], cfg["ways"]
+    nrows, s = syms.shape
+    n = syms.size
+    nclass = 6 if cfg["context"] == "prev" else 1
     nsym = 1 << k
     # reference symbol of each row: sign 0, the (lower) median magnitude
     half = 1 << (k - 1)
-    nrows = b * h * d
     mag = (syms & np.uint16(half - 1)).astype(np.int64)
     cdf = np.cumsum(np.bincount((mag + np.arange(nrows)[:, None] * half).ravel(),
                                 minlength=nrows * half).reshape(nrows, half), axis=1)
     refs = np.argmax(cdf >= (s + 1) // 2, axis=1).astype(np.uint16)
     # histograms per (row, class)
-    ident = np.arange(b * h * d * nclass, dtype=np.int64).reshape(b * h * d, nclass)
+    ident = np.arange(nrows * nclass, dtype=np.int64).reshape(nrows, nclass)
     cls = rans.contexts(syms, refs, ident, k, nclass).astype(np.int64)
-    counts = np.bincount((cls * nsym + syms).ravel(), minlength=b * h * d * nclass * nsym)
-    counts = counts.reshape(b * h * d * nclass, nsym)
+    counts = np.bincount((cls * nsym + syms).ravel(), minlength=nrows * nclass * nsym)
+    counts = counts.reshape(nrows * nclass, nsym)
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1
@@ -151,19 +163,15 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     if (tcounts > 0).sum(axis=1).max() > (1 << sb):
         raise ConfigError(f"{CODEC_ID}: a table has more distinct symbols than 2**scale_bits; raise scale_bits")
     freq = rans.normalize_counts(tcounts, sb)
-    ctx_map = assign.reshape(b * h * d, nclass).astype(np.uint8)
+    ctx_map = assign.reshape(nrows, nclass).astype(np.uint8)
     ctx = assign[cls]
     words_out = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, k, nclass, ctx=ctx.astype(np.int32))
     side = refs.astype("<u2").tobytes() + ctx_map.tobytes() + rans.pack_tables(freq)
     side_z = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(side)
-    low = rans.pack_bits(rans.coding_order(rows & ((1 << lowbits) - 1), ways), lowbits) if lowbits else b""
-    out = b"".join([
+    return b"".join([
         _FIXED.pack(MODE_CODED, k, sb, ways, nclass, 0, g, len(side_z), len(side), words_out.size),
-        side_z, words_out.astype("<u2").tobytes(), low,
+        side_z, words_out.astype("<u2").tobytes(),
     ])
-    if len(out) >= 1 + n * width:  # coding does not pay: store the words as they are
-        return bytes([MODE_RAW]) + np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
-    return out
 
 
 # --- decoder ---------------------------------------------------------------
@@ -197,11 +205,32 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError(f"unknown mode {mode}", field="Mode", offset=offset)
     if n == 0:
         raise FormatError("coded payload for an empty tensor", field="Mode", offset=offset)
+    if out is None:
+        out = np.empty((b, h, s, d), dtype=_uint(width))
+    elif out.shape != (b, h, s, d) or out.dtype != _uint(width) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {(b, h, s, d)}")
+    decode_symbols(mv, out.reshape(b * h, s, d), 8 * width, offset=offset, exact_payload=True)
+    return out
+
+
+def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: int = 0,
+                   exact_payload: bool = True, coded_bits: int | None = None) -> int:
+    """Decode a Mode 1 payload's coded part (and its raw low bits) into ``out[bh, tokens, dim]``.
+
+    ``word_bits`` is the width of one output word (16/32 for floats); the low
+    ``word_bits - Coded_Bits`` bits of each word are read raw after the rANS
+    words.  With ``exact_payload`` the payload must end there; otherwise the
+    number of bytes used is returned (the caller reads what follows).
+    ``coded_bits``, if given, is the only Coded_Bits value accepted.
+    """
+    bh, s, d = out.shape
+    n = out.size
     if len(mv) < FIXED_SIZE:
         raise FormatError("payload shorter than its fixed fields", field="Mode", offset=offset)
     _, k, sb, ways, nclass, reserved, g, side_len, side_raw_len, nwords = _FIXED.unpack_from(mv, 0)
-    if not 2 <= k <= min(16, 8 * width):
-        raise FormatError(f"Coded_Bits {k} outside [2, {min(16, 8 * width)}]", field="Coded_Bits", offset=offset + 1)
+    if not 2 <= k <= min(16, word_bits) or (coded_bits is not None and k != coded_bits):
+        want = f"[2, {min(16, word_bits)}]" if coded_bits is None else str(coded_bits)
+        raise FormatError(f"Coded_Bits {k} outside {want}", field="Coded_Bits", offset=offset + 1)
     if not rans.MIN_SCALE_BITS <= sb <= rans.MAX_SCALE_BITS:
         raise FormatError(f"Scale_Bits {sb} outside [8, 15]", field="Scale_Bits", offset=offset + 2)
     if not 1 <= ways <= rans.MAX_WAYS:
@@ -215,8 +244,8 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     if g << sb > MAX_TABLE_ENTRIES:
         raise LimitExceeded(f"Num_Tables * 2**Scale_Bits = {g << sb} > {MAX_TABLE_ENTRIES}",
                             field="Num_Tables", offset=offset + 6)
-    rows = b * h * d
-    lowbits = 8 * width - k
+    rows = bh * d
+    lowbits = word_bits - k
     min_side = 2 * rows + rows * nclass + 6 * g
     max_side = 2 * rows + rows * nclass + rans.max_tables_bytes(g, 1 << k)
     if not min_side <= side_raw_len <= max_side:
@@ -226,7 +255,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError(f"Num_Words {nwords} impossible for {n} symbols", field="Num_Words", offset=offset + 16)
     low_len = rans.packed_size(n, lowbits)
     expect = FIXED_SIZE + side_len + 2 * nwords + low_len
-    if len(mv) != expect:
+    if len(mv) != expect if exact_payload else len(mv) < expect:
         raise FormatError(f"payload has {len(mv)} bytes, its fields add up to {expect}",
                           field="Side_Length", offset=offset + 8)
     p = FIXED_SIZE
@@ -256,10 +285,6 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     freq = rans.unpack_tables(side[2 * rows + rows * nclass:], g, 1 << k, sb, field="Side", offset=offset + p)
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    if out is None:
-        out = np.empty((b, h, s, d), dtype=_uint(width))
-    elif out.shape != (b, h, s, d) or out.dtype != _uint(width) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {(b, h, s, d)}")
-    rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:],
-                      out.reshape(b * h, s, d), field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
-    return out
+    rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
+                      out, field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
+    return expect

@@ -64,11 +64,9 @@ class LMTokenCoder(RangeTokenCoder):
     def procedure(self) -> dict:
         """What a decoder must reproduce to get the same probabilities (informative versions included)."""
         p = next(self.model.parameters())
-        return {
-            "schedule": "incremental, one token per forward call, transformers DynamicCache",
-            "probabilities": "softmax(float64(logits)); first token uniform",
-            "coder": "constriction.stream.queue.RangeEncoder, Categorical(perfect=False)",
-            "chunk_tokens": self.chunk_tokens,
+        return {  # the id names the procedure of spec/kvz.md (incremental, one token per call, softmax in
+            # float64, first token uniform, constriction RangeEncoder + Categorical(perfect=False))
+            "id": "lm-incremental-v1",
             "dtype": str(p.dtype).replace("torch.", ""),
             "device": p.device.type,
             "threads": torch.get_num_threads(),

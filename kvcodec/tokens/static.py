@@ -29,8 +29,7 @@ from ._coder import RangeTokenCoder
 class StaticTokenCoder(RangeTokenCoder):
     """Adaptive context-model coder for token ids in ``[0, vocab)``."""
 
-    PROCEDURE = {"id": "static-wb-o2", "smoothing": "Witten-Bell, orders 2/1/0", "frequency_scale": 2 ** 40,
-                 "coder": "constriction.stream.queue.RangeEncoder, Categorical(perfect=False)"}
+    PROCEDURE = {"id": "static-wb-o2-v1"}  # spec/kvz.md: Witten-Bell orders 2/1/0, frequencies floor(p * 2**40) + 1
 
     def __init__(self, vocab: int, chunk_tokens: int = 256):
         super().__init__(vocab, chunk_tokens)
