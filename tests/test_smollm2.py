@@ -33,7 +33,7 @@ def test_real_cache_round_trip_and_generation(smollm2, dtype):
     ids = tokenize(tok, demo_text(), 257)
     cache = prefill(model, ids[:, :-1])
     kv = kvcodec.to_canonical(cache)
-    data = kvcodec.encode(cache, (model, tok), tokens=ids[:, :-1])
+    data = kvcodec.encode(cache, (model, tok), tier="lossless", tokens=ids[:, :-1])
     back = kvcodec.decode(data, (model, tok))
     assert kvcodec.to_canonical(back).equal(kv)
     ratio = kv.nbytes() / len(data)
@@ -81,3 +81,77 @@ def test_demo_command(tmp_path, monkeypatch, smollm2):
 
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--tokens", "96", "-o", str(tmp_path / "d.kvz")]) == 0
+
+
+# --- the token tiers (issue 3) ------------------------------------------------------------
+def _gen(model, tok, ids, new, **kw):
+    from kvcodec.tokens import RecordingCache
+
+    rec = RecordingCache(config=model.config)
+    out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,
+                         pad_token_id=tok.eos_token_id, **kw)
+    return rec, out
+
+
+def _residual_bytes(data):
+    return kvcodec.inspect(data)["token_channel"]["residual_bytes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_tier_prefill_and_generation_bit_identical(smollm2, dtype):
+    model, tok = smollm2
+    model = copy.deepcopy(model).to(dtype)
+    ids = tokenize(tok, demo_text(), 48)
+    cache = prefill(model, ids)
+    data = kvcodec.encode(cache, (model, tok))  # tokens recovered from the cache; schedule verified
+    info = kvcodec.inspect(data)
+    assert info["tier"] == "exact" and info["token_channel"]["schedule"] == [[48, 1]]
+    n_sections = 2 * info["num_layers"]
+    assert _residual_bytes(data) == 9 * n_sections  # every residual empty: checksum + mode 0
+    assert kvcodec.to_canonical(kvcodec.decode(data, (model, tok))).equal(kvcodec.to_canonical(cache))
+    # prefill + greedy generation, recorded, then the same cache without its record (schedule inferred)
+    rec, out = _gen(model, tok, ids[:, :32], 12)
+    plain = kvcodec.to_canonical(rec).to_dynamic_cache()
+    for c in (rec, plain):
+        data = kvcodec.encode(c, (model, tok))
+        assert kvcodec.inspect(data)["token_channel"]["schedule"] == [[32, 1], [1, 11]]
+        assert _residual_bytes(data) == 9 * n_sections
+        restored = kvcodec.decode(data, (model, tok))
+        assert kvcodec.to_canonical(restored).equal(kvcodec.to_canonical(rec))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+    a = model.generate(out, **{cache_kwarg(model): copy.deepcopy(plain)}, **kw)
+    b = model.generate(out, **{cache_kwarg(model): restored}, **kw)
+    assert torch.equal(a, b)
+
+
+def test_exact_tier_chat_batch_and_static(smollm2):
+    model, tok = smollm2
+    msgs = [{"role": "user", "content": "What is a KV cache?"},
+            {"role": "assistant", "content": "The keys and values of past tokens."},
+            {"role": "user", "content": "Why store it?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    cache = prefill(model, ids)
+    for tm in ("lm", "static"):
+        data = kvcodec.encode(cache, (model, tok), token_model=tm)
+        assert kvcodec.to_canonical(kvcodec.decode(data, (model, tok))).equal(kvcodec.to_canonical(cache))
+    # a padded batch of two prompts of different lengths, continued by generate()
+    tok.padding_side = "left"
+    batch = tok(["The quick brown fox", "A much longer second prompt that has more tokens in it"],
+                return_tensors="pt", padding=True)
+    rec, _ = _gen(model, tok, batch["input_ids"], 6, attention_mask=batch["attention_mask"])
+    data = kvcodec.encode(rec, (model, tok))
+    tc = kvcodec.inspect(data)["token_channel"]
+    assert tc["padding"][0] > 0 and tc["padding"][1] == 0 and tc["positions"] == "mask"
+    assert kvcodec.to_canonical(kvcodec.decode(data, (model, tok))).equal(kvcodec.to_canonical(rec))
+
+
+def test_token_tier_wrong_model_and_tokenizer(smollm2):
+    model, tok = smollm2
+    cache = prefill(model, tokenize(tok, demo_text(), 8))
+    data = kvcodec.encode(cache, (model, tok), token_model="static")
+    with pytest.raises(kvcodec.ModelMismatch, match="fingerprint|model"):
+        kvcodec.decode(data, copy.deepcopy(model).to(torch.bfloat16))
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<kvcodec-test-token>"])
+    with pytest.raises(kvcodec.ModelMismatch, match="tokenizer"):
+        kvcodec.decode(data, (model, other))
