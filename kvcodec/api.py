@@ -208,15 +208,22 @@ def _write_token_tier(sink, kv: KVCache, enc, model, tier, chunk_tokens, toleran
     for r, stream in enumerate(enc.streams):
         writer.write_section(L.SECTION_TOKEN_STREAM, tokentier.pack_stream(stream), chunk=r)
     if tolerance is not None:
+        payloads, sums = [], []
         for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
-            for part, orig, reg in ((L.PART_KEYS, k, enc.regen.keys[li]), (L.PART_VALUES, v, enc.regen.values[li])):
-                for c in range(-(-orig.shape[2] // chunk_tokens)):
+            for c in range(-(-k.shape[2] // chunk_tokens)):
+                for part, orig, reg in ((L.PART_KEYS, k, enc.regen.keys[li]),
+                                        (L.PART_VALUES, v, enc.regen.values[li])):
                     a, b = c * chunk_tokens, min(orig.shape[2], (c + 1) * chunk_tokens)
-                    payload = residual.encode(_bits(orig[:, :, a:b]), _bits(reg[:, :, a:b]), kv.dtype_name,
-                                              tolerance or 0.0)
-                    writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
+                    payload, digest = residual.encode(_bits(orig[:, :, a:b]), _bits(reg[:, :, a:b]), kv.dtype_name,
+                                                      tolerance or 0.0)
+                    sums.append(digest)
+                    payloads.append(((li, part, c), payload))
                     if progress:
                         progress(1)
+        writer.write_section(L.SECTION_TENSOR_CHECKSUMS, np.asarray(sums, dtype="<u8").tobytes())
+        for (li, part, c), payload in payloads:
+            if payload is not None:
+                writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
     return writer.close()
 
 
@@ -415,25 +422,39 @@ class KvzFile:
         ids = np.frombuffer(self.reader.read_payload(e), dtype="<u4").astype(np.int64)
         return torch.from_numpy(ids.reshape(h.batch, h.num_tokens))
 
+    def _tensor_checksums(self) -> dict:
+        h = self.header
+        e = self.reader.entry(L.SECTION_TENSOR_CHECKSUMS)
+        slices = h.slices()
+        if e.length != 8 * len(slices):
+            raise FormatError(f"tensor_checksums has {e.length} bytes, the header implies {8 * len(slices)}",
+                              field="Payload_Length", offset=e.offset + 16)
+        sums = np.frombuffer(self.reader.read_payload(e), dtype="<u8").tolist()
+        return {s: (x, e.payload_offset + 8 * i) for i, (s, x) in enumerate(zip(slices, sums))}
+
     def _decode_token_tier(self, layers, progress=None) -> dict:
         from .stages import residual
 
         h = self.header
         _, regen = self._regenerated()
+        sums = self._tensor_checksums() if h.tokens.has_residual else None
         outs = {}
         for li in layers:
             lay = h.layers[li]
             for p, t in ((L.PART_KEYS, regen.keys[li]), (L.PART_VALUES, regen.values[li])):
-                if not h.tokens.has_residual:
+                if sums is None:
                     outs[li, p] = t
                     continue
                 bits = _bits(t).copy()
                 for c in range(lay.chunks(h.chunk_tokens)):
                     a, b = lay.chunk_range(c, h.chunk_tokens)
-                    e = self.reader.entry(L.SECTION_RESIDUAL, li, p, c)
-                    bits[:, :, a:b] = residual.decode(
-                        self.reader.read_payload(e), np.ascontiguousarray(bits[:, :, a:b]), h.dtype,
-                        offset=e.payload_offset, what=f"layer {li} {('keys', 'values')[p]} chunk {c}")
+                    digest, at = sums[li, p, c]
+                    payload = None
+                    if self.reader.has(L.SECTION_RESIDUAL, li, p, c):
+                        e = self.reader.entry(L.SECTION_RESIDUAL, li, p, c)
+                        payload, at = self.reader.read_payload(e), e.payload_offset
+                    bits[:, :, a:b] = residual.decode(payload, np.ascontiguousarray(bits[:, :, a:b]), h.dtype, digest,
+                                                      offset=at, what=f"layer {li} {('keys', 'values')[p]} chunk {c}")
                     if progress:
                         progress(1)
                 outs[li, p] = _tensor(bits, self.dtype)

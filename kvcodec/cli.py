@@ -54,14 +54,20 @@ def cmd_inspect(args) -> int:
           f"start position {info['start_position']}, token ids {'stored' if info['has_token_ids'] else 'not stored'}")
     print(f"  size         : {_human(info['raw_tensor_bytes'])} raw -> {_human(info['file_bytes'])}: "
           f"{info['ratio']}x, {info['bits_per_component']} bits/component")
+    tc = info.get("token_channel")
+    if tc:
+        print(f"  token channel: {tc['token_model']}, {tc['coded_tokens']} tokens in {_human(tc['token_stream_bytes'])}"
+              f" = {tc['bits_per_token']} bits/token; schedule {tc['schedule']}, padding {tc['padding']}")
+        print(f"  residual     : {_human(tc['residual_bytes'])}, tolerance {tc['tolerance']}, max abs deviation of "
+              f"a bare recompute at encode time {tc['max_abs_deviation']}")
     print(f"  checksums    : {info['checksums']}")
     print(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
     if not getattr(args, "sections", True):
         return 0
     print("    #  type    layer part    chunk tokens         bytes  bits/comp")
     for i, s in enumerate(info["sections"]):
-        if s["type"] == "kv":
-            print(f"  {i:4d} kv     {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
+        if s["type"] in ("kv", "residual"):
+            print(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
                   f"{s['bytes']:9d}  {s['bits_per_component']}")
         else:
             print(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
@@ -90,12 +96,24 @@ def cmd_encode(args) -> int:
 
     kv = to_canonical(cache)
     bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
-    n = save(out, kv, (model, tok), tier=args.tier, chunk_tokens=args.chunk_tokens,
-             tokens=ids if args.store_tokens else None, progress=bar.update)
+    n = save(out, cache, (model, tok), tier=args.tier, chunk_tokens=args.chunk_tokens,
+             tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update,
+             **({"token_model": args.token_model} if args.tier != "lossless" else {}))
     bar.close()
     print(f"{out}: {ids.shape[1]} tokens, {_human(kv.nbytes())} {args.dtype} cache -> {_human(n)} "
           f"({kv.nbytes() / n:.3f}x) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _file_model(args):
+    """The model a token-tier file needs (``--model``, in the file's dtype); None for the lossless tier."""
+    from .api import inspect
+
+    info = inspect(args.file)
+    if info["tier"] == "lossless":
+        return None
+    name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[info["dtype"]]
+    return _load_model(args.model, name)
 
 
 def cmd_decode(args) -> int:
@@ -103,7 +121,7 @@ def cmd_decode(args) -> int:
 
     from .api import KvzFile
 
-    with KvzFile(args.file) as f:
+    with KvzFile(args.file, _file_model(args)) as f:
         bar = _progress(f.num_sections(), "decoding")
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
@@ -122,7 +140,7 @@ def cmd_verify(args) -> int:
     from .api import KvzFile
 
     t0 = time.perf_counter()
-    with KvzFile(args.file) as f:
+    with KvzFile(args.file, _file_model(args)) as f:
         bar = _progress(f.num_sections(), "verifying")
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
@@ -163,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
     s.add_argument("--text", required=True)
     s.add_argument("-o", "--output")
-    s.add_argument("--tier", default="lossless", choices=["lossless"])
+    s.add_argument("--tier", default="exact", choices=["exact", "tokens", "lossless"],
+                   help="exact: tokens + residual, bit-identical, needs the model to decode (default); tokens: "
+                        "tokens only (restore = recompute); lossless: the tensors, no model needed to decode")
+    s.add_argument("--token-model", default="lm", choices=["lm", "static"])
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     s.add_argument("--max-tokens", type=int, default=2048)
     s.add_argument("--chunk-tokens", type=int, default=4096)
@@ -173,10 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("decode", help="decode a .kvz file to safetensors")
     s.add_argument("file")
     s.add_argument("-o", "--output", required=True)
+    s.add_argument("--model", default="smollm2", help="model for exact/tokens files (embedded name or directory)")
     s.set_defaults(func=cmd_decode)
 
     s = sub.add_parser("verify", help="decode fully and check every checksum")
     s.add_argument("file")
+    s.add_argument("--model", default="smollm2", help="model for exact/tokens files (embedded name or directory)")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
@@ -198,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the main job: SmolLM2 cache -> .kvz -> back, bit-identical, generation identical")
     s.add_argument("--text", help="text file (default: a shipped public-domain excerpt)")
-    s.add_argument("--tokens", type=int, default=1024)
+    s.add_argument("--tokens", type=int, default=512)
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     s.add_argument("-o", "--output", default="demo.kvz")
     s.set_defaults(func=cmd_demo)

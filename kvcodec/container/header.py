@@ -67,23 +67,21 @@ class Header:
     def itemsize(self) -> int:
         return DTYPES[self.dtype]
 
+    def slices(self):
+        """``(layer, part, chunk)`` of every kv / residual slice, in canonical order."""
+        return [(li, part, c) for li, lay in enumerate(self.layers) for c in range(lay.chunks(self.chunk_tokens))
+                for part in (L.PART_KEYS, L.PART_VALUES)]
+
     def expected_sections(self):
-        """Canonical section order: ``(type, layer, part, chunk)``."""
-        out = []
+        """Canonical section order: ``[((type, layer, part, chunk), optional), ...]``."""
         if self.tokens is not None:
-            out += [(L.SECTION_TOKEN_STREAM, 0, 0, r) for r in range(self.batch)]
-            if not self.tokens.has_residual:
-                return out
-            kind = L.SECTION_RESIDUAL
-        else:
-            kind = L.SECTION_KV
-            if self.num_tokens:
-                out.append((L.SECTION_TOKENS, 0, 0, 0))
-        for li, lay in enumerate(self.layers):
-            for c in range(lay.chunks(self.chunk_tokens)):
-                out.append((kind, li, L.PART_KEYS, c))
-                out.append((kind, li, L.PART_VALUES, c))
-        return out
+            out = [((L.SECTION_TOKEN_STREAM, 0, 0, r), False) for r in range(self.batch)]
+            if self.tokens.has_residual:  # checksums of every slice; residuals only where non-zero
+                out.append(((L.SECTION_TENSOR_CHECKSUMS, 0, 0, 0), False))
+                out += [((L.SECTION_RESIDUAL, *s), True) for s in self.slices()]
+            return out
+        out = [((L.SECTION_TOKENS, 0, 0, 0), False)] if self.num_tokens else []
+        return out + [((L.SECTION_KV, *s), False) for s in self.slices()]
 
     def tensor_bytes(self) -> int:
         return sum(self.batch * lay.kv_heads * lay.seq_len * (lay.k_dim + lay.v_dim) * self.itemsize

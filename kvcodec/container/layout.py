@@ -36,9 +36,11 @@ SECTION_KV = 1
 SECTION_TOKENS = 2
 SECTION_TOKEN_STREAM = 3  # format 1.1
 SECTION_RESIDUAL = 4  # format 1.1
+SECTION_TENSOR_CHECKSUMS = 5  # format 1.1
 SECTION_INDEX = 0xFFFF
 SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKENS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
-                 SECTION_RESIDUAL: "residual", SECTION_INDEX: "index"}
+                 SECTION_RESIDUAL: "residual", SECTION_TENSOR_CHECKSUMS: "tensor_checksums",
+                 SECTION_INDEX: "index"}
 
 FLAG_CRITICAL = 0x0001  # a reader that does not know the type must reject the file
 FLAGS_RESERVED = 0xFFFE

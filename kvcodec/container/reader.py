@@ -192,15 +192,19 @@ class KvzReader:
                 if flags & L.FLAG_CRITICAL:
                     raise UnknownId(f"critical section of unknown type {e.section_type}", field="Section_Type",
                                     offset=e.offset)
-        expected = self.header.expected_sections()
         got = [(e.section_type, e.layer, e.part, e.chunk) for e in known]
-        if got != expected:
-            bad = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            at = known[bad].offset if bad < len(known) else index_offset
-            want = expected[bad] if bad < len(expected) else "no more sections"
-            have = got[bad] if bad < len(got) else "no more sections"
-            raise OffsetError(f"section {bad}: found {have}, header implies {want} (type, layer, part, chunk)",
-                              field="Section_Type", offset=at)
+        i = 0
+        for want, optional in self.header.expected_sections():
+            if i < len(got) and got[i] == want:
+                i += 1
+            elif not optional:
+                at = known[i].offset if i < len(known) else index_offset
+                have = got[i] if i < len(got) else "no more sections"
+                raise OffsetError(f"section {i}: found {have}, header implies {want} (type, layer, part, chunk)",
+                                  field="Section_Type", offset=at)
+        if i < len(got):
+            raise OffsetError(f"section {i}: {got[i]} is not expected here (type, layer, part, chunk)",
+                              field="Section_Type", offset=known[i].offset)
         self.sections = entries
         self._by_key = {(e.section_type, e.layer, e.part, e.chunk): e for e in known}
         self.index_offset = index_offset
@@ -221,6 +225,9 @@ class KvzReader:
     # -- public -----------------------------------------------------------
     def entry(self, section_type: int, layer: int = 0, part: int = 0, chunk: int = 0) -> SectionEntry:
         return self._by_key[(section_type, layer, part, chunk)]
+
+    def has(self, section_type: int, layer: int = 0, part: int = 0, chunk: int = 0) -> bool:
+        return (section_type, layer, part, chunk) in self._by_key
 
     def read_payload(self, e: SectionEntry) -> bytes:
         """Read one section's payload, checking its header against the index and its checksum."""

@@ -24,8 +24,6 @@ know.  See ``spec/kvz.md`` section 9.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import xxhash
 
@@ -107,21 +105,27 @@ def _unpack_var(buf, widths: np.ndarray) -> np.ndarray:
     return out
 
 
-def _checksum(bits: np.ndarray, width: int) -> bytes:
-    return struct.pack("<Q", xxhash.xxh3_64_intdigest(np.ascontiguousarray(bits).astype(f"<u{width}").tobytes()))
+def checksum(bits: np.ndarray) -> int:
+    """Tensor_Checksum of a slice: XXH3-64 of its bit patterns, little-endian, C order."""
+    width = bits.dtype.itemsize
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(bits).astype(f"<u{width}", copy=False).tobytes())
 
 
-def encode(orig: np.ndarray, regen: np.ndarray, dtype: str, tolerance: float = 0.0) -> bytes:
+def encode(orig: np.ndarray, regen: np.ndarray, dtype: str, tolerance: float = 0.0) -> tuple[bytes | None, int]:
     """Code ``orig`` given ``regen`` (both ``[B, H, S, D]`` bit patterns of ``dtype``).
 
-    The payload starts with ``Tensor_Checksum``: XXH3-64 of the slice the
-    decoder must produce (the original, or with a tolerance the reconstruction),
-    so a decoder whose regeneration differs from the encoder's fails loudly.
+    Returns ``(payload, checksum)``: the residual payload, or None when the
+    decoder's result needs no residual (Mode 0 is then implied by a missing
+    section), and the Tensor_Checksum of what the decoder must produce (the
+    original, or with a tolerance the reconstruction), so a decoder whose
+    regeneration differs from the encoder's fails loudly.
     """
     width, _ = floatctx.DTYPES[dtype]
     body = _encode(orig, regen, dtype, tolerance, width)
+    if body == bytes([MODE_ZERO]):
+        return None, checksum(regen)
     target = orig if not tolerance else _decode(memoryview(body), regen, dtype, 0, width)
-    return _checksum(target, width) + body
+    return body, checksum(target)
 
 
 def _encode(orig, regen, dtype, tolerance, width) -> bytes:
@@ -154,19 +158,18 @@ def _encode(orig, regen, dtype, tolerance, width) -> bytes:
     return direct if direct is not None and len(direct) < len(coded) else coded
 
 
-def decode(payload, regen: np.ndarray, dtype: str, *, offset: int = 0, what: str = "slice") -> np.ndarray:
-    """Original bit patterns from a residual payload and the regenerated ``[B, H, S, D]`` bits."""
+def decode(payload, regen: np.ndarray, dtype: str, expect_checksum: int, *, offset: int = 0,
+           what: str = "slice") -> np.ndarray:
+    """Original bit patterns from a residual payload (None: no residual) and the regenerated bits; the result
+    must match ``expect_checksum`` (Tensor_Checksum) or :class:`ChecksumMismatch` is raised."""
     width, _ = floatctx.DTYPES[dtype]
-    mv = memoryview(payload)
-    if len(mv) < 8:
-        raise FormatError("residual payload shorter than its checksum", field="Residual.Tensor_Checksum",
-                          offset=offset)
-    out = _decode(mv[8:], regen, dtype, offset + 8, width)
-    if _checksum(out, width) != bytes(mv[:8]):
+    out = regen if payload is None else _decode(memoryview(payload), regen, dtype, offset, width)
+    if checksum(out) != expect_checksum:
         raise ChecksumMismatch(f"{what}: the restored tensor's checksum differs from the original's - this "
                                "decoder regenerates the cache differently from the encoder (another engine, dtype, "
-                               "library version or thread count: see the file's tokens.procedure)",
-                               field="Residual.Tensor_Checksum", offset=offset)
+                               "library version or thread count: see the file's tokens.procedure)"
+                               + ("" if payload is None else ", or the residual is corrupt"),
+                               field="Tensor_Checksums", offset=offset)
     return out
 
 
