@@ -19,6 +19,7 @@ from . import layout as L
 TIERS = {"lossless": {"float_ctx_rans"}, "exact": {"int_residual_rans"}, "tokens": {"int_residual_rans"}}
 TOKEN_TIERS = ("exact", "tokens")
 TOKEN_MODELS = ("lm", "static", "draft")
+PROCEDURES = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1"}
 POSITIONS = ("mask", "arange")
 MAX_SCHEDULE_RUNS = 1 << 20
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -263,8 +264,10 @@ def _token_info(v: _V, t, tier, batch, ntok, start, layers, lim) -> TokenInfo:
             v.fail(f"{p}.draft.fingerprint", "must be 64 lowercase hex digits")
     vocab = v.int(t, "vocab", p, 1, 1 << 31, LimitExceeded)
     chunk = v.int(t, "chunk_tokens", p, 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
-    if not isinstance(t["procedure"], dict):
-        v.fail(f"{p}.procedure", "must be an object")
+    if not isinstance(t["procedure"], dict) or "id" not in t["procedure"]:
+        v.fail(f"{p}.procedure", "must be an object with an id")
+    if t["procedure"]["id"] != PROCEDURES[tm]:
+        v.fail(f"{p}.procedure.id", f"{t['procedure']['id']!r} is not a procedure of token model {tm!r}", UnknownId)
     if ntok < 1:
         v.fail("cache.num_tokens", f"tier {tier!r} needs num_tokens >= 1")
     if start != 0:
