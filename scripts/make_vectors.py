@@ -76,7 +76,69 @@ def tiny():
     return kvcodec.KVCache([k], [v])
 
 
+MODEL_DIR = OUT / "models" / "tiny-llama"
+
+
+def tiny_model():
+    """The tiny Llama the token-tier vectors need at decode (written once; an input, like the tensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        torch.manual_seed(20261129)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+        LlamaForCausalLM(cfg).save_pretrained(MODEL_DIR)
+    return LlamaForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def run_schedule(model, ids, schedule, padding=None):
+    """The cache of feeding ``ids`` by the calls of ``schedule`` (left padding with generate()'s positions)."""
+    from kvcodec.tokens.regen import Plan, replay
+
+    plan = Plan(schedule, padding or [0] * ids.shape[0], "mask", 0)
+    return replay(model, ids, plan)
+
+
+def token_cases():
+    """Token-tier cases: (name, cache, encode options).  Inputs from PCG64 and the shipped tiny model."""
+    rng = np.random.default_rng(11292026)
+    model = tiny_model()
+    ids = torch.from_numpy(rng.integers(0, 64, size=(1, 20)))
+    yield "exact_static_prefill", model, run_schedule(model, ids, [20]), {"token_model": "static"}
+    ids = torch.from_numpy(rng.integers(0, 64, size=(1, 17)))
+    sched = [12] + [1] * 5
+    cache = run_schedule(model, ids, sched)
+    yield "exact_lm_steps", model, cache, {"token_model": "lm", "schedule": [[12, 1], [1, 5]]}
+    yield "exact_lm_residual", model, cache, {"token_model": "lm", "schedule": [[17, 1]]}  # wrong on purpose
+    ids = torch.from_numpy(rng.integers(1, 64, size=(2, 15)))
+    ids[1, :3] = 0
+    cache = run_schedule(model, ids, [11] + [1] * 4, padding=[0, 3])
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[1, :3] = 0
+    yield "tokens_tolerance_padded", model, cache, {"token_model": "static", "tier": "tokens", "tolerance": 1e-8,
+                                                    "schedule": [[15, 1]], "attention_mask": mask.tolist()}
+
+
 def build():
+    for name, model, cache, opts in token_cases():
+        kv = kvcodec.to_canonical(cache)
+        enc = dict(opts)
+        if "attention_mask" in enc:
+            enc["attention_mask"] = torch.tensor(enc["attention_mask"])
+        data = kvcodec.encode(cache, model, info=INFO, **enc)
+        back = kvcodec.decode(data, model, output="kvcache")
+        meta = {
+            "options": opts,
+            "model": "models/tiny-llama",
+            "dtype": kv.dtype_name,
+            "file_sha256": hashlib.sha256(data).hexdigest(),
+            "keys_sha256": [sha(t) for t in kv.keys],
+            "values_sha256": [sha(t) for t in kv.values],
+            "tokens": back.tokens.tolist(),
+            "start_position": 0,
+        }
+        yield name, data, meta
     for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})]:
         data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
         meta = {
