@@ -11,6 +11,9 @@ Targets
   resealed  like ``mutate`` but every checksum is recomputed afterwards, so the
             mutation reaches the header parser and the payload decoders
             instead of stopping at a checksum
+  payload   bit flips inside section payloads or digits of the header of valid
+            files, resealed: reaches the token decoders, the residual codec and
+            the model-replay path of the token tiers (with the vectors' model)
   roundtrip random caches (dtype, shape, options) -> encode -> decode == input
 
 Any exception other than ``KvzError`` is a finding, as is an input that takes
@@ -134,12 +137,46 @@ def random_cache(rng: random.Random):
     return kv, opts
 
 
+_MODEL = []
+
+
+def vector_model():
+    """The tiny model of the token-tier vectors, so mutated token-tier files reach the token decoders."""
+    if not _MODEL:
+        from transformers import LlamaForCausalLM
+
+        _MODEL.append(LlamaForCausalLM.from_pretrained(ROOT / "spec" / "vectors" / "models" / "tiny-llama").eval())
+    return _MODEL[0]
+
+
+def mutate_payload(rng: random.Random, data: bytes) -> bytes:
+    from kvcodec.container.reader import KvzReader
+
+    try:
+        with KvzReader(data) as r:
+            spans = [(e.payload_offset, e.length) for e in r.sections if e.length]
+    except KvzError:
+        return data
+    b = bytearray(data)
+    hlen = struct.unpack_from("<I", b, 12)[0]
+    if rng.random() < 0.3 or not spans:
+        pos = rng.randrange(16, 16 + hlen)
+        if chr(b[pos]).isdigit():
+            b[pos] = ord(str(rng.randrange(10)))
+    else:
+        off, n = rng.choice(spans)
+        for _ in range(rng.randint(1, 3)):
+            b[off + rng.randrange(n)] ^= 1 << rng.randrange(8)
+    return reseal(bytes(b))
+
+
 def run_one(data: bytes, hang: float, max_mib: float):
     """Decode; return None, or a description of the finding."""
+    model = vector_model()
     tracemalloc.start()
     t = time.perf_counter()
     try:
-        kvcodec.decode(data, output="kvcache", limits=LIMITS, threads=1)
+        kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1)
     except KvzError:
         pass
     except Exception:
@@ -157,7 +194,8 @@ def run_one(data: bytes, hang: float, max_mib: float):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "roundtrip"], default="all")
+    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "payload", "roundtrip"],
+                    default="all")
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--hang", type=float, default=10.0)
@@ -166,12 +204,13 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     rng = random.Random(seed)
     pool = seeds()
-    targets = ["bytes", "mutate", "resealed", "roundtrip"] if args.target == "all" else [args.target]
+    targets = ["bytes", "mutate", "resealed", "payload", "roundtrip"] if args.target == "all" else [args.target]
     crashes = ROOT / "fuzz" / "crashes"
     findings = 0
     counts = {}
     per = args.seconds / len(targets)
     kvcodec.decode(pool[0], output="kvcache")  # JIT warm-up outside the clock
+    vector_model()
     for target in targets:
         end = time.perf_counter() + per
         n = 0
@@ -195,6 +234,8 @@ def main() -> int:
                     data = bytes(rng.randrange(256) for _ in range(size))
                     if rng.random() < 0.5:
                         data = L.MAGIC + data
+                elif target == "payload":
+                    data = mutate_payload(rng, rng.choice(pool))
                 else:
                     data = mutate(rng, rng.choice(pool), pool)
                     if target == "resealed":

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache, to_canonical
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, ModelMismatch
 from .tokens._coder import chunk_checksums
 from .tokens.regen import Plan, RowStream, ScheduleLMCoder, replay
 
@@ -312,6 +312,10 @@ def regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[tor
     """Decode the token streams and regenerate the cache (before residuals)."""
     t = header.tokens
     mdl, _ = split_model(model)
+    n_layers = getattr(getattr(mdl, "config", None), "num_hidden_layers", None)
+    if n_layers is not None and n_layers != len(header.layers):
+        raise ModelMismatch(f"the header describes {len(header.layers)} layers, the model has {n_layers}",
+                            field="Header.cache.layers")
     plan = Plan(list(t.schedule), list(t.padding), t.positions, t.pad_token,
                 [lay.sliding_window for lay in header.layers])
     if t.token_model == "lm":
@@ -323,6 +327,9 @@ def regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[tor
     if t.token_model == "static":
         from .tokens.static import StaticTokenCoder
 
+        if t.vocab != vocab_size(mdl):
+            raise FormatError(f"tokens.vocab {t.vocab} differs from the model's {vocab_size(mdl)}",
+                              field="Header.tokens.vocab")
         coder = StaticTokenCoder(t.vocab, t.chunk_tokens)
     else:
         from .tokens.lm import LMTokenCoder

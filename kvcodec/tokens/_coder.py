@@ -70,7 +70,11 @@ class RangeTokenCoder:
         p = next(dist)
         out = np.empty(n, dtype=np.int64)
         for i in range(n):
-            t = int(dec.decode(self._family, p[None, :])[0])
+            try:
+                t = int(dec.decode(self._family, p[None, :])[0])
+            except (AssertionError, ValueError, RuntimeError) as e:  # constriction: invalid compressed data
+                raise FormatError(f"token {i}: the range coder rejects the stream ({e})",
+                                  field="Token_Stream.Words") from None
             out[i] = t
             if (i + 1) % chunk == 0 or i + 1 == n:
                 k, a = i // chunk, (i // chunk) * chunk

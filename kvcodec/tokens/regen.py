@@ -220,7 +220,11 @@ class ScheduleLMCoder:
                 if i < pads[r]:
                     continue
                 p = uniform if i == pads[r] or probs is None else probs[r]
-                t = int(decs[r].decode(self._family, p[None, :])[0])
+                try:
+                    t = int(decs[r].decode(self._family, p[None, :])[0])
+                except (AssertionError, ValueError, RuntimeError) as e:  # constriction: invalid compressed data
+                    raise FormatError(f"batch row {r}, token {i}: the range coder rejects the stream ({e})",
+                                      field="Token_Stream.Words") from None
                 out[r] = t
                 k = i - pads[r]  # index among the row's coded tokens
                 if (k + 1) % chunk == 0 or i + 1 == n:
