@@ -49,6 +49,25 @@ def fingerprint_of(model, tokenizer=None) -> str:
     return fp
 
 
+_TOK_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_fp(tok) -> str:
+    """:func:`kvcodec.models.tokenizer_fingerprint`, memoised per tokenizer object and vocabulary size."""
+    from .models import tokenizer_fingerprint
+
+    stamp = len(tok)
+    try:
+        hit = _TOK_FP.get(tok)
+    except TypeError:  # not weak-referenceable
+        return tokenizer_fingerprint(tok)
+    if hit and hit[0] == stamp:
+        return hit[1]
+    fp = tokenizer_fingerprint(tok)
+    _TOK_FP[tok] = (stamp, fp)
+    return fp
+
+
 def _model_record(model) -> dict | None:
     if model is None:
         return None
@@ -58,9 +77,7 @@ def _model_record(model) -> dict | None:
         tok = None
     rec = {"fingerprint": fingerprint_of(model)}
     if tok is not None:
-        from .models import tokenizer_fingerprint
-
-        rec["tokenizer"] = tokenizer_fingerprint(tok)
+        rec["tokenizer"] = _tokenizer_fp(tok)
     arch = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(arch, str):
         rec["architecture"] = arch

@@ -150,8 +150,16 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.token_tiers:
+        from .bench_tokens import run_token_bench
+
+        args.tokens = args.tokens or 1024
+        args.repeats = args.repeats or 3
+        return run_token_bench(args)
     from .bench import run_bench
 
+    args.tokens = args.tokens or 2048
+    args.repeats = args.repeats or 5
     return run_bench(args)
 
 
@@ -204,9 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
     s.add_argument("--out", default="bench_out", help="directory for bench.json and bench.md")
-    s.add_argument("--tokens", type=int, default=2048)
-    s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres)")
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--token-tiers", action="store_true",
+                   help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
+    s.add_argument("--tokens", type=int, default=None, help="tokens per text (lossless: 2048, token tiers: 1024)")
+    s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres; token tiers: all)")
+    s.add_argument("--repeats", type=int, default=None, help="timing repeats (lossless: 5, token tiers: 3)")
+    s.add_argument("--exact-tokens", type=int, default=512, help="token tiers: tokens of the exact-tier caches")
+    s.add_argument("--generate", type=int, default=64, help="token tiers: generated tokens of the generate cache")
+    s.add_argument("--time-tokens", type=int, default=512, help="token tiers: tokens of the timing runs")
+    s.add_argument("--long-tokens", type=int, default=2048, help="token tiers: tokens of the by-position texts")
+    s.add_argument("--draft-layers", type=int, default=6, help="token tiers: layers of the SmolLM2 draft")
     s.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"])
     s.add_argument("--no-zstd19", action="store_true", help="skip the slow zstd-19 baseline")
     s.set_defaults(func=cmd_bench)

@@ -164,21 +164,25 @@ def _probe_single_step(model, kv: KVCache, tokens, plan: Plan, j: int) -> bool:
     return True
 
 
-def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str]:
-    """Find the plan that regenerates ``kv`` bit for bit; returns (plan, how it was found)."""
+def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str, KVCache | None]:
+    """Find the plan that regenerates ``kv`` bit for bit; returns (plan, how it was found, its regeneration
+    when it was verified by one)."""
     n = tokens.shape[1]
     pos_modes = ["mask", "arange"]
     plans = [Plan(given_schedule or [n], pads, mode, pid, list(kv.sliding_window)) for pads, pid in candidates
              for mode in (pos_modes if any(pads) else ["mask"])]
     if given_schedule is not None and len(plans) == 1:
-        return plans[0], "given"
+        return plans[0], "given", None
+    first = None
     for plan in plans:  # one prefill (or the given schedule): cheap, and the commonest
-        if to_canonical(replay(model, tokens, plan)).equal(kv):
-            return plan, "given" if given_schedule else ("verified: one prefill" if len(plan.schedule) == 1 else "")
+        regen = to_canonical(replay(model, tokens, plan))
+        first = regen if first is None else first
+        if regen.equal(kv):
+            return plan, "given" if given_schedule else "verified: one prefill", regen
     if given_schedule is not None:
-        return plans[0], "given (not verified)"
+        return plans[0], "given (not verified)", first
     if n < 3 or any(lay.shape[2] != n for lay in kv.keys):
-        return plans[0], "unknown: one prefill assumed"
+        return plans[0], "unknown: one prefill assumed", first
     # "one prefill of P tokens, then single steps" (generate()): positions >= P pass the single-step probe
     for plan in plans:
         if not _probe_single_step(model, kv, tokens, plan, n - 1):
@@ -191,8 +195,8 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[
             else:
                 lo = mid + 1
         return Plan([lo] + [1] * (n - lo), plan.padding, plan.positions, plan.pad_token, plan.windows), \
-            f"inferred: prefill {lo}, then {n - lo} single steps"
-    return plans[0], "unknown: one prefill assumed"
+            f"inferred: prefill {lo}, then {n - lo} single steps", None
+    return plans[0], "unknown: one prefill assumed", first
 
 
 # --- encoding ---------------------------------------------------------------------
@@ -246,7 +250,7 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ConfigError(f"token ids must be in [0, {vocab})")
     given = _schedule_arg(schedule, cache, n)
-    plan, how = infer_plan(mdl, kv, tokens, _padding_candidates(tokens, attention_mask, mdl, tok), given)
+    plan, how, verified = infer_plan(mdl, kv, tokens, _padding_candidates(tokens, attention_mask, mdl, tok), given)
     if token_model == "lm":
         coder = ScheduleLMCoder(mdl, TOKEN_CHUNK)
         streams, regen = coder.encode(tokens, plan)
@@ -276,7 +280,7 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
             ts = coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:])
             streams.append(RowStream(ts.words, ts.num_tokens, ts.chunk_checksums, ts.cross_entropy_bits,
                                      ts.token_bits))
-        regen = to_canonical(replay(mdl, tokens, plan))
+        regen = verified if verified is not None else to_canonical(replay(mdl, tokens, plan))
     else:
         raise ConfigError(f"token_model must be 'lm', 'static' or 'draft', not {token_model!r}")
     if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
