@@ -87,7 +87,9 @@ def _residual_bytes(data):
 
 
 def run(args) -> dict:
-    from . import api
+    import io
+
+    from . import api, tokentier
     from .cache import to_canonical
     from .models import load_model
     from .runtime import corpus_files, prefill, tokenize
@@ -115,12 +117,14 @@ def run(args) -> dict:
         n = int(ids.shape[1])
         cache = prefill(model, ids)
         t = time.perf_counter()
-        data = api.encode(cache, mt, tier="tokens", tokens=ids, schedule="prefill", tolerance=None)
+        enc = tokentier.prepare(cache, to_canonical(cache), mt, tier="tokens", tokens=ids, token_model="lm",
+                                draft=None, schedule="prefill", attention_mask=None, tolerance=None)
+        buf = io.BytesIO()
+        api._write_token_tier(buf, to_canonical(cache), enc, mt, "tokens", api.DEFAULT_CHUNK_TOKENS, None, None,
+                              None)
+        data = buf.getvalue()
         enc_s = time.perf_counter() - t
-        from .tokens.regen import Plan, ScheduleLMCoder
-
-        streams, _ = ScheduleLMCoder(model).encode(ids, Plan([n]))
-        ce = streams[0].cross_entropy_bits
+        ce = enc.streams[0].cross_entropy_bits  # -log2 p under exactly the coded distributions
         tc = api.inspect(data)["token_channel"]
         static = StaticTokenCoder(int(model.get_output_embeddings().weight.shape[0])).encode(ids[0])
         d_stream = LMTokenCoder(draft).encode(ids[0])
