@@ -2,7 +2,8 @@
 
 Public API::
 
-    data = kvcodec.encode(cache, model=None, tier="lossless")
+    data = kvcodec.encode(cache)                      # tier "lossless"
+    data = kvcodec.encode(cache, model)               # tier "exact": tokens + residual, needs the model
     cache = kvcodec.decode(data, model=None)          # a transformers DynamicCache
     kvcodec.save("cache.kvz", cache); kvcodec.load("cache.kvz")
     kvcodec.inspect("cache.kvz")                      # header only, JSON-able dict
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 from .errors import (  # noqa: E402
     BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FormatError, KvzError, LimitExceeded,
     ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion,
+    FallbackWarning,
 )
 from .cache import KVCache, to_canonical  # noqa: E402
 from .api import decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
@@ -24,5 +26,13 @@ __all__ = [
     "model_fingerprint", "KVCache", "to_canonical",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "ConfigError",
-    "BackendUnavailable",
+    "BackendUnavailable", "FallbackWarning", "tokens",
 ]
+
+
+def __getattr__(name):  # kvcodec.tokens (RecordingCache, coders) is imported on first use
+    if name == "tokens":
+        import importlib
+
+        return importlib.import_module(".tokens", __name__)
+    raise AttributeError(f"module 'kvcodec' has no attribute {name!r}")

@@ -15,8 +15,9 @@ package holds the two pieces the token tiers are built from:
 * :mod:`.schedule` - :class:`RecordingCache`, which records how a cache was
   filled (the chunk boundaries a bit-exact regeneration must replay).
 
-They are not yet wired into the .kvz container: the ``exact`` / ``tokens``
-tiers, the residual channel and schedule replay come next.
+* :mod:`.regen` - regeneration by replaying a schedule (padding, position-id
+  conventions) and the schedule-following LM coder of the ``exact`` / ``tokens``
+  tiers (:mod:`kvcodec.tokentier`).
 """
 
 from .lm import LMTokenCoder, TokenStream
