@@ -44,6 +44,7 @@ class KvzError(Exception):
     """
 
     def __init__(self, message: str, *, field: str | None = None, offset: int | None = None):
+        self.message = message
         self.field = field
         self.offset = offset
         where = []

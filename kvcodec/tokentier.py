@@ -312,8 +312,37 @@ def _runs(schedule):
 
 
 # --- decoding ---------------------------------------------------------------------
+def procedure_differences(recorded: dict, current: dict) -> str:
+    """What differs between the recorded procedure and this decoder's (for error messages)."""
+    diffs = []
+    for key in ("dtype", "device", "threads"):
+        if key in recorded and recorded.get(key) != current.get(key):
+            diffs.append(f"{key} {recorded.get(key)} (file) vs {current.get(key)} (here)")
+    rv, cv = recorded.get("versions", {}), current.get("versions", {})
+    diffs += [f"{k} {rv[k]} (file) vs {cv.get(k)} (here)" for k in rv if rv[k] != cv.get(k)]
+    if not diffs:
+        return "the recorded procedure matches this decoder's, so the stream is most likely corrupt"
+    hint = "; e.g. torch.set_num_threads(...)" if any(d.startswith("threads") for d in diffs) else ""
+    return "decode where these match: " + ", ".join(diffs) + hint
+
+
 def regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
     """Decode the token streams and regenerate the cache (before residuals)."""
+    from .errors import ChecksumMismatch
+
+    try:
+        return _regenerate(header, streams, model, draft)
+    except ChecksumMismatch as e:
+        t = header.tokens
+        if t.token_model == "static":
+            raise
+        coder_model = split_model(draft if t.token_model == "draft" else model)[0]
+        current = ScheduleLMCoder(coder_model).procedure()
+        raise ChecksumMismatch(f"{e.message}. {procedure_differences(t.raw['procedure'], current)}",
+                               field=e.field, offset=e.offset) from None
+
+
+def _regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
     t = header.tokens
     mdl, _ = split_model(model)
     n_layers = getattr(getattr(mdl, "config", None), "num_hidden_layers", None)

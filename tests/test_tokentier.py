@@ -226,6 +226,7 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     model = tiny_model("llama")  # fp32: here a prefill and single steps differ in the last bits
     ids = torch.randint(0, VOCAB, (1, 40))
     rec, _ = _generate(model, ids, new=4)
+    threads = torch.get_num_threads()
     data = kvcodec.encode(rec, model, schedule="prefill")  # non-empty residuals
     assert any(m != 0 for m in _residual_modes(data))
 
@@ -261,8 +262,14 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     with torch.no_grad():
         other.lm_head.weight.mul_(1.5)
     monkeypatch.setattr(kvcodec.api, "check_model", lambda *a, **k: None)
-    with pytest.raises(kvcodec.ChecksumMismatch, match="chunk 0"):
+    with pytest.raises(kvcodec.ChecksumMismatch, match="chunk 0.*most likely corrupt"):
         kvcodec.decode(data, other)
+    torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
+    try:  # a recorded thread count that differs from the decoder's is named
+        with pytest.raises(kvcodec.ChecksumMismatch, match="threads"):
+            kvcodec.decode(data, other)
+    finally:
+        torch.set_num_threads(threads)
     static = kvcodec.encode(rec, model, token_model="static")
     other2 = copy.deepcopy(model)
     with torch.no_grad():
