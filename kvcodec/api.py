@@ -140,7 +140,7 @@ def _resolve_tier(tier, model, tolerance):
         tier = "lossless" if model is None else ("tokens" if tolerance is not _UNSET and tolerance != 0 else "exact")
     if tier not in TIERS:
         raise ConfigError(f"unknown tier {tier!r}; this version implements {sorted(TIERS)}")
-    if tier == "lossless":
+    if tier in ("lossless", "lossy"):
         if tolerance is not _UNSET and tolerance not in (0, None):
             raise ConfigError("tolerance applies to the token tiers (tier='tokens')")
         return tier, None
@@ -165,7 +165,7 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
         tokens = torch.as_tensor(tokens)
         if tokens.dim() == 1:
             tokens = tokens.unsqueeze(0)
-    if tier != "lossless":
+    if tier in ("exact", "tokens"):
         from . import tokentier
 
         if options:
@@ -188,14 +188,28 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
             return _write_token_tier(sink, kv, enc, model, tier, chunk_tokens, tolerance, info, progress)
     if tokens is not None:
         kv = KVCache(kv.keys, kv.values, tokens, kv.start_position, kv.sliding_window, kv.cumulative_length)
-    params = floatctx.check_config(dict(options), kv.dtype_name)
+    if tier == "lossy":
+        from .stages import quant
+
+        params = quant.check_config(dict(options))
+        codec_id = quant.CODEC_ID
+        for t in kv.keys + kv.values:
+            if t.shape[-1] & (t.shape[-1] - 1):
+                raise ConfigError(f"{codec_id}: head dimension {t.shape[-1]} is not a power of two (the Hadamard "
+                                  "rotation needs one)")
+        if params["quantizer"] == "uniform" and params["step"] is None:
+            params["step"] = _global_step(kv, params)
+    else:
+        params = floatctx.check_config(dict(options), kv.dtype_name)
+        codec_id = floatctx.CODEC_ID
     ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
     if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
         raise ValueError("token ids must be in [0, 2**32)")
-    writer = KvzWriter(sink, _header(kv, tier, {"id": floatctx.CODEC_ID, "params": params}, chunk_tokens, model,
-                                     info))
-    if ids is not None:
-        writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
+    closed_loop = tier == "lossy" and options.get("step") is None and params["quantizer"] == "uniform"
+    if not closed_loop:
+        writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
+        if ids is not None:
+            writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
     jobs = []
     for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
         for c in range(-(-k.shape[2] // chunk_tokens)):
@@ -204,13 +218,60 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
             jobs.append((li, L.PART_VALUES, c, v[:, :, a:b]))
 
     def work(job, _):
+        if tier == "lossy":
+            from .stages import quant
+
+            li, _, c, t = job
+            seq = kv.keys[li].shape[2]
+            a, b = c * chunk_tokens, c * chunk_tokens + t.shape[2]
+            exact = max(0, b - max(a, seq - params["window"])) if params["window"] else 0
+            return quant.encode(t.float().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
+                                exact_bits=_bits(t[:, :, t.shape[2] - exact:]) if exact else None)
         return floatctx.encode(_bits(job[3]), kv.dtype_name, params)
 
     # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and
     # the jobs contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
+    if closed_loop:
+        # closed loop on the rate: the step came from an order-0 estimate; measure the coded payloads and
+        # widen the step until indices + norms + tables fit in bits= per component (rate ~ -log2 step)
+        comps = sum(t.numel() for t in kv.keys + kv.values)
+        for _ in range(6):
+            payloads = []
+            _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, pl: payloads.append(pl))
+            rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
+            if rate <= params["bits"]:
+                break
+            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.01)))
+        writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
+        if ids is not None:
+            writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
+        for job, pl in zip(jobs, payloads):
+            writer.write_section(L.SECTION_KV, pl, layer=job[0], part=job[1], chunk=job[2])
+            if progress:
+                progress(1)
+        return writer.close()
     _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, payload: writer.write_section(
         L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2]), progress)
     return writer.close()
+
+
+def _global_step(kv: KVCache, params: dict) -> float:
+    """One uniform step for the whole cache (equal distortion everywhere: MSE-optimal allocation), chosen so
+    that indices plus norms average ``params['bits']`` bits per component (order-0 estimate; the context
+    coder then lands at or below it)."""
+    from .stages import quant
+
+    zs, comps, vecs = [], 0, 0
+    for t in kv.keys + kv.values:
+        if not t.numel():
+            continue
+        x = t.float().reshape(-1, t.shape[-1]).numpy()
+        sub = x[:: max(1, x.shape[0] // 4096)]
+        zs.append(quant._directions(sub, params["seed"])[1].ravel())
+        comps += t.numel()
+        vecs += x.shape[0]
+    side = 12.0 * vecs / max(comps, 1)  # fp16 norms coded by float_ctx_rans: ~12 bits each (measured)
+    return quant.step_for_rate(np.concatenate(zs), max(0.05, params["bits"] - side))
 
 
 def _write_token_tier(sink, kv: KVCache, enc, model, tier, chunk_tokens, tolerance, info, progress):
@@ -369,6 +430,18 @@ def save(path, cache, model=None, **kwargs) -> int:
 
 
 # --- decoding ------------------------------------------------------------------
+def _dequantize(payload, shape, dtype_name: str, offset: int, dtype: torch.dtype) -> np.ndarray:
+    """A vq_rans slice as bit patterns of ``dtype`` (float32 values rounded by torch: deterministic)."""
+    from .stages import quant
+
+    vals, tail, exact = quant.decode(payload, shape, dtype_name, offset=offset)
+    out = np.empty(shape, dtype=_NP_UINT[torch.empty((), dtype=dtype).element_size()])
+    out[:, :, :shape[2] - exact] = _bits(torch.from_numpy(vals).to(dtype))
+    if exact:
+        out[:, :, shape[2] - exact:] = tail
+    return out
+
+
 class KvzFile:
     """An open .kvz file: header-level facts, and per-layer lazy decoding.
 
@@ -502,6 +575,8 @@ class KvzFile:
             a, b = lay.chunk_range(c, h.chunk_tokens)
             shape = (h.batch, lay.kv_heads, b - a, lay.k_dim if p == L.PART_KEYS else lay.v_dim)
             whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
+            if h.codec_id == "vq_rans":
+                return _dequantize(prepared[0], shape, h.dtype, prepared[1], self.dtype)
             return floatctx.decode(prepared[0], shape, h.dtype, offset=prepared[1],
                                    out=outs[li, p] if whole else None)
 

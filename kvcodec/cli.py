@@ -169,6 +169,12 @@ def cmd_claims(args) -> int:
     return run_claims(args)
 
 
+def cmd_eval(args) -> int:
+    from .evaluate import run_eval
+
+    return run_eval(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -204,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True)
     s.add_argument("--model", default="smollm2", help="model for exact/tokens files (embedded name or directory)")
     s.set_defaults(func=cmd_decode)
+
+    s = sub.add_parser("eval", help="quality of the lossy tier: KL of next-token distributions, top-1, greedy")
+    s.add_argument("--out", default="bench_out")
+    s.add_argument("--texts", nargs="*", help="corpus file names (default: three genres)")
+    s.add_argument("--prefix", type=int, default=1024)
+    s.add_argument("--continuation", type=int, default=256)
+    s.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
+    s.add_argument("--bits", type=float, default=3.0, help="average bits per component")
+    s.add_argument("--config", nargs="*", help='lossy options as JSON, e.g. \'{"bits": 2.5}\' (several: a sweep)')
+    s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("verify", help="decode fully and check every checksum")
     s.add_argument("file")
@@ -245,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and the like

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from ..errors import FormatError, LimitExceeded, UnknownId
 from . import layout as L
 
-TIERS = {"lossless": {"float_ctx_rans"}, "exact": {"int_residual_rans"}, "tokens": {"int_residual_rans"}}
+TIERS = {"lossless": {"float_ctx_rans"}, "exact": {"int_residual_rans"}, "tokens": {"int_residual_rans"},
+         "lossy": {"vq_rans"}}
 TOKEN_TIERS = ("exact", "tokens")
 TOKEN_MODELS = ("lm", "static", "draft")
 PROCEDURES = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1"}

@@ -21,7 +21,7 @@ FORMAT_VERSION_MAJOR = 1
 FORMAT_VERSION_MINOR = 1  # the highest minor version this code reads and writes
 #: a writer stamps the lowest minor version that can express the file: 0 for the lossless tier,
 #: 1 for the token tiers (sections 3 and 4), so 1.0 readers keep reading lossless files
-TIER_MIN_MINOR = {"lossless": 0, "tokens": 1, "exact": 1}
+TIER_MIN_MINOR = {"lossless": 0, "tokens": 1, "exact": 1, "lossy": 1}
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")

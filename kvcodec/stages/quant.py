@@ -1,0 +1,256 @@
+"""Lossy per-vector quantization of KV slices: codec ``vq_rans`` (tier ``lossy``).
+
+TurboQuant-style: every key / value vector ``x`` (one token, one head, D
+components) is split into its norm and its direction ``u = x / |x|``; the
+direction is rotated by a randomized Hadamard transform (random signs from a
+stored seed, then the Walsh-Hadamard butterfly), which makes every coordinate
+``z = H(s * u)`` close to N(0, 1) whatever the vector; the coordinates are
+quantized with one scalar quantizer per slice and the indices entropy-coded
+with our rANS lane coder (per-coordinate context tables, like
+``float_ctx_rans``).  Two quantizers:
+
+* ``uniform`` (default): ``q = round(z / step)``.  Entropy-coded uniform
+  quantization is within ~0.25 bit of the rate-distortion bound at these rates
+  and its rate is continuous: the encoder finds the step that meets ``bits=``
+  (average bits per component, side information included);
+* ``lloyd``: the Lloyd-Max codebook of N(0, 1) with ``2**b`` levels (the
+  TurboQuant paper's quantizer), stored in the payload, indices entropy-coded.
+
+The last ``window`` tokens of a cache may be kept exact (KIVI's
+full-precision window).  Decoding uses only IEEE float32 additions,
+subtractions and multiplications in a fixed order (the butterfly is written
+out, no BLAS), so the same bytes give the same tensors on every machine.
+See ``spec/kvz.md`` section 13.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from ..errors import ConfigError, FormatError, LimitExceeded
+from . import floatctx
+
+CODEC_ID = "vq_rans"
+METHOD_UNIFORM = 1
+METHOD_LLOYD = 2
+METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD}
+MAX_SYMBOL_BITS = 12
+_FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Reserved, Exact_Tokens, Seed, Step, Norms_Length
+DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "seed": 0x6B767A}
+_CTX = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
+
+
+def check_config(cfg: dict) -> dict:
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+    out = {**DEFAULTS, **cfg}
+    if out["quantizer"] not in METHODS:
+        raise ConfigError(f"{CODEC_ID}: quantizer must be one of {sorted(METHODS)}")
+    if out["step"] is not None and not (isinstance(out["step"], (int, float)) and out["step"] > 0):
+        raise ConfigError(f"{CODEC_ID}: step must be a positive number")
+    if not (isinstance(out["bits"], (int, float)) and 0.05 <= out["bits"] <= 12):
+        raise ConfigError(f"{CODEC_ID}: bits (average bits per component) must be in [0.05, 12]")
+    if not (isinstance(out["lloyd_bits"], int) and 2 <= out["lloyd_bits"] <= 8):
+        raise ConfigError(f"{CODEC_ID}: lloyd_bits must be an int in [2, 8]")
+    if not (isinstance(out["window"], int) and out["window"] >= 0):
+        raise ConfigError(f"{CODEC_ID}: window must be an int >= 0")
+    if not (isinstance(out["seed"], int) and 0 <= out["seed"] < 2 ** 64):
+        raise ConfigError(f"{CODEC_ID}: seed must be an int in [0, 2**64)")
+    return out
+
+
+# --- the rotation -------------------------------------------------------------------
+def signs(seed: int, d: int) -> np.ndarray:
+    """The random signs (float32 +-1) of the randomized Hadamard transform: PCG64(seed), d fair bits."""
+    bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=d, dtype=np.uint8)
+    return np.where(bits == 1, np.float32(-1.0), np.float32(1.0))
+
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """Unnormalised Walsh-Hadamard transform along the last axis (length a power of two), float32."""
+    n, d = x.shape
+    h = 1
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    while h < d:
+        y = x.reshape(n, d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        x = np.concatenate([a + b, a - b], axis=2).reshape(n, d)
+        h *= 2
+    return x
+
+
+def lloyd_max_gaussian(levels: int, iters: int = 200) -> np.ndarray:
+    """Lloyd-Max reconstruction points of N(0, 1) (ascending float32): encoder side only, stored in the file."""
+    from math import erf, exp, pi, sqrt
+
+    def pdf(t):
+        return exp(-t * t / 2) / sqrt(2 * pi)
+
+    def cdf(t):
+        return 0.5 * (1 + erf(t / sqrt(2)))
+
+    c = np.array([(i + 0.5) / levels * 6 - 3 for i in range(levels)], dtype=np.float64)
+    for _ in range(iters):
+        edges = np.concatenate([[-np.inf], (c[1:] + c[:-1]) / 2, [np.inf]])
+        new = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            mass = cdf(b) - cdf(a)
+            new.append((pdf(a) - pdf(b)) / mass if mass > 0 else (a + b) / 2)
+        c = np.array(new)
+    return c.astype(np.float32)
+
+
+# --- encoder ------------------------------------------------------------------------
+def _directions(x: np.ndarray, seed: int):
+    """(fp16 norms, rotated coordinates z) of float32 vectors ``x [N, D]``."""
+    norms16 = np.linalg.norm(x.astype(np.float64), axis=1).astype(np.float16)
+    n32 = norms16.astype(np.float32)
+    safe = np.where(n32 > 0, n32, np.float32(1.0))
+    u = (x / safe[:, None]).astype(np.float32)
+    u[n32 == 0] = 0
+    return norms16, fwht(u * signs(seed, x.shape[1])[None, :])
+
+
+def entropy_bits(q: np.ndarray) -> float:
+    """Empirical order-0 entropy of integer indices, bits per index (rate estimate)."""
+    _, cnt = np.unique(q, return_counts=True)
+    p = cnt / cnt.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def step_for_rate(z: np.ndarray, rate: float) -> float:
+    """Uniform step whose index entropy is ``rate`` bits (bisection on log step)."""
+    sample = z.ravel()
+    if sample.size > 1 << 20:
+        sample = sample[:: sample.size // (1 << 20) + 1]
+    lo, hi = -12.0, 6.0  # log2 step
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if entropy_bits(np.rint(sample / 2.0 ** mid)) > rate:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.float32(2.0 ** hi))
+
+
+def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
+           exact_bits: np.ndarray | None = None, step: float | None = None) -> bytes:
+    """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
+    (``exact_bits``: their bit patterns in ``dtype``).  ``step`` overrides the rate search."""
+    cfg = check_config(cfg)
+    b, h, t, d = x.shape
+    if d & (d - 1):
+        raise ConfigError(f"{CODEC_ID}: head dimension {d} is not a power of two (the Hadamard rotation needs one)")
+    tq = t - exact_tokens
+    method = METHODS[cfg["quantizer"]]
+    seed = int(cfg["seed"])
+    parts = []
+    if tq > 0:
+        vecs = np.ascontiguousarray(x[:, :, :tq]).reshape(-1, d).astype(np.float32)
+        norms16, z = _directions(vecs, seed)
+        if method == METHOD_UNIFORM:
+            st = np.float32(step if step is not None else cfg["step"] or step_for_rate(z, cfg["bits"]))
+            q = np.rint(z / st).astype(np.int64)
+            codebook = b""
+        else:
+            cb = lloyd_max_gaussian(1 << cfg["lloyd_bits"])
+            st = np.float32(0)
+            q = np.searchsorted((cb[1:] + cb[:-1]) / 2, z).astype(np.int64)
+            codebook = cb.astype("<f4").tobytes()
+        lo = int(q.min()) if method == METHOD_UNIFORM else 0
+        span = int(q.max()) - lo + 1 if method == METHOD_UNIFORM else 1 << cfg["lloyd_bits"]
+        k = max(2, math.ceil(math.log2(span)) if span > 1 else 1)
+        if k > MAX_SYMBOL_BITS:
+            raise ConfigError(f"{CODEC_ID}: {span} quantization levels need more than {MAX_SYMBOL_BITS} bits; "
+                              "raise the step / lower the rate")
+        syms = (q - lo).astype(np.uint16).reshape(b, h, tq, d)
+        rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, tq)
+        idx = floatctx.encode_symbols(rows, k, _CTX)
+        nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
+        parts = [_FIXED.pack(1, method, k, 0, exact_tokens, seed, float(st), len(nbytes)), struct.pack("<i", lo),
+                 codebook, nbytes, idx]
+    else:
+        parts = [_FIXED.pack(1, method, 2, 0, exact_tokens, seed, 0.0, 0), struct.pack("<i", 0)]
+    tail = b""
+    if exact_tokens:
+        tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {})
+    return b"".join(parts) + struct.pack("<I", len(tail)) + tail
+
+
+# --- decoder ------------------------------------------------------------------------
+def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0,
+           max_tokens_exact: int | None = None) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Decode a payload: (float32 ``[B, H, T - E, D]`` dequantized vectors, bit patterns of the E exact tail
+    tokens or None, E).  Every field is validated before use."""
+    mv = memoryview(payload)
+    b, h, t, d = shape
+    if len(mv) < _FIXED.size + 4:
+        raise FormatError("vq_rans payload shorter than its fixed fields", field="VQ.Mode", offset=offset)
+    mode, method, k, reserved, exact, seed, st, norms_len = _FIXED.unpack_from(mv, 0)
+    (lo,) = struct.unpack_from("<i", mv, _FIXED.size)
+    if mode != 1:
+        raise FormatError(f"unknown vq_rans mode {mode}", field="VQ.Mode", offset=offset)
+    if method not in (METHOD_UNIFORM, METHOD_LLOYD):
+        raise FormatError(f"unknown quantizer method {method}", field="VQ.Method", offset=offset + 1)
+    if not 2 <= k <= MAX_SYMBOL_BITS:
+        raise FormatError(f"Symbol_Bits {k} outside [2, {MAX_SYMBOL_BITS}]", field="VQ.Symbol_Bits", offset=offset + 2)
+    if reserved:
+        raise FormatError("reserved byte is not zero", field="VQ.Reserved", offset=offset + 3)
+    if exact > t:
+        raise FormatError(f"Exact_Tokens {exact} > {t} tokens in the slice", field="VQ.Exact_Tokens", offset=offset + 4)
+    if d & (d - 1):
+        raise FormatError(f"head dimension {d} is not a power of two", field="Header.cache.layers", offset=offset)
+    tq = t - exact
+    p = _FIXED.size + 4
+    out = np.zeros((b, h, tq, d), dtype=np.float32)
+    if tq:
+        if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
+            raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
+        levels = 1 << k
+        if method == METHOD_LLOYD:
+            if len(mv) < p + 4 * levels:
+                raise FormatError("payload shorter than its codebook", field="VQ.Codebook", offset=offset + p)
+            cb = np.frombuffer(mv[p:p + 4 * levels], dtype="<f4").astype(np.float32)
+            if not np.isfinite(cb).all():
+                raise FormatError("codebook has a non-finite value", field="VQ.Codebook", offset=offset + p)
+            p += 4 * levels
+        if norms_len > len(mv) - p:
+            raise FormatError(f"Norms_Length {norms_len} runs past the payload", field="VQ.Norms_Length",
+                              offset=offset + 20)
+        norms = floatctx.decode(mv[p:p + norms_len], (b, h, tq, 1), "float16", offset=offset + p)
+        p += norms_len
+        syms = np.empty((b * h, tq, d), dtype=np.uint16)
+        used = floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
+        p += used
+        n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
+        if not np.isfinite(n32).all():
+            raise FormatError("a vector norm is not finite", field="VQ.Norms", offset=offset)
+        s = syms.reshape(b, h, tq, d).reshape(-1, d).astype(np.int64)
+        if method == METHOD_UNIFORM:
+            zq = ((s + lo).astype(np.float32) * np.float32(st))
+        else:
+            if int(s.max()) >= levels or lo != 0:
+                raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
+            zq = cb[s]
+        u = fwht(zq) * signs(seed, d)[None, :] * np.float32(1.0 / d)
+        out = (u * n32[:, None]).reshape(b, h, tq, d)
+    if len(mv) < p + 4:
+        raise FormatError("payload ends before Tail_Length", field="VQ.Tail_Length", offset=offset + p)
+    (tail_len,) = struct.unpack_from("<I", mv, p)
+    p += 4
+    if tail_len != len(mv) - p:
+        raise FormatError(f"Tail_Length {tail_len}, {len(mv) - p} bytes left", field="VQ.Tail_Length",
+                          offset=offset + p - 4)
+    tail = None
+    if exact:
+        tail = floatctx.decode(mv[p:], (b, h, exact, d), dtype, offset=offset + p)
+    elif tail_len:
+        raise FormatError("a tail without exact tokens", field="VQ.Tail_Length", offset=offset + p - 4)
+    return out, tail, exact
+
+
+_ = LimitExceeded
