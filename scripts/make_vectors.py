@@ -69,6 +69,18 @@ def cases():
         {"chunk_tokens": 5}
 
 
+def lossy_cases():
+    """Lossy tier: the decoded tensors are defined by spec section 13; their hashes are recorded from the
+    decoder and checked against an independent reimplementation in tests/test_lossy.py."""
+    rng = np.random.default_rng(5)
+    kv = [(structured(rng, (1, 2, 12, 8), torch.bfloat16), structured(rng, (1, 2, 12, 8), torch.bfloat16))]
+    yield "lossy_uniform_window", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "bits": 3.0, "window": 4, "chunk_tokens": 8}
+    kv = [(structured(rng, (1, 1, 10, 6), torch.float16), structured(rng, (1, 1, 10, 6), torch.float16))]
+    yield "lossy_kivi", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3, "group": 4}
+
+
 def tiny():
     """The smallest useful file, dumped in hex in spec/kvz.md Appendix A."""
     k = torch.tensor([[[[1.0], [-2.0]]]], dtype=torch.float16)
@@ -139,8 +151,16 @@ def build():
             "start_position": 0,
         }
         yield name, data, meta
-    for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})]:
+    for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})] + list(lossy_cases()):
         data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
+        if opts.get("tier") == "lossy":
+            out = kvcodec.decode(data, output="kvcache")
+            meta = {"options": opts, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
+                    "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
+                    "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
+                    "tokens": None, "start_position": 0}
+            yield name, data, meta
+            continue
         meta = {
             "options": opts,
             "dtype": kv.dtype_name,

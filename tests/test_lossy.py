@@ -122,3 +122,19 @@ def test_bad_options_and_payloads():
         with pytest.raises(kvcodec.FormatError) as ei:
             quant.decode(bad, shape, "bfloat16")
         assert field is None or ei.value.field == field
+
+
+def test_kivi_keys_per_channel_values_per_token():
+    cache = structured_cache(seq=70, dim=48)  # KIVI needs no power-of-two head dimension
+    kv = kvcodec.to_canonical(cache)
+    errs = []
+    for b in (2, 4):
+        data = kvcodec.encode(cache, tier="lossy", quantizer="kivi", kivi_bits=b, group=32, window=5, chunk_tokens=40)
+        back = kvcodec.decode(data, output="kvcache")
+        assert torch.equal(back.keys[0][:, :, -5:], kv.keys[0][:, :, -5:])
+        errs.append((_rel_mse(back.keys, kv.keys), _rel_mse(back.values, kv.values)))
+        # a per-token min-max with 2**b levels bounds every value error by half a step of its token's range
+        v, w = back.values[0].float(), kv.values[0].float()
+        rng = w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)
+        assert bool(((v - w).abs()[:, :, :-5] <= rng[:, :, :-5] / (2 * (2 ** b - 1)) * 1.01 + 2e-2).all())
+    assert errs[1][0] < errs[0][0] / 8 and errs[1][1] < errs[0][1] / 8

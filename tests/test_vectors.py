@@ -17,7 +17,8 @@ from kvcodec.container.reader import KvzReader
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "tokens_tolerance_padded"]
-CASES = LOSSLESS + TOKEN_TIERS
+LOSSY = ["lossy_uniform_window", "lossy_kivi"]
+CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
 
 def sha(t):
@@ -129,3 +130,16 @@ def test_reencode_token_tier_vector(case):
     for h in (ha, hb):
         h["tokens"] = {k: v for k, v in h["tokens"].items() if k != "procedure"}
     assert ha == hb
+
+
+@pytest.mark.parametrize("case", LOSSY)
+def test_decode_lossy_vector(case):
+    """Lossy vectors pin spec section 13's reconstruction (checked independently in test_lossy.py): any change
+    to the decoder's arithmetic changes these hashes.  Decoding needs no model and is deterministic."""
+    meta = json.loads((VECTORS / f"{case}.json").read_text())
+    data = (VECTORS / f"{case}.kvz").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
+    kv = kvcodec.decode(data, output="kvcache")
+    assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
+    assert [sha(t) for t in kv.values] == meta["values_sha256"]
+    assert kvcodec.inspect(data)["tier"] == "lossy"

@@ -36,10 +36,13 @@ from . import floatctx
 CODEC_ID = "vq_rans"
 METHOD_UNIFORM = 1
 METHOD_LLOYD = 2
-METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD}
+METHOD_KIVI = 3
+METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI}
+_KIVI = struct.Struct("<BBH")  # Axis (0: per channel over token groups, 1: per token over channel groups), Bits, Group
 MAX_SYMBOL_BITS = 12
 _FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Reserved, Exact_Tokens, Seed, Step, Norms_Length
-DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "seed": 0x6B767A}
+DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "seed": 0x6B767A,
+            "kivi_bits": 2, "group": 32}
 _CTX = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
 
 
@@ -56,6 +59,10 @@ def check_config(cfg: dict) -> dict:
         raise ConfigError(f"{CODEC_ID}: bits (average bits per component) must be in [0.05, 12]")
     if not (isinstance(out["lloyd_bits"], int) and 2 <= out["lloyd_bits"] <= 8):
         raise ConfigError(f"{CODEC_ID}: lloyd_bits must be an int in [2, 8]")
+    if not (isinstance(out["kivi_bits"], int) and 1 <= out["kivi_bits"] <= 8):
+        raise ConfigError(f"{CODEC_ID}: kivi_bits must be an int in [1, 8]")
+    if not (isinstance(out["group"], int) and 1 <= out["group"] <= 65535):
+        raise ConfigError(f"{CODEC_ID}: group must be an int in [1, 65535]")
     if not (isinstance(out["window"], int) and out["window"] >= 0):
         raise ConfigError(f"{CODEC_ID}: window must be an int >= 0")
     if not (isinstance(out["seed"], int) and 0 <= out["seed"] < 2 ** 64):
@@ -137,12 +144,66 @@ def step_for_rate(z: np.ndarray, rate: float) -> float:
     return float(np.float32(2.0 ** hi))
 
 
+def _kivi_groups(x: np.ndarray, axis: int, group: int) -> np.ndarray:
+    """``[B, H, T, D]`` -> ``[groups, group_len]``: per channel over token groups (axis 0) or per token over
+    channel groups (axis 1); the last group may be shorter (padded by repeating its last element)."""
+    b, h, t, d = x.shape
+    if axis == 0:
+        y = x.transpose(0, 1, 3, 2)  # [B, H, D, T]
+    else:
+        y = x
+    n = y.shape[-1]
+    ng = -(-n // group)
+    pad = ng * group - n
+    if pad:
+        y = np.concatenate([y, np.repeat(y[..., -1:], pad, axis=-1)], axis=-1)
+    return np.ascontiguousarray(y).reshape(-1, group), n
+
+
+def _kivi_ungroup(g: np.ndarray, shape, axis: int, group: int) -> np.ndarray:
+    b, h, t, d = shape
+    n = t if axis == 0 else d
+    lead = (b, h, d) if axis == 0 else (b, h, t)
+    y = g.reshape(*lead, -1)[..., :n]
+    return y.transpose(0, 1, 3, 2) if axis == 0 else y
+
+
+def _encode_kivi(x: np.ndarray, cfg: dict, axis: int) -> list[bytes]:
+    b, h, t, d = x.shape
+    bits, group = cfg["kivi_bits"], cfg["group"]
+    g, _ = _kivi_groups(x.astype(np.float32), axis, group)
+    mn = g.min(axis=1).astype(np.float16)
+    top = (1 << bits) - 1
+    scale = ((g.max(axis=1) - mn.astype(np.float32)) / top).astype(np.float16)
+    m32, s32 = mn.astype(np.float32), scale.astype(np.float32)
+    safe = np.where(s32 > 0, s32, np.float32(1))
+    q = np.clip(np.rint((g - m32[:, None]) / safe[:, None]), 0, top).astype(np.uint16)
+    q[s32 == 0] = 0
+    qx = _kivi_ungroup(q, x.shape, axis, group)
+    k = max(2, bits)
+    rows = np.ascontiguousarray(qx.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
+    side = np.stack([mn, scale], axis=1).view(np.uint16).reshape(-1, 2, 1, 1)
+    side_p = floatctx.encode(np.ascontiguousarray(side.transpose(1, 0, 2, 3)).reshape(1, 2, -1, 1), "float16", {})
+    return [_KIVI.pack(axis, bits, group), struct.pack("<I", len(side_p)), side_p,
+            floatctx.encode_symbols(rows, k, _CTX)], k
+
+
 def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
-           exact_bits: np.ndarray | None = None, step: float | None = None) -> bytes:
+           exact_bits: np.ndarray | None = None, step: float | None = None, part: int = 0) -> bytes:
     """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
-    (``exact_bits``: their bit patterns in ``dtype``).  ``step`` overrides the rate search."""
+    (``exact_bits``: their bit patterns in ``dtype``).  ``step`` overrides the rate search.  ``part``
+    (0 keys, 1 values) picks KIVI's axis: keys per channel, values per token."""
     cfg = check_config(cfg)
     b, h, t, d = x.shape
+    if cfg["quantizer"] == "kivi":
+        tq = t - exact_tokens
+        body = []
+        k = 2
+        if tq > 0:
+            body, k = _encode_kivi(np.ascontiguousarray(x[:, :, :tq]), cfg, 0 if part == 0 else 1)
+        tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {}) if exact_tokens else b""
+        return b"".join([_FIXED.pack(1, METHOD_KIVI, k, 0, exact_tokens, 0, 0.0, 0), struct.pack("<i", 0), *body,
+                         struct.pack("<I", len(tail)), tail])
     if d & (d - 1):
         raise ConfigError(f"{CODEC_ID}: head dimension {d} is not a power of two (the Hadamard rotation needs one)")
     tq = t - exact_tokens
@@ -194,7 +255,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     (lo,) = struct.unpack_from("<i", mv, _FIXED.size)
     if mode != 1:
         raise FormatError(f"unknown vq_rans mode {mode}", field="VQ.Mode", offset=offset)
-    if method not in (METHOD_UNIFORM, METHOD_LLOYD):
+    if method not in (METHOD_UNIFORM, METHOD_LLOYD, METHOD_KIVI):
         raise FormatError(f"unknown quantizer method {method}", field="VQ.Method", offset=offset + 1)
     if not 2 <= k <= MAX_SYMBOL_BITS:
         raise FormatError(f"Symbol_Bits {k} outside [2, {MAX_SYMBOL_BITS}]", field="VQ.Symbol_Bits", offset=offset + 2)
@@ -202,12 +263,14 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError("reserved byte is not zero", field="VQ.Reserved", offset=offset + 3)
     if exact > t:
         raise FormatError(f"Exact_Tokens {exact} > {t} tokens in the slice", field="VQ.Exact_Tokens", offset=offset + 4)
-    if d & (d - 1):
+    if d & (d - 1) and method != METHOD_KIVI:
         raise FormatError(f"head dimension {d} is not a power of two", field="Header.cache.layers", offset=offset)
     tq = t - exact
     p = _FIXED.size + 4
     out = np.zeros((b, h, tq, d), dtype=np.float32)
-    if tq:
+    if tq and method == METHOD_KIVI:
+        out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)
+    elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
         levels = 1 << k
@@ -251,6 +314,37 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     elif tail_len:
         raise FormatError("a tail without exact tokens", field="VQ.Tail_Length", offset=offset + p - 4)
     return out, tail, exact
+
+
+def _decode_kivi(mv, p: int, shape, k: int, offset: int):
+    b, h, t, d = shape
+    if len(mv) < p + _KIVI.size + 4:
+        raise FormatError("payload ends inside the KIVI fields", field="VQ.KIVI", offset=offset + p)
+    axis, bits, group = _KIVI.unpack_from(mv, p)
+    if axis not in (0, 1) or not 1 <= bits <= 8 or group < 1 or k != max(2, bits):
+        raise FormatError(f"KIVI fields axis {axis}, bits {bits}, group {group}, Symbol_Bits {k} are invalid",
+                          field="VQ.KIVI", offset=offset + p)
+    p += _KIVI.size
+    (side_len,) = struct.unpack_from("<I", mv, p)
+    p += 4
+    n = t if axis == 0 else d
+    ngroups = (b * h * (d if axis == 0 else t)) * -(-n // group)
+    if side_len > len(mv) - p:
+        raise FormatError(f"Side_Length {side_len} runs past the payload", field="VQ.KIVI.Side_Length",
+                          offset=offset + p - 4)
+    side = floatctx.decode(mv[p:p + side_len], (1, 2, ngroups, 1), "float16", offset=offset + p)
+    p += side_len
+    side = side.reshape(2, ngroups).view(np.float16).astype(np.float32)
+    if not np.isfinite(side).all():
+        raise FormatError("a KIVI minimum or scale is not finite", field="VQ.KIVI.Side", offset=offset + p)
+    syms = np.empty((b * h, t, d), dtype=np.uint16)
+    p += floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
+    q = syms.reshape(b, h, t, d)
+    if int(q.max()) > (1 << bits) - 1:
+        raise FormatError("a KIVI index exceeds 2**bits - 1", field="VQ.Indices", offset=offset + p)
+    g, _ = _kivi_groups(q.astype(np.float32), axis, group)
+    vals = side[0][:, None] + g * side[1][:, None]
+    return _kivi_ungroup(vals.astype(np.float32), shape, axis, group), p
 
 
 _ = LimitExceeded
