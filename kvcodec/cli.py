@@ -150,6 +150,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.lossy:
+        from .bench_lossy import run_lossy_bench
+
+        return run_lossy_bench(args)
     if args.token_tiers:
         from .bench_tokens import run_token_bench
 
@@ -230,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="bench_out", help="directory for bench.json and bench.md")
     s.add_argument("--token-tiers", action="store_true",
                    help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
+    s.add_argument("--lossy", action="store_true", help="rate-distortion of the lossy tier (bench_lossy.md)")
+    s.add_argument("--prefix", type=int, default=1024, help="lossy: prefix tokens")
+    s.add_argument("--continuation", type=int, default=256, help="lossy: teacher-forced tokens")
     s.add_argument("--tokens", type=int, default=None, help="tokens per text (lossless: 2048, token tiers: 1024)")
     s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres; token tiers: all)")
     s.add_argument("--repeats", type=int, default=None, help="timing repeats (lossless: 5, token tiers: 3)")
