@@ -234,14 +234,27 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
     if closed_loop:
         # closed loop on the rate: the step came from an order-0 estimate; measure the coded payloads and
         # widen the step until indices + norms + tables fit in bits= per component (rate ~ -log2 step)
+        # (two-sided: the order-0 estimate overshoots what the context coder achieves by ~0.5 bit)
         comps = sum(t.numel() for t in kv.keys + kv.values)
-        for _ in range(6):
+        best, lowest = None, None
+        for _ in range(8):
             payloads = []
             _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, pl: payloads.append(pl))
             rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
-            if rate <= params["bits"]:
+            if rate <= params["bits"] and (best is None or rate > best[0]):
+                best = (rate, params["step"], payloads)
+            if lowest is None or rate < lowest[0]:
+                lowest = (rate, params["step"], payloads)
+            if rate <= params["bits"] and params["bits"] - rate < 0.02:
                 break
-            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.01)))
+            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.005)))
+        if best is None:  # side information alone exceeds the budget (tiny caches): the lowest rate reached
+            import warnings
+
+            warnings.warn(f"{codec_id}: bits={params['bits']} not reachable for this cache (norms and tables "
+                          f"alone cost more); stored at {lowest[0]:.2f} bits per component", stacklevel=3)
+            best = lowest
+        _, params["step"], payloads = best
         writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
         if ids is not None:
             writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
