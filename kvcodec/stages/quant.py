@@ -42,7 +42,7 @@ _KIVI = struct.Struct("<BBH")  # Axis (0: per channel over token groups, 1: per 
 MAX_SYMBOL_BITS = 12
 _FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Reserved, Exact_Tokens, Seed, Step, Norms_Length
 DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "seed": 0x6B767A,
-            "kivi_bits": 2, "group": 32}
+            "kivi_bits": 2, "group": 32, "key_weight": 8.0}
 _CTX = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
 
 
@@ -63,6 +63,8 @@ def check_config(cfg: dict) -> dict:
         raise ConfigError(f"{CODEC_ID}: kivi_bits must be an int in [1, 8]")
     if not (isinstance(out["group"], int) and 1 <= out["group"] <= 65535):
         raise ConfigError(f"{CODEC_ID}: group must be an int in [1, 65535]")
+    if not (isinstance(out["key_weight"], (int, float)) and 0.01 <= out["key_weight"] <= 1e4):
+        raise ConfigError(f"{CODEC_ID}: key_weight must be a number in [0.01, 10000]")
     if not (isinstance(out["window"], int) and out["window"] >= 0):
         raise ConfigError(f"{CODEC_ID}: window must be an int >= 0")
     if not (isinstance(out["seed"], int) and 0 <= out["seed"] < 2 ** 64):
@@ -215,6 +217,8 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         norms16, z = _directions(vecs, seed)
         if method == METHOD_UNIFORM:
             st = np.float32(step if step is not None else cfg["step"] or step_for_rate(z, cfg["bits"]))
+            if part == 0:  # keys: a finer step (equal weighted distortion: D_k = D_v / key_weight)
+                st = np.float32(st / np.float32(math.sqrt(cfg["key_weight"])))
             q = np.rint(z / st).astype(np.int64)
             codebook = b""
         else:
