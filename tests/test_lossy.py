@@ -45,7 +45,7 @@ def test_rate_and_distortion_follow_bits(dtype):
     comps = sum(t.numel() for t in kv.keys + kv.values)
     prev = None
     for bits in (2.0, 3.0, 4.0):
-        data = kvcodec.encode(cache, tier="lossy", bits=bits)
+        data = kvcodec.encode(cache, tier="lossy", bits=bits, key_weight=1.0)  # plain MSE allocation
         payload = sum(s["bytes"] for s in kvcodec.inspect(data)["sections"])
         rate = 8 * payload / comps
         assert rate <= bits + 0.15, (bits, rate)  # indices + norms + tables, at or below the target
@@ -55,6 +55,11 @@ def test_rate_and_distortion_follow_bits(dtype):
         assert prev is None or err < prev / 2.5  # ~6 dB per bit for an entropy-coded uniform quantizer
         prev = err
     assert prev < 0.01
+    # key_weight w: keys get a step sqrt(w) finer, so their error drops ~w-fold relative to the values'
+    back = {w: kvcodec.decode(kvcodec.encode(cache, tier="lossy", bits=3.0, key_weight=w), output="kvcache")
+            for w in (1.0, 16.0)}
+    ratio = {w: _rel_mse(b.keys, kv.keys) / _rel_mse(b.values, kv.values) for w, b in back.items()}
+    assert ratio[16.0] < ratio[1.0] / 8
 
 
 def test_decoding_is_deterministic_and_matches_the_spec_reconstruction():
