@@ -194,7 +194,7 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
         params = quant.check_config(dict(options))
         codec_id = quant.CODEC_ID
         for t in kv.keys + kv.values:
-            if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] != "kivi":
+            if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd"):
                 raise ConfigError(f"{codec_id}: head dimension {t.shape[-1]} is not a power of two (the Hadamard "
                                   "rotation needs one)")
         if params["quantizer"] == "uniform" and params["step"] is None:
@@ -226,7 +226,8 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
             a, b = c * chunk_tokens, c * chunk_tokens + t.shape[2]
             exact = max(0, b - max(a, seq - params["window"])) if params["window"] else 0
             return quant.encode(t.float().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
-                                exact_bits=_bits(t[:, :, t.shape[2] - exact:]) if exact else None, part=job[1])
+                                exact_bits=_bits(t[:, :, t.shape[2] - exact:]) if exact else None, part=job[1],
+                                layer=li, num_layers=kv.num_layers)
         return floatctx.encode(_bits(job[3]), kv.dtype_name, params)
 
     # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and

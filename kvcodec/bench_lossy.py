@@ -25,7 +25,8 @@ import torch
 
 CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]
            + [{"quantizer": "lloyd", "lloyd_bits": b} for b in (2, 3, 4)]
-           + [{"quantizer": "kivi", "kivi_bits": b, "group": 32} for b in (2, 3, 4)])
+           + [{"quantizer": "kivi", "kivi_bits": b, "group": 32} for b in (2, 3, 4)]
+           + [{"quantizer": "cachegen", "cachegen_bins": bins} for bins in ([16, 8], [32, 16], [64, 32])])
 TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"]
 
 

@@ -143,3 +143,20 @@ def test_kivi_keys_per_channel_values_per_token():
         rng = w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)
         assert bool(((v - w).abs()[:, :, :-5] <= rng[:, :, :-5] / (2 * (2 ** b - 1)) * 1.01 + 2e-2).all())
     assert errs[1][0] < errs[0][0] / 8 and errs[1][1] < errs[0][1] / 8
+
+
+def test_cachegen_per_token_max_abs_with_layer_bins():
+    cache = structured_cache(layers=4, seq=30, dim=24, dtype=torch.float16)
+    kv = kvcodec.to_canonical(cache)
+    data = kvcodec.encode(cache, tier="lossy", quantizer="cachegen", cachegen_bins=[32, 8], cachegen_key_fine=0.5,
+                          cachegen_value_fine=0.25)
+    back = kvcodec.decode(data, output="kvcache")
+    for li in range(4):
+        for part, (x, y) in enumerate(((back.keys[li], kv.keys[li]), (back.values[li], kv.values[li]))):
+            fine = li < (2 if part == 0 else 1)
+            half = 15 if fine else 3
+            mx = y.float().abs().amax(dim=(1, 3), keepdim=True)  # per token, over heads and channels
+            err = (x.float() - y.float()).abs()
+            assert bool((err <= mx / half / 2 * 1.01 + 1e-3).all()), (li, part)
+    with pytest.raises(kvcodec.ConfigError):
+        kvcodec.encode(cache, tier="lossy", quantizer="cachegen", cachegen_bins=[2, 16])
