@@ -191,13 +191,21 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
     if tier == "lossy":
         from .stages import quant
 
-        params = quant.check_config(dict(options))
+        options = dict(options)
+        max_kl = options.pop("max_kl", None)
+        params = quant.check_config(options)
         codec_id = quant.CODEC_ID
         for t in kv.keys + kv.values:
             if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd"):
                 raise ConfigError(f"{codec_id}: head dimension {t.shape[-1]} is not a power of two (the Hadamard "
                                   "rotation needs one)")
-        if params["quantizer"] == "uniform" and params["step"] is None:
+        if max_kl is not None:
+            if params["quantizer"] != "uniform" or options.get("step") is not None:
+                raise ConfigError("max_kl= picks the step of the uniform quantizer; do not give step=")
+            params["step"], params["calibrated_kl"] = _step_for_kl(kv, model, float(max_kl), params)
+            params["max_kl"] = float(max_kl)
+            options["step"] = params["step"]  # fixed: no rate loop
+        elif params["quantizer"] == "uniform" and params["step"] is None:
             params["step"] = _global_step(kv, params)
     else:
         params = floatctx.check_config(dict(options), kv.dtype_name)
@@ -205,7 +213,8 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
     ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
     if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
         raise ValueError("token ids must be in [0, 2**32)")
-    closed_loop = tier == "lossy" and options.get("step") is None and params["quantizer"] == "uniform"
+    closed_loop = tier == "lossy" and params.get("max_kl") is None and options.get("step") is None \
+        and params["quantizer"] == "uniform"
     if not closed_loop:
         writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
         if ids is not None:
@@ -267,6 +276,66 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
     _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, payload: writer.write_section(
         L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2]), progress)
     return writer.close()
+
+
+def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: int = 32) -> tuple[float, float]:
+    """The coarsest uniform step whose cache keeps the model's next-token distributions within ``max_kl``
+    (mean KL, bits) on the cache's own last ``calib_tokens`` tokens: those are fed teacher-forced on top of the
+    rest of the cache, exact and quantized.  Needs the model and the tokens (given or recovered)."""
+    from .stages import quant
+    from .tokentier import _value_table, split_model
+
+    if model is None:
+        raise ConfigError("max_kl= needs the model: encode(cache, model, tier='lossy', max_kl=...)")
+    mdl, _ = split_model(model)
+    s = kv.seq_len
+    n = min(calib_tokens, s // 4)
+    if n < 1 or kv.start_position or any(k.shape[2] != s for k in kv.keys):
+        raise ConfigError("max_kl= needs a cache of at least 4 tokens from position 0 with every layer complete")
+    tokens = kv.tokens
+    if tokens is None:
+        from .tokens.recover import recover_tokens
+
+        rec = recover_tokens(kv.values[0], mdl, table=_value_table(mdl))
+        if not rec.ok:
+            raise ConfigError(f"max_kl= needs the cache's tokens: pass tokens= ({rec.reason})")
+        tokens = rec.tokens
+    from .runtime import cache_kwarg
+
+    def logp(cache_kv: KVCache):
+        prefix = KVCache([k[:, :, :s - n] for k in cache_kv.keys], [v[:, :, :s - n] for v in cache_kv.values])
+        with torch.no_grad():
+            out = mdl(tokens[:, s - n:].to(next(mdl.parameters()).device), use_cache=True,
+                      **{cache_kwarg(mdl): prefix.to_dynamic_cache()})
+        return torch.log_softmax(out.logits.double(), dim=-1)
+
+    ref = logp(kv)
+    dtype = kv.dtype
+
+    def kl_at(step: float) -> float:
+        keys, values = [], []
+        for li in range(kv.num_layers):
+            for part, t, dst in ((0, kv.keys[li], keys), (1, kv.values[li], values)):
+                payload = quant.encode(t.float().numpy(), params, step=step, part=part, layer=li,
+                                       num_layers=kv.num_layers)
+                vals, _, _ = quant.decode(payload, tuple(t.shape), kv.dtype_name)
+                dst.append(torch.from_numpy(vals).to(dtype))
+        lq = logp(KVCache(keys, values))
+        return float(((ref.exp() * (ref - lq)).sum(-1) / np.log(2)).mean())
+
+    lo, hi = -5.0, 2.0  # log2 step: lo (about 7 bits per component) meets the target (checked), hi is coarse
+    best = (2.0 ** lo, kl_at(2.0 ** lo))
+    if best[1] > max_kl:
+        raise ConfigError(f"max_kl={max_kl} is not reachable by the lossy tier on this cache (the finest step "
+                          f"gives {best[1]:.3g} bits); use tier='exact' or 'lossless'")
+    for _ in range(7):
+        mid = (lo + hi) / 2
+        kl = kl_at(2.0 ** mid)
+        if kl <= max_kl:
+            lo, best = mid, (2.0 ** mid, kl)
+        else:
+            hi = mid
+    return float(np.float32(best[0])), best[1]
 
 
 def _global_step(kv: KVCache, params: dict) -> float:

@@ -160,3 +160,27 @@ def test_cachegen_per_token_max_abs_with_layer_bins():
             assert bool((err <= mx / half / 2 * 1.01 + 1e-3).all()), (li, part)
     with pytest.raises(kvcodec.ConfigError):
         kvcodec.encode(cache, tier="lossy", quantizer="cachegen", cachegen_bins=[2, 16])
+
+
+def test_max_kl_calibrates_the_step_with_the_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .common import model_cache
+
+    torch.manual_seed(3)  # sharp next-token distributions (large init), so that KL reacts to the step
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.4)).eval()
+    cache = model_cache(model, torch.randint(0, 64, (1, 48)))
+    comps = sum(t.numel() for t in kvcodec.to_canonical(cache).keys + kvcodec.to_canonical(cache).values)
+    rates = {}
+    for mk in (0.05, 0.003):
+        data = kvcodec.encode(cache, model, tier="lossy", max_kl=mk)
+        params = kvcodec.inspect(data)["codec"]["params"]
+        assert params["max_kl"] == mk and params["calibrated_kl"] <= mk
+        rates[mk] = 8 * sum(s["bytes"] for s in kvcodec.inspect(data)["sections"]) / comps
+        kvcodec.decode(data)  # decodes without the model
+    assert rates[0.003] > rates[0.05] + 0.5
+    with pytest.raises(kvcodec.ConfigError, match="not reachable"):
+        kvcodec.encode(cache, model, tier="lossy", max_kl=1e-9)
+    with pytest.raises(kvcodec.ConfigError, match="needs the model"):
+        kvcodec.encode(cache, tier="lossy", max_kl=0.01)

@@ -58,6 +58,7 @@ _CTX = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded
 
 
 def check_config(cfg: dict) -> dict:
+    cfg = {k: v for k, v in cfg.items() if k not in ("max_kl", "calibrated_kl")}  # recorded, informative
     unknown = set(cfg) - set(DEFAULTS)
     if unknown:
         raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: {sorted(DEFAULTS)})")
