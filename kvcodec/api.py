@@ -330,9 +330,9 @@ def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: 
                           f"gives {best[1]:.3g} bits); use tier='exact' or 'lossless'")
     for _ in range(7):
         mid = (lo + hi) / 2
-        kl = kl_at(2.0 ** mid)
-        if kl <= max_kl:
-            lo, best = mid, (2.0 ** mid, kl)
+        d = kl_at(2.0 ** mid)
+        if d <= max_kl:
+            lo, best = mid, (2.0 ** mid, d)
         else:
             hi = mid
     return float(np.float32(best[0])), best[1]
