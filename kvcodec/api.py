@@ -215,10 +215,6 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
         raise ValueError("token ids must be in [0, 2**32)")
     closed_loop = tier == "lossy" and params.get("max_kl") is None and options.get("step") is None \
         and params["quantizer"] == "uniform"
-    if not closed_loop:
-        writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
-        if ids is not None:
-            writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
     jobs = []
     for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
         for c in range(-(-k.shape[2] // chunk_tokens)):
@@ -241,41 +237,51 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
 
     # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and
     # the jobs contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
-    if closed_loop:
-        # closed loop on the rate: the step came from an order-0 estimate; measure the coded payloads and
-        # widen the step until indices + norms + tables fit in bits= per component (rate ~ -log2 step)
-        # (two-sided: the order-0 estimate overshoots what the context coder achieves by ~0.5 bit)
-        comps = sum(t.numel() for t in kv.keys + kv.values)
-        best, lowest = None, None
-        for _ in range(8):
-            payloads = []
-            _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, pl: payloads.append(pl))
-            rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
-            if rate <= params["bits"] and (best is None or rate > best[0]):
-                best = (rate, params["step"], payloads)
-            if lowest is None or rate < lowest[0]:
-                lowest = (rate, params["step"], payloads)
-            if rate <= params["bits"] and params["bits"] - rate < 0.02:
-                break
-            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.005)))
-        if best is None:  # side information alone exceeds the budget (tiny caches): the lowest rate reached
-            import warnings
+    threads = 1 if threads is None else threads
+    payloads = _fit_rate(kv, jobs, work, threads, params, codec_id) if closed_loop else None
+    writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
+    if ids is not None:
+        writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
 
-            warnings.warn(f"{codec_id}: bits={params['bits']} not reachable for this cache (norms and tables "
-                          f"alone cost more); stored at {lowest[0]:.2f} bits per component", stacklevel=3)
-            best = lowest
-        _, params["step"], payloads = best
-        writer = KvzWriter(sink, _header(kv, tier, {"id": codec_id, "params": params}, chunk_tokens, model, info))
-        if ids is not None:
-            writer.write_section(L.SECTION_TOKENS, ids.astype("<u4").tobytes())
-        for job, pl in zip(jobs, payloads):
-            writer.write_section(L.SECTION_KV, pl, layer=job[0], part=job[1], chunk=job[2])
+    def put(job, payload):
+        writer.write_section(L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2])
+
+    if payloads is None:
+        _run_ordered(jobs, work, threads, put, progress)
+    else:
+        for job, payload in zip(jobs, payloads):
+            put(job, payload)
             if progress:
                 progress(1)
-        return writer.close()
-    _run_ordered(jobs, work, 1 if threads is None else threads, lambda job, payload: writer.write_section(
-        L.SECTION_KV, payload, layer=job[0], part=job[1], chunk=job[2]), progress)
     return writer.close()
+
+
+def _fit_rate(kv: KVCache, jobs, work, threads, params: dict, codec_id: str) -> list[bytes]:
+    """Closed loop on the rate of the lossy tier: code every slice, measure, rescale ``params['step']`` and
+    repeat until indices + norms + tables fit in ``bits=`` per component (rate ~ -log2 step); returns the
+    payloads of the chosen step.  Two-sided: the order-0 estimate the first step came from overshoots what
+    the context coder achieves by ~0.5 bit."""
+    comps = sum(t.numel() for t in kv.keys + kv.values)
+    best, lowest = None, None
+    for _ in range(8):
+        payloads = []
+        _run_ordered(jobs, work, threads, lambda job, pl: payloads.append(pl))
+        rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
+        if rate <= params["bits"] and (best is None or rate > best[0]):
+            best = (rate, params["step"], payloads)
+        if lowest is None or rate < lowest[0]:
+            lowest = (rate, params["step"], payloads)
+        if rate <= params["bits"] and params["bits"] - rate < 0.02:
+            break
+        params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.005)))
+    if best is None:  # side information alone exceeds the budget (tiny caches): the lowest rate reached
+        import warnings
+
+        warnings.warn(f"{codec_id}: bits={params['bits']} not reachable for this cache (norms and tables "
+                      f"alone cost more); stored at {lowest[0]:.2f} bits per component", stacklevel=4)
+        best = lowest
+    _, params["step"], payloads = best
+    return payloads
 
 
 def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: int = 32) -> tuple[float, float]:
