@@ -29,7 +29,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 LONG = ["prose_en_austen_pride_and_prejudice.txt", "legal_en_gpl-3.0.txt"]
@@ -272,5 +271,3 @@ def run_token_bench(args) -> int:
     print(f"wrote {out / 'bench_tokens.md'}")
     return 0
 
-
-_ = np  # numpy is used through the coders' arrays

@@ -25,8 +25,8 @@ import torch
 
 from .cache import KVCache, to_canonical
 from .errors import ConfigError, FormatError, ModelMismatch
-from .tokens._coder import chunk_checksums
-from .tokens.regen import Plan, RowStream, ScheduleLMCoder, replay
+from .tokens._coder import TokenStream
+from .tokens.regen import Plan, ScheduleLMCoder, replay
 
 TOKEN_CHUNK = 256
 _STREAM_HEAD = struct.Struct("<II")  # Num_Tokens, Num_Chunks
@@ -37,12 +37,12 @@ class Fallback(Exception):
 
 
 # --- token stream payloads ---------------------------------------------------------
-def pack_stream(s: RowStream) -> bytes:
+def pack_stream(s: TokenStream) -> bytes:
     return (_STREAM_HEAD.pack(s.num_tokens, len(s.chunk_checksums))
             + np.asarray(s.chunk_checksums, dtype="<u8").tobytes() + s.words.astype("<u4").tobytes())
 
 
-def unpack_stream(payload: bytes, *, expect_tokens: int, chunk: int, offset: int) -> RowStream:
+def unpack_stream(payload: bytes, *, expect_tokens: int, chunk: int, offset: int) -> TokenStream:
     if len(payload) < _STREAM_HEAD.size:
         raise FormatError("token_stream payload shorter than its fixed fields", field="Token_Stream.Num_Tokens",
                           offset=offset)
@@ -59,7 +59,7 @@ def unpack_stream(payload: bytes, *, expect_tokens: int, chunk: int, offset: int
                           "u32 words", field="Token_Stream.Words", offset=offset + 8)
     sums = np.frombuffer(payload, dtype="<u8", count=nc, offset=8).tolist()
     words = np.frombuffer(payload, dtype="<u4", offset=8 + 8 * nc).astype(np.uint32)
-    return RowStream(words, n, sums)
+    return TokenStream(words, n, chunk, sums)
 
 
 # --- model helpers ----------------------------------------------------------------
@@ -203,7 +203,7 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[
 @dataclass
 class TokenEncoding:
     header_tokens: dict
-    streams: list[RowStream]
+    streams: list[TokenStream]
     regen: KVCache
     tokens: torch.Tensor
     how: str
@@ -226,7 +226,6 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
     if any(c != n for c in kv.cumulative_length) or any(
             sw is None and k.shape[2] != n for k, sw in zip(kv.keys, kv.sliding_window)):
         raise Fallback("layers have seen different numbers of tokens")
-    recovered = False
     if tokens is None and kv.tokens is not None and kv.tokens.shape[1] == n:
         tokens = kv.tokens
     if tokens is None:
@@ -240,7 +239,7 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
             raise Fallback(f"token recovery: {e}") from None
         if not rec.ok:
             raise Fallback(f"token recovery failed: {rec.reason}")
-        tokens, recovered = rec.tokens, True
+        tokens = rec.tokens
     tokens = torch.as_tensor(tokens).to("cpu", torch.int64)
     if tokens.dim() == 1:
         tokens = tokens[None]
@@ -277,9 +276,7 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
             procedure, draft_rec = coder.procedure(), _model_record(draft)
         streams = []
         for r in range(kv.batch):
-            ts = coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:])
-            streams.append(RowStream(ts.words, ts.num_tokens, ts.chunk_checksums, ts.cross_entropy_bits,
-                                     ts.token_bits))
+            streams.append(coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:]))
         regen = verified if verified is not None else to_canonical(replay(mdl, tokens, plan))
     else:
         raise ConfigError(f"token_model must be 'lm', 'static' or 'draft', not {token_model!r}")
@@ -326,7 +323,7 @@ def procedure_differences(recorded: dict, current: dict) -> str:
     return "decode where these match: " + ", ".join(diffs) + hint
 
 
-def regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
+def regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
     """Decode the token streams and regenerate the cache (before residuals)."""
     from .errors import ChecksumMismatch
 
@@ -342,7 +339,7 @@ def regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[tor
                                field=e.field, offset=e.offset) from None
 
 
-def _regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
+def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
     t = header.tokens
     mdl, _ = split_model(model)
     n_layers = getattr(getattr(mdl, "config", None), "num_hidden_layers", None)
@@ -374,18 +371,12 @@ def _regenerate(header, streams: list[RowStream], model, draft=None) -> tuple[to
         if coder.vocab != t.vocab:
             raise FormatError(f"tokens.vocab {t.vocab} differs from the draft model's {coder.vocab}",
                               field="Header.tokens.vocab")
-    from .tokens.lm import TokenStream
-
     n = header.num_tokens
     tokens = torch.full((header.batch, n), t.pad_token, dtype=torch.int64)
     for r, s in enumerate(streams):
-        ids = coder.decode(TokenStream(s.words, s.num_tokens, t.chunk_tokens, s.chunk_checksums))
+        ids = coder.decode(s)
         if ids.numel() and int(ids.max()) >= vocab_size(mdl):
             raise FormatError(f"batch row {r}: a decoded token id is outside the model's vocabulary",
                               field="Token_Stream.Words")
         tokens[r, t.padding[r]:] = ids
     return tokens, to_canonical(replay(mdl, tokens, plan))
-
-
-def check_checksums(ids: np.ndarray, chunk: int, sums: list[int]) -> bool:
-    return chunk_checksums(ids, chunk) == list(sums)

@@ -38,7 +38,7 @@ import struct
 
 import numpy as np
 
-from ..errors import ConfigError, FormatError, LimitExceeded
+from ..errors import ConfigError, FormatError
 from . import floatctx
 
 CODEC_ID = "vq_rans"
@@ -423,5 +423,3 @@ def _decode_kivi(mv, p: int, shape, k: int, offset: int):
     vals = side[0][:, None] + g * side[1][:, None]
     return _kivi_ungroup(vals.astype(np.float32), shape, axis, group), p
 
-
-_ = LimitExceeded

@@ -20,29 +20,13 @@ first token has no context and is coded uniformly over the vocabulary.
 from __future__ import annotations
 
 import importlib.metadata as md
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from ..runtime import cache_kwarg
-from ._coder import RangeTokenCoder
+from ._coder import RangeTokenCoder, TokenStream  # noqa: F401  (TokenStream re-exported)
 
 CHUNK_TOKENS = 256
-
-
-@dataclass
-class TokenStream:
-    words: np.ndarray  # uint32 words of constriction's range coder
-    num_tokens: int
-    chunk_tokens: int
-    chunk_checksums: list[int] = field(default_factory=list)  # XXH3-64 of each chunk's ids (u32 LE)
-    cross_entropy_bits: float = 0.0  # sum of -log2 p(t_i) under the coded distributions (encoder side)
-    token_bits: np.ndarray | None = None  # -log2 p(t_i) of each token (encoder side)
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * int(self.words.size)
 
 
 class LMTokenCoder(RangeTokenCoder):

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import ChecksumMismatch, FormatError
+from ..errors import FormatError
 from ..runtime import cache_kwarg
-from ._coder import chunk_checksums
+from ._coder import TokenStream, check_chunk, chunk_checksums, decode_symbol
 
 
 @dataclass
@@ -102,21 +102,6 @@ def _probs(logits: torch.Tensor) -> np.ndarray:
     return torch.softmax(logits.float().double(), dim=-1).cpu().numpy()
 
 
-@dataclass
-class RowStream:
-    """One batch row's coded tokens."""
-
-    words: np.ndarray  # uint32 words of constriction's range coder
-    num_tokens: int
-    chunk_checksums: list[int]
-    cross_entropy_bits: float = 0.0
-    token_bits: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * int(self.words.size)
-
-
 class ScheduleLMCoder:
     """Code the tokens of a batch with ``model`` while replaying ``plan`` (module docstring)."""
 
@@ -170,7 +155,7 @@ class ScheduleLMCoder:
         return cache
 
     def encode(self, tokens: torch.Tensor, plan: Plan):
-        """Returns (one :class:`RowStream` per row, the regenerated DynamicCache)."""
+        """Returns (one :class:`TokenStream` per row, the regenerated DynamicCache)."""
         tokens = torch.as_tensor(tokens).to("cpu", torch.int64)
         bsz, n = tokens.shape
         pads = plan.padding or [0] * bsz
@@ -196,11 +181,11 @@ class ScheduleLMCoder:
         for r in range(bsz):
             ids = tokens[r, pads[r]:].numpy()
             tb = np.array(bits[r])
-            streams.append(RowStream(encs[r].get_compressed().astype(np.uint32), int(ids.size),
-                                     chunk_checksums(ids, self.chunk_tokens), float(tb.sum()), tb))
+            streams.append(TokenStream(encs[r].get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens,
+                                       chunk_checksums(ids, self.chunk_tokens), float(tb.sum()), tb))
         return streams, cache
 
-    def decode(self, streams: list[RowStream], plan: Plan):
+    def decode(self, streams: list[TokenStream], plan: Plan):
         """Returns (tokens ``[B, N]``, the regenerated DynamicCache); ChecksumMismatch at the first bad chunk."""
         bsz, n = len(streams), plan.num_tokens
         pads = plan.padding or [0] * bsz
@@ -220,20 +205,10 @@ class ScheduleLMCoder:
                 if i < pads[r]:
                     continue
                 p = uniform if i == pads[r] or probs is None else probs[r]
-                try:
-                    t = int(decs[r].decode(self._family, p[None, :])[0])
-                except (AssertionError, ValueError, RuntimeError) as e:  # constriction: invalid compressed data
-                    raise FormatError(f"batch row {r}, token {i}: the range coder rejects the stream ({e})",
-                                      field="Token_Stream.Words") from None
-                out[r] = t
-                k = i - pads[r]  # index among the row's coded tokens
-                if (k + 1) % chunk == 0 or i + 1 == n:
-                    c = k // chunk
-                    ids = np.concatenate([tokens[r, pads[r] + c * chunk:i].numpy(), [t]])
-                    if chunk_checksums(ids, chunk)[0] != streams[r].chunk_checksums[c]:
-                        raise ChecksumMismatch(
-                            f"batch row {r}, token chunk {c} (tokens {c * chunk}..{k}) decodes to ids whose "
-                            f"checksum differs: {self.MISMATCH_HINT}", field="Token_Stream.Chunk_Checksums")
+                out[r] = t = decode_symbol(decs[r], self._family, p, f"batch row {r}, token {i}")
+                check_chunk(streams[r], i - pads[r],  # index among the row's coded tokens
+                            lambda a, r=r, t=t: np.concatenate([tokens[r, pads[r] + a:i].numpy(), [t]]),
+                            self.MISMATCH_HINT, "Token_Stream.Chunk_Checksums", f"batch row {r}, ")
             return out
 
         cache = self._run(plan, step, tokens)
