@@ -289,7 +289,7 @@ def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: 
     (mean KL, bits) on the cache's own last ``calib_tokens`` tokens: those are fed teacher-forced on top of the
     rest of the cache, exact and quantized.  Needs the model and the tokens (given or recovered)."""
     from .stages import quant
-    from .tokentier import _value_table, split_model
+    from .tokentier import recover, split_model
 
     if model is None:
         raise ConfigError("max_kl= needs the model: encode(cache, model, tier='lossy', max_kl=...)")
@@ -300,9 +300,7 @@ def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: 
         raise ConfigError("max_kl= needs a cache of at least 4 tokens from position 0 with every layer complete")
     tokens = kv.tokens
     if tokens is None:
-        from .tokens.recover import recover_tokens
-
-        rec = recover_tokens(kv.values[0], mdl, table=_value_table(mdl))
+        rec = recover(kv, mdl)
         if not rec.ok:
             raise ConfigError(f"max_kl= needs the cache's tokens: pass tokens= ({rec.reason})")
         tokens = rec.tokens

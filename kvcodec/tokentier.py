@@ -76,6 +76,14 @@ def vocab_size(model) -> int:
 _TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def recover(kv: KVCache, model):
+    """:func:`~kvcodec.tokens.recover.recover_tokens` on ``kv``'s layer-0 values, with the model's vocab table
+    built once per model."""
+    from .tokens.recover import recover_tokens
+
+    return recover_tokens(kv.values[0], model, table=_value_table(model))
+
+
 def _value_table(model):
     from .tokens.recover import layer0_value_table
 
@@ -147,21 +155,17 @@ def _padding_candidates(tokens: torch.Tensor, attention_mask, model, tok) -> lis
 
 @torch.no_grad()
 def _probe_single_step(model, kv: KVCache, tokens, plan: Plan, j: int) -> bool:
-    """Was position j computed as one single-token call on top of the original cache [0, j)?"""
-    from .runtime import cache_kwarg
-    from .tokens.regen import _call_kwargs
+    """Was position j computed as one single-token call on top of the original cache [0, j)?  (Every layer of
+    ``kv`` holds all positions: the caller checks.)"""
+    from .tokens.regen import _call_kwargs, _forward
 
     dev = next(model.parameters()).device
     prefix = KVCache([k[:, :, :j].clone() for k in kv.keys], [v[:, :, :j].clone() for v in kv.values],
                      sliding_window=kv.sliding_window, cumulative_length=[j] * kv.num_layers).to_dynamic_cache()
-    model(tokens[:, j:j + 1].to(dev), use_cache=True, **{cache_kwarg(model): prefix},
-          **_call_kwargs(plan, j, j + 1, dev))
+    _forward(model, tokens[:, j:j + 1].to(dev), prefix, _call_kwargs(plan, j, j + 1, dev))
     got = to_canonical(prefix)
-    for a, b, ga, gb in zip(kv.keys, kv.values, got.keys, got.values):
-        if not (torch.equal(a[:, :, -1:] if a.shape[2] < j + 1 else a[:, :, j:j + 1], ga[:, :, -1:])
-                and torch.equal(b[:, :, -1:] if b.shape[2] < j + 1 else b[:, :, j:j + 1], gb[:, :, -1:])):
-            return False
-    return True
+    return all(torch.equal(a[:, :, j:j + 1], ga[:, :, -1:])
+               for a, ga in zip(kv.keys + kv.values, got.keys + got.values))
 
 
 def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str, KVCache | None]:
@@ -229,12 +233,10 @@ def prepare(cache, kv: KVCache, model, *, tier: str, tokens, token_model: str, d
     if tokens is None and kv.tokens is not None and kv.tokens.shape[1] == n:
         tokens = kv.tokens
     if tokens is None:
-        from .tokens.recover import recover_tokens
-
         if kv.keys[0].shape[2] != n:
             raise Fallback("layer 0 no longer holds every token (sliding window); pass tokens=")
         try:
-            rec = recover_tokens(kv.values[0], mdl, table=_value_table(mdl))
+            rec = recover(kv, mdl)
         except ConfigError as e:
             raise Fallback(f"token recovery: {e}") from None
         if not rec.ok:
