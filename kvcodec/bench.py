@@ -17,17 +17,17 @@ themselves are not counted).  Results: ``OUT/bench.json`` and ``OUT/bench.md``.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
+
+from .runtime import write_report
 
 DEFAULT_GENRES = [
     "prose_en_austen_pride_and_prejudice.txt",
@@ -194,10 +194,6 @@ def run_bench(args) -> int:
             z3 = next(r for r in rows if r["method"] == "zstd -3")
             print(f"{g} {dname}: kvz {kvz['ratio']:.3f}x (dec {kvz['dec_mb_s']:.0f} MB/s) vs zstd-3 "
                   f"{z3['ratio']:.3f}x (dec {z3['dec_mb_s']:.0f} MB/s) [{time.perf_counter() - t:.0f} s]", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=1))
-    (out / "bench.md").write_text(to_markdown(results))
     print(summary(results))
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    write_report(args.out, "bench", results, to_markdown(results))
     return 0

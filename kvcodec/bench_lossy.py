@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .runtime import write_report
+
 CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]
            + [{"quantizer": "lloyd", "lloyd_bits": b} for b in (2, 3, 4)]
            + [{"quantizer": "kivi", "kivi_bits": b, "group": 32} for b in (2, 3, 4)]
@@ -54,20 +56,17 @@ def _minmax_token(kv, bits=4):
 def run_lossy_bench(args) -> int:
     from . import api
     from .cache import to_canonical
-    from .evaluate import evaluate_cache
+    from .evaluate import evaluate_cache, prefix_case
     from .models import load_model
-    from .runtime import corpus_files, prefill, tokenize
+    from .runtime import corpus_files
 
     model, tok = load_model("smollm2", dtype=torch.float32)
     files = {f.name: f for f in corpus_files()}
     texts = args.genres or TEXTS
     rows = []
     for name in texts:
-        ids = tokenize(tok, files[name].read_text(encoding="utf-8"), args.prefix + args.continuation + 1)
-        prefix, cont = ids[:, :args.prefix], ids[:, args.prefix:]
-        exact = prefill(model, prefix)
+        prefix, cont, exact, comps = prefix_case(model, tok, files[name], args.prefix, args.continuation)
         kv = to_canonical(exact)
-        comps = sum(t.numel() for t in kv.keys + kv.values)
         for label, build, rate in (("fp8 e4m3 per tensor (reference, not entropy-coded)", _fp8, 8.0),
                                    ("per-token min-max 4-bit (reference, not entropy-coded)", _minmax_token, 4.5)):
             r = evaluate_cache(model, tok, exact, build(kv).to_dynamic_cache(), prefix, cont)
@@ -87,12 +86,8 @@ def run_lossy_bench(args) -> int:
            "model": "SmolLM2-135M-Instruct (float32)", "machine": platform.machine(), "rows": rows,
            "peers": "not run by this command yet: see ../shared/design/peers.md for their measured rates "
                     "(cross-entropy protocol); their own venvs are the next step"}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_lossy.json").write_text(json.dumps(res, indent=1))
-    (out / "bench_lossy.md").write_text(to_markdown(res))
+    out = write_report(args.out, "bench_lossy", res, to_markdown(res))
     _plot(res, out / "bench_lossy.png")
-    print(f"wrote {out / 'bench_lossy.md'}")
     return 0
 
 

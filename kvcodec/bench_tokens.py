@@ -27,9 +27,11 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from .bench import _median_time
+from .runtime import write_report
 
 LONG = ["prose_en_austen_pride_and_prejudice.txt", "legal_en_gpl-3.0.txt"]
 BUCKETS = [(0, 64), (64, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096)]
@@ -46,15 +48,6 @@ def layer_draft(model, n_layers: int):
             if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= n_layers)}
     draft.load_state_dict(keep, strict=True)
     return draft.eval()
-
-
-def _median(fn, repeats):
-    ts, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
 
 
 @torch.no_grad()
@@ -93,6 +86,7 @@ def run(args) -> dict:
     from .models import load_model
     from .runtime import corpus_files, prefill, tokenize
     from .tokens.lm import LMTokenCoder
+    from .tokens.regen import Plan, ScheduleLMCoder
     from .tokens.static import StaticTokenCoder
 
     files = corpus_files()
@@ -177,15 +171,15 @@ def run(args) -> dict:
     # 3. times, one text, side by side
     ids = tokenize(tok, text, args.time_tokens)
     cache = prefill(model, ids)
-    t_prefill, _ = _median(lambda: prefill(model, ids), args.repeats)
-    t_incr, _ = _median(lambda: _incremental(model, ids), 1)
-    t_enc_static, d_static = _median(lambda: api.encode(cache, mt, token_model="static"), args.repeats)
-    t_dec_static, _ = _median(lambda: api.decode(d_static, mt), args.repeats)
-    t_enc_lm, d_lm = _median(lambda: api.encode(cache, mt, token_model="lm"), 1)
-    t_dec_lm, back = _median(lambda: api.decode(d_lm, mt), 1)
+    t_prefill, _ = _median_time(lambda: prefill(model, ids), args.repeats)
+    t_incr, _ = _median_time(lambda: _incremental(model, ids), 1)
+    t_enc_static, d_static = _median_time(lambda: api.encode(cache, mt, token_model="static"), args.repeats)
+    t_dec_static, _ = _median_time(lambda: api.decode(d_static, mt), args.repeats)
+    t_enc_lm, d_lm = _median_time(lambda: api.encode(cache, mt, token_model="lm"), 1)
+    t_dec_lm, back = _median_time(lambda: api.decode(d_lm, mt), 1)
     assert to_canonical(back).equal(to_canonical(cache))
-    t_enc_ll, d_ll = _median(lambda: api.encode(cache, tier="lossless"), args.repeats)
-    t_dec_ll, _ = _median(lambda: api.decode(d_ll), args.repeats)
+    t_enc_ll, d_ll = _median_time(lambda: api.encode(cache, tier="lossless"), args.repeats)
+    t_dec_ll, _ = _median_time(lambda: api.decode(d_ll), args.repeats)
     res["times"] = {
         "tokens": int(ids.shape[1]), "bare_prefill_s": t_prefill, "bare_incremental_s": t_incr,
         "static_encode_s": t_enc_static, "static_restore_s": t_dec_static,
@@ -200,8 +194,6 @@ def run(args) -> dict:
         if f.name not in LONG:
             continue
         ids = tokenize(tok, f.read_text(encoding="utf-8"), args.long_tokens)
-        from .tokens.regen import Plan, ScheduleLMCoder
-
         streams, _ = ScheduleLMCoder(model).encode(ids, Plan([int(ids.shape[1])]))
         bits = streams[0].token_bits
         res["by_position"].append({"file": f.name, "tokens": int(bits.size), "buckets": [
@@ -264,10 +256,6 @@ def to_markdown(res: dict) -> str:
 
 def run_token_bench(args) -> int:
     res = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_tokens.json").write_text(json.dumps(res, indent=1, default=float))
-    (out / "bench_tokens.md").write_text(to_markdown(res))
-    print(f"wrote {out / 'bench_tokens.md'}")
+    write_report(args.out, "bench_tokens", res, to_markdown(res))
     return 0
 

@@ -11,13 +11,13 @@ SmolLM2-135M-Instruct with the corpus texts, using kvcodec's token channel
 
 from __future__ import annotations
 
-import json
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from .runtime import write_report
 
 BUCKETS = [(0, 1), (1, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096)]
 
@@ -85,11 +85,7 @@ def run_claims(args) -> int:
            "machine": platform.machine(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct (fp32)",
            "components_per_token": comps, "vocab_size": int(table.shape[0]), "vocab_min_pairwise_distance": min_dist, "vocab_duplicate_rows": dups,
            "files": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "claims.json").write_text(json.dumps(res, indent=1))
-    (out / "claims.md").write_text(render(res))
-    print(f"wrote {out / 'claims.md'}")
+    write_report(args.out, "claims", res, render(res))
     return 0
 
 

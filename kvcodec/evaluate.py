@@ -26,9 +26,10 @@ import copy
 import json
 import platform
 import statistics
-from pathlib import Path
 
 import torch
+
+from .runtime import write_report
 
 DEFAULT_TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"]
 
@@ -59,6 +60,18 @@ def _greedy(model, ids, cache, n, eos):
     return out[0, ids.shape[1]:]
 
 
+def prefix_case(model, tok, path, prefix: int, continuation: int):
+    """(prefix ids, continuation ids, exact prefix cache, stored components) for one corpus text."""
+    from .cache import to_canonical
+    from .runtime import prefill, tokenize
+
+    ids = tokenize(tok, path.read_text(encoding="utf-8"), prefix + continuation + 1)
+    prefix_ids, cont = ids[:, :prefix], ids[:, prefix:]
+    exact = prefill(model, prefix_ids)
+    kv = to_canonical(exact)
+    return prefix_ids, cont, exact, sum(t.numel() for t in kv.keys + kv.values)
+
+
 def evaluate_cache(model, tok, exact_cache, compressed_cache, prefix_ids, cont_ids) -> dict:
     """All measures for one (exact, compressed) pair; caches are not modified."""
     lp, ap = _teacher_forced(model, copy.deepcopy(exact_cache), cont_ids[:, :-1], True)
@@ -84,9 +97,8 @@ def evaluate_cache(model, tok, exact_cache, compressed_cache, prefix_ids, cont_i
 
 def run_eval(args) -> int:
     from . import api
-    from .cache import to_canonical
     from .models import load_model
-    from .runtime import DTYPE_ALIASES, corpus_files, prefill, tokenize
+    from .runtime import DTYPE_ALIASES, corpus_files
 
     dtype = DTYPE_ALIASES[args.dtype]
     model, tok = load_model("smollm2", dtype=dtype)
@@ -95,11 +107,7 @@ def run_eval(args) -> int:
     configs = [json.loads(c) for c in args.config] if args.config else [{"bits": args.bits}]
     rows = []
     for name in texts:
-        ids = tokenize(tok, files[name].read_text(encoding="utf-8"), args.prefix + args.continuation + 1)
-        prefix, cont = ids[:, :args.prefix], ids[:, args.prefix:]
-        exact = prefill(model, prefix)
-        kv = to_canonical(exact)
-        comps = sum(t.numel() for t in kv.keys + kv.values)
+        prefix, cont, exact, comps = prefix_case(model, tok, files[name], args.prefix, args.continuation)
         for cfg in configs:
             data = api.encode(exact, tier="lossy", **cfg)
             comp = api.decode(data)
@@ -112,11 +120,7 @@ def run_eval(args) -> int:
                   flush=True)
     res = {"command": "kvz eval " + " ".join(getattr(args, "argv", []) or []), "model": f"SmolLM2-135M-Instruct ({args.dtype})",
            "prefix": args.prefix, "continuation": args.continuation, "machine": platform.machine(), "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(res, indent=1))
-    (out / "eval.md").write_text(to_markdown(res))
-    print(f"wrote {out / 'eval.md'}")
+    write_report(args.out, "eval", res, to_markdown(res))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -36,6 +37,16 @@ def corpus_files() -> list[Path]:
     if d is None:
         return []
     return sorted(p for p in d.iterdir() if p.is_file() and p.suffix != ".md")
+
+
+def write_report(out_dir, stem: str, results: dict, markdown: str) -> Path:
+    """Write ``OUT/stem.json`` and ``OUT/stem.md``, the output of a bench / claims / eval command."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
+    (out / f"{stem}.md").write_text(markdown)
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
+    return out
 
 
 def tokenize(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
