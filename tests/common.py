@@ -38,6 +38,28 @@ def model_cache(model, ids):
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def recorded_generate(model, ids, new, pad_token_id=0, **kw):
+    """Greedy generation into a :class:`kvcodec.tokens.RecordingCache`: (the cache, the output ids)."""
+    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens import RecordingCache
+
+    rec = RecordingCache(config=model.config)
+    out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,
+                         pad_token_id=pad_token_id, **kw)
+    return rec, out
+
+
+def greedy_from(model, ids, original, restored, new, pad_token_id=0):
+    """Greedy continuations of ``ids`` from a copy of ``original`` and from ``restored``."""
+    import copy
+
+    from kvcodec.runtime import cache_kwarg
+
+    kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad_token_id)
+    return (model.generate(ids, **{cache_kwarg(model): copy.deepcopy(original)}, **kw),
+            model.generate(ids, **{cache_kwarg(model): restored}, **kw))
+
+
 def random_cache(layers=2, batch=1, heads=2, seq=16, dim=8, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, heads, seq, dim, generator=g).to(dtype) * 3,

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.runtime import cache_kwarg
 
-from .common import VOCAB, model_cache, random_cache, tiny_model
+from .common import VOCAB, greedy_from, model_cache, random_cache, tiny_model
 
 LAYOUTS = ["llama", "qwen2", "qwen2_mixed", "mistral_sw", "gpt2"]
 
@@ -36,11 +35,9 @@ def test_generation_continues_identically(kind):
     ids = torch.randint(0, VOCAB, (2, 21))
     cache = model_cache(model, ids[:, :-1])
     restored = kvcodec.decode(kvcodec.encode(cache, model), model)
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    a = model.generate(ids, **{cache_kwarg(model): copy.deepcopy(cache)}, **kw)
-    b = model.generate(ids, **{cache_kwarg(model): restored}, **kw)
+    a, b = greedy_from(model, ids, cache, restored, 12)
     assert torch.equal(a, b)
-    fresh = model.generate(ids, **kw)
+    fresh = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(a, fresh)  # sanity: the cache path is the normal path
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.runtime import cache_kwarg, demo_text, prefill, tokenize
+from kvcodec.runtime import demo_text, prefill, tokenize
+
+from .common import greedy_from, recorded_generate
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +41,7 @@ def test_real_cache_round_trip_and_generation(smollm2, dtype):
     ratio = kv.nbytes() / len(data)
     # measured 1.57x (bf16) / 1.14x (fp32) on 1-2k tokens; a regression below these bounds fails
     assert ratio > (1.45 if dtype == torch.bfloat16 else 1.08), ratio
-    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
-    a = model.generate(ids, **{cache_kwarg(model): copy.deepcopy(cache)}, **kw)
-    b = model.generate(ids, **{cache_kwarg(model): back}, **kw)
+    a, b = greedy_from(model, ids, cache, back, 16, tok.eos_token_id)
     assert torch.equal(a, b)
 
 
@@ -85,12 +85,7 @@ def test_demo_command(tmp_path, monkeypatch, smollm2):
 
 # --- the token tiers (issue 3) ------------------------------------------------------------
 def _gen(model, tok, ids, new, **kw):
-    from kvcodec.tokens import RecordingCache
-
-    rec = RecordingCache(config=model.config)
-    out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,
-                         pad_token_id=tok.eos_token_id, **kw)
-    return rec, out
+    return recorded_generate(model, ids, new, tok.eos_token_id, **kw)
 
 
 def _residual_bytes(data):
@@ -117,9 +112,7 @@ def test_exact_tier_prefill_and_generation_bit_identical(smollm2, dtype):
         assert _residual_bytes(data) == 0
         restored = kvcodec.decode(data, (model, tok))
         assert kvcodec.to_canonical(restored).equal(kvcodec.to_canonical(rec))
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
-    a = model.generate(out, **{cache_kwarg(model): copy.deepcopy(plain)}, **kw)
-    b = model.generate(out, **{cache_kwarg(model): restored}, **kw)
+    a, b = greedy_from(model, out, plain, restored, 12, tok.eos_token_id)
     assert torch.equal(a, b)
 
 

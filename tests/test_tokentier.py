@@ -12,16 +12,12 @@ from kvcodec.container import layout as L
 from kvcodec.container.reader import KvzReader
 from kvcodec.container.writer import KvzWriter
 from kvcodec.errors import FallbackWarning
-from kvcodec.runtime import cache_kwarg
-from kvcodec.tokens import RecordingCache
 
-from .common import VOCAB, model_cache, tiny_model
+from .common import VOCAB, greedy_from, model_cache, recorded_generate, tiny_model
 
 
 def _generate(model, ids, new=6, **kw):
-    rec = RecordingCache(config=model.config)
-    out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
-    return rec, out
+    return recorded_generate(model, ids, new, **kw)
 
 
 def _residual_modes(data):
@@ -110,9 +106,7 @@ def test_generate_continues_identically_from_a_decoded_exact_cache(kind):
     ids = torch.randint(0, VOCAB, (1, 16))
     rec, out = _generate(model, ids, new=6)
     restored = kvcodec.decode(kvcodec.encode(rec, model), model)
-    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
-    a = model.generate(out, **{cache_kwarg(model): copy.deepcopy(rec)}, **kw)
-    b = model.generate(out, **{cache_kwarg(model): restored}, **kw)
+    a, b = greedy_from(model, out, rec, restored, 10)
     assert torch.equal(a, b)
 
 
