@@ -12,6 +12,8 @@ import torch
 
 from . import __version__
 from .cache import DTYPE_BY_NAME, KVCache, to_canonical
+from .cache import bit_patterns as _bits
+from .cache import from_bit_patterns as _tensor
 from .container import layout as L
 from .container.header import TIERS
 from .container.reader import KvzReader
@@ -23,7 +25,6 @@ __all__ = ["encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile"]
 
 DEFAULT_CHUNK_TOKENS = 4096
 _NP_UINT = {2: np.uint16, 4: np.uint32}
-_TORCH_INT = {2: torch.int16, 4: torch.int32}
 
 
 def _threads(threads: int | None) -> int:
@@ -85,18 +86,6 @@ def _model_record(model) -> dict | None:
 
 
 # --- tensors <-> bit patterns ------------------------------------------------
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """Raw bit patterns of a CPU copy of ``t`` as uint16/uint32 numpy."""
-    t = t.detach().to("cpu").contiguous()
-    return t.view(_TORCH_INT[t.element_size()]).numpy().view(_NP_UINT[t.element_size()])
-
-
-def _tensor(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    size = torch.empty((), dtype=dtype).element_size()
-    arr = np.ascontiguousarray(bits).view({2: np.int16, 4: np.int32}[size])
-    return torch.from_numpy(arr).view(dtype)
-
-
 # --- encoding ------------------------------------------------------------------
 def _header(kv: KVCache, tier: str, codec: dict, chunk_tokens: int, model, info, tokens: dict | None = None,
             num_tokens: int | None = None) -> dict:

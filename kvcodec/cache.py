@@ -26,6 +26,23 @@ DTYPE_BY_NAME = {v: k for k, v in SUPPORTED_DTYPES.items()}
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
+def bit_patterns(t: torch.Tensor):
+    """Raw bit patterns of a CPU copy of ``t`` as a uint16/uint32 NumPy array."""
+    import numpy as np
+
+    t = t.detach().to("cpu").contiguous()
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
+        {2: np.uint16, 4: np.uint32}[t.element_size()])
+
+
+def from_bit_patterns(bits, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` whose bit patterns are the uint16/uint32 array ``bits`` (no copy if contiguous)."""
+    import numpy as np
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.ascontiguousarray(bits).view({2: np.int16, 4: np.int32}[size])).view(dtype)
+
+
 @dataclass
 class KVCache:
     keys: list[torch.Tensor]

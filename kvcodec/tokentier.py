@@ -26,9 +26,10 @@ import torch
 from .cache import KVCache, to_canonical
 from .errors import ConfigError, FormatError, ModelMismatch
 from .tokens._coder import TokenStream
+from .tokens.lm import CHUNK_TOKENS
 from .tokens.regen import Plan, ScheduleLMCoder, replay
 
-TOKEN_CHUNK = 256
+TOKEN_CHUNK = CHUNK_TOKENS  # tokens per Chunk_Checksums entry
 _STREAM_HEAD = struct.Struct("<II")  # Num_Tokens, Num_Chunks
 
 

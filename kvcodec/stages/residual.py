@@ -133,7 +133,7 @@ def _encode(orig, regen, dtype, tolerance, width) -> bytes:
     if tolerance:
         import torch
 
-        from ..api import _tensor
+        from ..cache import from_bit_patterns as _tensor
 
         a = _tensor(orig, getattr(torch, dtype)).double().numpy()
         b = _tensor(regen, getattr(torch, dtype)).double().numpy()
