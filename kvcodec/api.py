@@ -213,15 +213,8 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
 
     def work(job, _):
         if tier == "lossy":
-            from .stages import quant
-
-            li, _, c, t = job
-            seq = kv.keys[li].shape[2]
-            a, b = c * chunk_tokens, c * chunk_tokens + t.shape[2]
-            exact = max(0, b - max(a, seq - params["window"])) if params["window"] else 0
-            return quant.encode(t.float().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
-                                exact_bits=_bits(t[:, :, t.shape[2] - exact:]) if exact else None, part=job[1],
-                                layer=li, num_layers=kv.num_layers)
+            li, part, c, t = job
+            return _quantize_slice(t, params, kv, li, part, c * chunk_tokens)
         return floatctx.encode(_bits(job[3]), kv.dtype_name, params)
 
     # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and
@@ -243,6 +236,22 @@ def _write(sink, cache, model, tier, chunk_tokens: int, tokens, info, threads, o
             if progress:
                 progress(1)
     return writer.close()
+
+
+def _quantize_slice(t: torch.Tensor, params: dict, kv: KVCache, li: int, part: int, start: int,
+                    step: float | None = None) -> bytes:
+    """The vq_rans payload of the slice ``t`` (tokens ``start ..`` of layer ``li``): the cache's first
+    ``sink`` tokens and last ``window`` tokens are stored exactly."""
+    from .stages import quant
+
+    seq, n = kv.keys[li].shape[2], t.shape[2]
+    end = start + n
+    exact = max(0, end - max(start, seq - params["window"])) if params["window"] else 0
+    head = min(max(0, params["sink"] - start), n - exact)
+    return quant.encode(t.float().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
+                        exact_bits=_bits(t[:, :, n - exact:]) if exact else None, head_tokens=head,
+                        head_bits=_bits(t[:, :, :head]) if head else None, step=step, part=part, layer=li,
+                        num_layers=kv.num_layers)
 
 
 def _fit_rate(kv: KVCache, jobs, work, threads, params: dict, codec_id: str) -> list[bytes]:
@@ -277,7 +286,6 @@ def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: 
     """The coarsest uniform step whose cache keeps the model's next-token distributions within ``max_kl``
     (mean KL, bits) on the cache's own last ``calib_tokens`` tokens: those are fed teacher-forced on top of the
     rest of the cache, exact and quantized.  Needs the model and the tokens (given or recovered)."""
-    from .stages import quant
     from .tokentier import recover, split_model
 
     if model is None:
@@ -309,10 +317,8 @@ def _step_for_kl(kv: KVCache, model, max_kl: float, params: dict, calib_tokens: 
         keys, values = [], []
         for li in range(kv.num_layers):
             for part, t, dst in ((0, kv.keys[li], keys), (1, kv.values[li], values)):
-                payload = quant.encode(t.float().numpy(), params, step=step, part=part, layer=li,
-                                       num_layers=kv.num_layers)
-                vals, _, _ = quant.decode(payload, tuple(t.shape), kv.dtype_name)
-                dst.append(torch.from_numpy(vals).to(dtype))
+                payload = _quantize_slice(t, params, kv, li, part, 0, step=step)
+                dst.append(_tensor(_dequantize(payload, tuple(t.shape), kv.dtype_name, 0, dtype), dtype))
         lq = logp(KVCache(keys, values))
         return float(((ref.exp() * (ref - lq)).sum(-1) / np.log(2)).mean())
 
@@ -510,11 +516,14 @@ def _dequantize(payload, shape, dtype_name: str, offset: int, dtype: torch.dtype
     """A vq_rans slice as bit patterns of ``dtype`` (float32 values rounded by torch: deterministic)."""
     from .stages import quant
 
-    vals, tail, exact = quant.decode(payload, shape, dtype_name, offset=offset)
+    dec = quant.decode(payload, shape, dtype_name, offset=offset)
     out = np.empty(shape, dtype=_NP_UINT[torch.empty((), dtype=dtype).element_size()])
-    out[:, :, :shape[2] - exact] = _bits(torch.from_numpy(vals).to(dtype))
-    if exact:
-        out[:, :, shape[2] - exact:] = tail
+    h0, t = dec.head_tokens, shape[2]
+    out[:, :, h0:t - dec.exact] = _bits(torch.from_numpy(dec.values).to(dtype))
+    if h0:
+        out[:, :, :h0] = dec.head
+    if dec.exact:
+        out[:, :, t - dec.exact:] = dec.tail
     return out
 
 

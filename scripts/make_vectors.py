@@ -78,7 +78,7 @@ def lossy_cases():
         {"tier": "lossy", "bits": 3.0, "window": 4, "chunk_tokens": 8}
     kv = [(structured(rng, (1, 1, 10, 6), torch.float16), structured(rng, (1, 1, 10, 6), torch.float16))]
     yield "lossy_kivi", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
-        {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3, "group": 4}
+        {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3, "group": 4, "sink": 0}
 
 
 def tiny():

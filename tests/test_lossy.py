@@ -45,7 +45,7 @@ def test_rate_and_distortion_follow_bits(dtype):
     comps = sum(t.numel() for t in kv.keys + kv.values)
     prev = None
     for bits in (2.0, 3.0, 4.0):
-        data = kvcodec.encode(cache, tier="lossy", bits=bits, key_weight=1.0)  # plain MSE allocation
+        data = kvcodec.encode(cache, tier="lossy", bits=bits, key_weight=1.0, sink=0)  # plain MSE allocation
         payload = sum(s["bytes"] for s in kvcodec.inspect(data)["sections"])
         rate = 8 * payload / comps
         assert rate <= bits + 0.15, (bits, rate)  # indices + norms + tables, at or below the target
@@ -64,7 +64,7 @@ def test_rate_and_distortion_follow_bits(dtype):
 
 def test_decoding_is_deterministic_and_matches_the_spec_reconstruction():
     cache = structured_cache(layers=1, heads=1, seq=10, dim=8, dtype=torch.float32)
-    data = kvcodec.encode(cache, tier="lossy", bits=3.0)
+    data = kvcodec.encode(cache, tier="lossy", bits=3.0, sink=0)
     a = kvcodec.decode(data, output="kvcache")
     b = kvcodec.decode(data, output="kvcache")
     assert a.equal(b)
@@ -120,13 +120,38 @@ def test_bad_options_and_payloads():
         e = r.entry(L.SECTION_KV, 0, L.PART_KEYS, 0)
         payload = r.read_payload(e)
     shape = (1, 2, 20, 64)
-    for bad, field in ((b"\x02" + payload[1:], "VQ.Mode"), (payload[:1] + b"\x07" + payload[2:], "VQ.Method"),
+    for bad, field in ((b"\x03" + payload[1:], "VQ.Mode"), (payload[:1] + b"\x07" + payload[2:], "VQ.Method"),
                        (payload[:2] + b"\x0f" + payload[3:], "VQ.Symbol_Bits"),
                        (payload[:16] + struct.pack("<f", float("nan")) + payload[20:], "VQ.Step"),
                        (payload[:-3], "VQ.Tail_Length"), (payload[:30], None)):
         with pytest.raises(kvcodec.FormatError) as ei:
             quant.decode(bad, shape, "bfloat16")
         assert field is None or ei.value.field == field
+
+
+def test_sink_tokens_are_exact_in_mode_2():
+    cache = structured_cache(layers=2, seq=40, dtype=torch.bfloat16)
+    kv = kvcodec.to_canonical(cache)
+    data = kvcodec.encode(cache, tier="lossy", bits=2.0, sink=3, window=4, chunk_tokens=16)
+    back = kvcodec.decode(data, output="kvcache")
+    for x, y in zip(back.keys + back.values, kv.keys + kv.values):
+        assert torch.equal(x[:, :, :3], y[:, :, :3]) and torch.equal(x[:, :, -4:], y[:, :, -4:])
+        assert not torch.equal(x[:, :, 3:8], y[:, :, 3:8])
+    with KvzReader(data) as r:
+        first = r.read_payload(r.entry(L.SECTION_KV, 1, L.PART_VALUES, 0))
+        later = r.read_payload(r.entry(L.SECTION_KV, 1, L.PART_VALUES, 1))
+    assert first[0] == 2 and struct.unpack_from("<I", first, 28)[0] == 3  # Mode 2, Head_Tokens 3
+    assert later[0] == 1  # only the chunk holding the cache's first tokens has a head
+    shape = (1, 2, 16, 64)
+    for bad, field in ((first[:28] + struct.pack("<I", 0) + first[32:], "VQ.Head_Tokens"),
+                       (first[:28] + struct.pack("<I", 17) + first[32:], "VQ.Head_Tokens"),
+                       (first[:32] + struct.pack("<I", 1 << 30) + first[36:], "VQ.Head_Length"),
+                       (first[:30], "VQ.Head_Tokens")):
+        with pytest.raises(kvcodec.FormatError) as ei:
+            quant.decode(bad, shape, "bfloat16")
+        assert ei.value.field == field
+    with pytest.raises(kvcodec.ConfigError, match="sink"):
+        kvcodec.encode(cache, tier="lossy", sink=-1)
 
 
 def test_kivi_keys_per_channel_values_per_token():

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,7 +51,9 @@ METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI
 _KIVI = struct.Struct("<BBH")  # Axis (0: per channel over token groups, 1: per token over channel groups), Bits, Group
 MAX_SYMBOL_BITS = 12
 _FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Reserved, Exact_Tokens, Seed, Step, Norms_Length
-DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "seed": 0x6B767A,
+_HEAD = struct.Struct("<II")  # Mode 2: Head_Tokens, Head_Length
+DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "sink": 1,
+            "seed": 0x6B767A,
             "kivi_bits": 2, "group": 32, "key_weight": 8.0,
             # CacheGen as LMCache ships it (7B/8B preset): per-token max-abs bins, finer in shallow layers
             "cachegen_bins": [32, 16], "cachegen_key_fine": 0.3125, "cachegen_value_fine": 0.0625}
@@ -86,6 +89,8 @@ def check_config(cfg: dict) -> dict:
             raise ConfigError(f"{CODEC_ID}: {key} (fraction of layers with fine bins) must be in [0, 1]")
     if not (isinstance(out["window"], int) and out["window"] >= 0):
         raise ConfigError(f"{CODEC_ID}: window must be an int >= 0")
+    if not (isinstance(out["sink"], int) and 0 <= out["sink"] < 2 ** 32):
+        raise ConfigError(f"{CODEC_ID}: sink (first tokens kept exact) must be an int >= 0")
     if not (isinstance(out["seed"], int) and 0 <= out["seed"] < 2 ** 64):
         raise ConfigError(f"{CODEC_ID}: seed must be an int in [0, 2**64)")
     return out
@@ -258,12 +263,21 @@ def cachegen_bins(cfg: dict, part: int, layer: int, num_layers: int) -> int:
 
 
 def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
-           exact_bits: np.ndarray | None = None, step: float | None = None, part: int = 0, layer: int = 0,
-           num_layers: int = 1) -> bytes:
+           exact_bits: np.ndarray | None = None, head_tokens: int = 0, head_bits: np.ndarray | None = None,
+           step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1) -> bytes:
     """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
-    (``exact_bits``: their bit patterns in ``dtype``).  ``step`` overrides the rate search.  ``part``
-    (0 keys, 1 values) picks KIVI's axis: keys per channel, values per token."""
+    (``exact_bits``: their bit patterns in ``dtype``), and so are the first ``head_tokens`` (``head_bits``;
+    Mode 2: attention-sink tokens).  ``step`` overrides the rate search.  ``part`` (0 keys, 1 values) picks
+    KIVI's axis: keys per channel, values per token."""
     cfg = check_config(cfg)
+    if head_tokens:
+        if head_tokens + exact_tokens > x.shape[2]:
+            raise ValueError("head_tokens + exact_tokens exceed the slice")
+        body = encode(np.ascontiguousarray(x[:, :, head_tokens:]), cfg, exact_tokens=exact_tokens, dtype=dtype,
+                      exact_bits=exact_bits, step=step, part=part, layer=layer, num_layers=num_layers)
+        head = floatctx.encode(np.ascontiguousarray(head_bits), dtype, {})
+        n = _FIXED.size + 4
+        return b"".join([bytes([2]), body[1:n], _HEAD.pack(head_tokens, len(head)), head, body[n:]])
     b, h, t, d = x.shape
     if cfg["quantizer"] in ("kivi", "cachegen"):
         tq = t - exact_tokens
@@ -318,18 +332,39 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
 
 
 # --- decoder ------------------------------------------------------------------------
-def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0,
-           max_tokens_exact: int | None = None) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """Decode a payload: (float32 ``[B, H, T - E, D]`` dequantized vectors, bit patterns of the E exact tail
-    tokens or None, E).  Every field is validated before use."""
+class Decoded(NamedTuple):
+    values: np.ndarray  # float32 [B, H, T - H0 - E, D]: the dequantized tokens H0 .. T - E
+    tail: np.ndarray | None  # bit patterns of the E exact last tokens, or None
+    exact: int  # E
+    head: np.ndarray | None  # bit patterns of the H0 exact first tokens (Mode 2), or None
+    head_tokens: int  # H0
+
+
+def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0) -> Decoded:
+    """Decode a payload of a ``[B, H, T, D]`` slice.  Every field is validated before use."""
     mv = memoryview(payload)
     b, h, t, d = shape
     if len(mv) < _FIXED.size + 4:
         raise FormatError("vq_rans payload shorter than its fixed fields", field="VQ.Mode", offset=offset)
     mode, method, k, reserved, exact, seed, st, norms_len = _FIXED.unpack_from(mv, 0)
     (lo,) = struct.unpack_from("<i", mv, _FIXED.size)
-    if mode != 1:
+    if mode not in (1, 2):
         raise FormatError(f"unknown vq_rans mode {mode}", field="VQ.Mode", offset=offset)
+    p = _FIXED.size + 4
+    head, head_tokens = None, 0
+    if mode == 2:
+        if len(mv) < p + _HEAD.size:
+            raise FormatError("payload ends inside the Mode 2 fields", field="VQ.Head_Tokens", offset=offset + p)
+        head_tokens, head_len = _HEAD.unpack_from(mv, p)
+        if not 1 <= head_tokens <= t:
+            raise FormatError(f"Head_Tokens {head_tokens} outside [1, {t}]", field="VQ.Head_Tokens", offset=offset + p)
+        if head_len > len(mv) - p - _HEAD.size:
+            raise FormatError(f"Head_Length {head_len} runs past the payload", field="VQ.Head_Length",
+                              offset=offset + p + 4)
+        p += _HEAD.size
+        head = floatctx.decode(mv[p:p + head_len], (b, h, head_tokens, d), dtype, offset=offset + p)
+        p += head_len
+        t -= head_tokens
     if method not in (METHOD_UNIFORM, METHOD_LLOYD, METHOD_KIVI, METHOD_CACHEGEN):
         raise FormatError(f"unknown quantizer method {method}", field="VQ.Method", offset=offset + 1)
     if not 2 <= k <= MAX_SYMBOL_BITS:
@@ -341,7 +376,6 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     if d & (d - 1) and method in (METHOD_UNIFORM, METHOD_LLOYD):
         raise FormatError(f"head dimension {d} is not a power of two", field="Header.cache.layers", offset=offset)
     tq = t - exact
-    p = _FIXED.size + 4
     out = np.zeros((b, h, tq, d), dtype=np.float32)
     if tq and method == METHOD_KIVI:
         out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)
@@ -390,7 +424,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         tail = floatctx.decode(mv[p:], (b, h, exact, d), dtype, offset=offset + p)
     elif tail_len:
         raise FormatError("a tail without exact tokens", field="VQ.Tail_Length", offset=offset + p - 4)
-    return out, tail, exact
+    return Decoded(out, tail, exact, head, head_tokens)
 
 
 def _decode_kivi(mv, p: int, shape, k: int, offset: int):
