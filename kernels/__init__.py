@@ -3,8 +3,9 @@
 Triton is imported lazily: CPU-only installs never import it.  Kernels follow
 the ``_<op>_kernel`` (jitted, private) / ``<op>_launch`` (host launcher) split,
 and each is tested against a torch reference, under ``TRITON_INTERPRET=1`` on
-machines without a GPU.  The lossless tier of this release has no GPU path;
-the lossy tier's kernels land here.
+machines without a GPU.  ``vq``: the lossy tier's fused residual + rotation +
+quantization and dequantization + add (bit-exact with the NumPy reference);
+``scripts/gpu_bench.py`` measures their bandwidth on a GPU.
 """
 
 from __future__ import annotations

@@ -248,10 +248,28 @@ def _quantize_slice(t: torch.Tensor, params: dict, kv: KVCache, li: int, part: i
     end = start + n
     exact = max(0, end - max(start, seq - params["window"])) if params["window"] else 0
     head = min(max(0, params["sink"] - start), n - exact)
-    return quant.encode(t.float().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
+    return quant.encode(t.float().cpu().numpy(), params, exact_tokens=exact, dtype=kv.dtype_name,
                         exact_bits=_bits(t[:, :, n - exact:]) if exact else None, head_tokens=head,
                         head_bits=_bits(t[:, :, :head]) if head else None, step=step, part=part, layer=li,
-                        num_layers=kv.num_layers)
+                        num_layers=kv.num_layers, rotq=_kernel_rotq(t))
+
+
+def _kernel_rotq(t: torch.Tensor):
+    """The Triton rotation + quantization of slice ``t`` for the uniform quantizer, used when ``t`` is on a
+    GPU and Triton is installed, or when ``KVCODEC_TRITON=1`` (CPU tensors under ``TRITON_INTERPRET=1``:
+    how the tests check that both paths write the same bytes); else None (NumPy)."""
+    from . import _kernels
+
+    if not ((t.is_cuda or os.environ.get("KVCODEC_TRITON") == "1") and _kernels.triton_available()):
+        return None
+
+    def rotq(step, seed, a, b):
+        from ._kernels import vq
+
+        norms, q = vq.rotate_quantize(t[:, :, a:b], float(step), int(seed))
+        return norms.cpu().numpy(), q.cpu().numpy().astype(np.int64)
+
+    return rotq
 
 
 def _fit_rate(kv: KVCache, jobs, work, threads, params: dict, codec_id: str) -> list[bytes]:

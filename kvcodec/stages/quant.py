@@ -264,17 +264,21 @@ def cachegen_bins(cfg: dict, part: int, layer: int, num_layers: int) -> int:
 
 def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
            exact_bits: np.ndarray | None = None, head_tokens: int = 0, head_bits: np.ndarray | None = None,
-           step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1) -> bytes:
+           step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1, rotq=None) -> bytes:
     """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
     (``exact_bits``: their bit patterns in ``dtype``), and so are the first ``head_tokens`` (``head_bits``;
     Mode 2: attention-sink tokens).  ``step`` overrides the rate search.  ``part`` (0 keys, 1 values) picks
-    KIVI's axis: keys per channel, values per token."""
+    KIVI's axis: keys per channel, values per token.  ``rotq(step, seed, a, b)``, if given, returns the
+    (float16 norms, indices) of the slice's tokens ``a .. b`` for Method 1 (the Triton kernel: bit-exact
+    with the NumPy path it replaces)."""
     cfg = check_config(cfg)
     if head_tokens:
         if head_tokens + exact_tokens > x.shape[2]:
             raise ValueError("head_tokens + exact_tokens exceed the slice")
         body = encode(np.ascontiguousarray(x[:, :, head_tokens:]), cfg, exact_tokens=exact_tokens, dtype=dtype,
-                      exact_bits=exact_bits, step=step, part=part, layer=layer, num_layers=num_layers)
+                      exact_bits=exact_bits, step=step, part=part, layer=layer, num_layers=num_layers,
+                      rotq=None if rotq is None else (lambda st, sd, a, b: rotq(st, sd, a + head_tokens,
+                                                                                b + head_tokens)))
         head = floatctx.encode(np.ascontiguousarray(head_bits), dtype, {})
         n = _FIXED.size + 4
         return b"".join([bytes([2]), body[1:n], _HEAD.pack(head_tokens, len(head)), head, body[n:]])
@@ -299,12 +303,17 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
     parts = []
     if tq > 0:
         vecs = np.ascontiguousarray(x[:, :, :tq]).reshape(-1, d).astype(np.float32)
-        norms16, z = _directions(vecs, seed)
+        st = step if step is not None else cfg["step"]
+        if method != METHOD_UNIFORM or st is None or rotq is None:
+            norms16, z = _directions(vecs, seed)
         if method == METHOD_UNIFORM:
-            st = np.float32(step if step is not None else cfg["step"] or step_for_rate(z, cfg["bits"]))
+            st = np.float32(st if st is not None else step_for_rate(z, cfg["bits"]))
             if part == 0:  # keys: a finer step (equal weighted distortion: D_k = D_v / key_weight)
                 st = np.float32(st / np.float32(math.sqrt(cfg["key_weight"])))
-            q = np.rint(z / st).astype(np.int64)
+            if rotq is not None:
+                norms16, q = rotq(st, seed, 0, tq)
+            else:
+                q = np.rint(z / st).astype(np.int64)
             codebook = b""
         else:
             cb = lloyd_max_gaussian(1 << cfg["lloyd_bits"])

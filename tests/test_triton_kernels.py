@@ -1,0 +1,136 @@
+"""Triton kernels (kernels/vq.py) against the NumPy reference of the lossy tier, bit for bit.
+
+On machines without a GPU they run under TRITON_INTERPRET=1 (set in tests/conftest.py before Triton is
+imported); skipped where Triton is not installed.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec import _kernels
+from kvcodec.stages import quant
+
+pytestmark = pytest.mark.skipif(not _kernels.triton_available(), reason="Triton is not installed")
+
+SHAPES = [(1, 1, 1, 2), (1, 2, 5, 8), (2, 3, 17, 64), (1, 1, 33, 128), (1, 2, 3, 256)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _data(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))
+    x[..., : shape[-1] // 4] *= 8  # outlier channels, as keys have
+    if shape[2] > 2:
+        x[:, :, 1] = 0  # a zero vector
+    return x.to(dtype)
+
+
+def _reference_quantize(x, step, seed, pred=None):
+    r = x.float() - (pred.float() if pred is not None else 0)
+    vecs = r.reshape(-1, x.shape[-1]).numpy().astype(np.float32)
+    norms16, z = quant._directions(vecs, seed)
+    return norms16, np.rint(z / np.float32(step)).astype(np.int64)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotate_quantize_matches_the_reference(shape, dtype):
+    from kvcodec._kernels import vq
+
+    x = _data(shape, dtype, 1)
+    for step, seed, pred in ((0.37, 7, None), (0.05, 123456789, _data(shape, torch.float32, 2))):
+        want_n, want_q = _reference_quantize(x, step, seed, pred)
+        dev = _device()
+        n, q = vq.rotate_quantize(x.to(dev), step, seed, None if pred is None else pred.to(dev))
+        assert n.dtype == torch.float16 and q.dtype == torch.int32
+        np.testing.assert_array_equal(n.cpu().numpy().view(np.uint16), want_n.view(np.uint16))
+        np.testing.assert_array_equal(q.cpu().numpy(), want_q)
+
+
+def test_ties_round_to_even_like_numpy():
+    from kvcodec._kernels import vq
+
+    # a vector whose rotated coordinates are exactly +-0.5, +-1.5, +-2.5 steps: ties
+    d = 4
+    z = np.array([[0.5, 1.5, -2.5, -0.5]], dtype=np.float32)
+    s = quant.signs(3, d)
+    u = quant.fwht(z) * s * np.float32(1 / d)  # z = WHT(s * u) exactly (powers of two)
+    x = torch.from_numpy(u * np.float32(2.0)).reshape(1, 1, 1, d)  # norm 2 * |u| = 2 * 1.5 ... any
+    n, q = vq.rotate_quantize(x.to(_device()), 1.0, 3)
+    want_n, want_q = _reference_quantize(x, 1.0, 3)
+    np.testing.assert_array_equal(q.cpu().numpy(), want_q)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_add_matches_the_decoder(shape, dtype):
+    from kvcodec._kernels import vq
+
+    b, h, s, d = shape
+    rng = np.random.default_rng(5)
+    q = rng.integers(-9, 10, size=(b * h * s, d)).astype(np.int32)
+    norms = (np.abs(rng.standard_normal(b * h * s)) * 4).astype(np.float16)
+    step, seed, lo = 0.3, 99, -3
+    # the decoder's reconstruction (quant.decode, Method 1), then rounded to dtype by torch
+    zq = (q.astype(np.int64) + lo).astype(np.float32) * np.float32(step)
+    u = quant.fwht(zq) * quant.signs(seed, d)[None, :] * np.float32(1.0 / d)
+    ref32 = (u * norms.astype(np.float32)[:, None]).reshape(shape)
+    dev = _device()
+    out = vq.dequantize_add(torch.from_numpy(q).to(dev), torch.from_numpy(norms).to(dev), step, seed, shape, dtype,
+                            offset=lo)
+    assert out.dtype == dtype and tuple(out.shape) == shape
+    assert torch.equal(out.cpu(), torch.from_numpy(ref32).to(dtype))
+    base = _data(shape, dtype, 4)
+    out = vq.dequantize_add(torch.from_numpy(q).to(dev), torch.from_numpy(norms).to(dev), step, seed, shape, dtype,
+                            offset=lo, base=base.to(dev))
+    assert torch.equal(out.cpu(), (torch.from_numpy(ref32) + base.float()).to(dtype))
+
+
+def test_round_trip_reconstructs_residual_plus_prediction():
+    from kvcodec._kernels import vq
+
+    shape = (1, 2, 9, 32)
+    x, pred = _data(shape, torch.float32, 7), _data(shape, torch.float32, 8)
+    dev = _device()
+    n, q = vq.rotate_quantize(x.to(dev), 0.01, 5, pred.to(dev))
+    back = vq.dequantize_add(q, n, 0.01, 5, shape, torch.float32, base=pred.to(dev)).cpu()
+    err = (back - x).norm(dim=-1) / (x - pred).norm(dim=-1).clamp_min(1e-30)
+    assert float(err.max()) < 0.02  # step 0.01 on unit directions, fp16 norms
+
+
+def test_bad_arguments_are_refused():
+    from kvcodec._kernels import vq
+
+    with pytest.raises(ValueError, match="power of two"):
+        vq.rotate_quantize(torch.zeros(1, 1, 2, 48), 0.1, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        vq.rotate_quantize(torch.zeros(1, 1, 2, 8, dtype=torch.float64), 0.1, 0)
+    with pytest.raises(ValueError, match="does not match"):
+        vq.rotate_quantize(torch.zeros(1, 1, 2, 8), 0.1, 0, pred=torch.zeros(1, 1, 3, 8))
+    with pytest.raises(ValueError, match="int32"):
+        vq.dequantize_add(torch.zeros(4, 8, dtype=torch.int64), torch.zeros(4, dtype=torch.float16), 0.1, 0,
+                          (1, 1, 4, 8), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoder_writes_the_same_bytes_through_the_kernel(dtype, monkeypatch):
+    import kvcodec
+    from tests.test_lossy import structured_cache
+
+    cache = structured_cache(layers=2, heads=2, seq=21, dim=16, dtype=dtype)
+    opts = {"tier": "lossy", "bits": 2.5, "window": 3, "sink": 2, "chunk_tokens": 8}
+    monkeypatch.delenv("KVCODEC_TRITON", raising=False)
+    want = kvcodec.encode(cache, **opts)
+    monkeypatch.setenv("KVCODEC_TRITON", "1")
+    calls = []
+    from kvcodec._kernels import vq
+
+    real = vq.rotate_quantize
+    monkeypatch.setattr(vq, "rotate_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert kvcodec.encode(cache, **opts) == want
+    assert calls  # the kernel did the quantization
