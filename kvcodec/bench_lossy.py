@@ -72,6 +72,10 @@ def run_lossy_bench(args) -> int:
             r = evaluate_cache(model, tok, exact, build(kv).to_dynamic_cache(), prefix, cont)
             r.update(text=name, method=label, config={}, bits_per_component=rate, header_bytes=0)
             rows.append(r)
+        for b0 in (2, 3):
+            rows.append(_surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, name, b0))
+        if args.peers is not None:
+            rows += _peer_rows(args.peers, model, tok, exact, kv, prefix, cont, name)
         for cfg in CONFIGS:
             data = api.encode(exact, tier="lossy", **cfg)
             info = api.inspect(data)
@@ -84,16 +88,125 @@ def run_lossy_bench(args) -> int:
                   f"top-1 {r['top1_agreement']:.3f}", flush=True)
     res = {"command": f"kvz bench --lossy --prefix {args.prefix} --continuation {args.continuation}",
            "model": "SmolLM2-135M-Instruct (float32)", "machine": platform.machine(), "rows": rows,
-           "peers": "not run by this command yet: see ../shared/design/peers.md for their measured rates "
-                    "(cross-entropy protocol); their own venvs are the next step"}
+           "peers": _peer_note(args.peers)}
     out = write_report(args.out, "bench_lossy", res, to_markdown(res))
     _plot(res, out / "bench_lossy.png")
     return 0
 
 
+def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: int) -> dict:
+    """The seed paper's surprisal-adaptive allocation b_i = max(1, floor(b0 * h_i / mean h)) (h_i: the
+    model's surprisal of token i), applied to the rotated uniform quantizer: token i gets the step
+    ``step * 2**(b0 - b_i)`` (one bit = half the step).  Tokens with the same b_i are coded together as one
+    vq_rans slice per (layer, part), so the rate is the real coded size.  A study (the format has one step
+    per slice): compare it with the uniform rows at the same rate."""
+    import math
+
+    from .api import _global_step
+    from .cache import KVCache
+    from .evaluate import evaluate_cache
+    from .stages import quant
+
+    with torch.no_grad():
+        lp = torch.log_softmax(model(prefix).logits[0, :-1].double(), -1)
+    h = -lp[torch.arange(prefix.shape[1] - 1), prefix[0, 1:]] / math.log(2)
+    h = torch.cat([h.mean().reshape(1), h])  # token 0 has no prediction: the mean
+    b = torch.clamp(torch.floor(b0 * h / h.mean()), min=1, max=b0 + 4).long()  # cap: 12-bit index symbols
+    params = quant.check_config({"bits": float(b0), "sink": 0})
+    step = _global_step(kv, params)
+    keys, values, nbytes = [], [], 0
+    for li in range(kv.num_layers):
+        for part, t, dst in ((0, kv.keys[li], keys), (1, kv.values[li], values)):
+            out = torch.empty_like(t, dtype=torch.float32)
+            for bi in sorted(set(b.tolist())):
+                idx = (b == bi).nonzero().flatten()
+                x = t[:, :, idx].float().numpy()
+                payload = quant.encode(x, params, step=step * 2.0 ** (b0 - bi), part=part, layer=li,
+                                       num_layers=kv.num_layers)
+                nbytes += len(payload)
+                out[:, :, idx] = torch.from_numpy(quant.decode(payload, x.shape, "float32").values)
+            dst.append(out.to(t.dtype))
+    r = evaluate_cache(model, tok, exact, KVCache(keys, values).to_dynamic_cache(), prefix, cont)
+    r.update(text=text, method="study: surprisal-adaptive bits (uniform, rotated)",
+             config={"b0": b0, "rule": "b_i = min(b0 + 4, max(1, floor(b0 h_i / mean h)))",
+                     "mean_b_i": float(b.double().mean())},
+             bits_per_component=8 * nbytes / comps, header_bytes=0)
+    print(f"{text} surprisal-adaptive b0={b0}: {r['bits_per_component']:.3f} bits/comp, KL {r['mean_kl_bits']:.4f}",
+          flush=True)
+    return r
+
+
+PEERS = ["quanto", "hqq", "fp8", "turboquant", "fused-turboquant", "tiny-turboquant"]
+PEER_VENV = {"fp8": "quanto"}  # transformers' fp8 layer runs in the quanto venv (same transformers)
+
+
+def _peers_root() -> Path:
+    import os
+
+    return Path(os.environ.get("KVCODEC_PEERS", Path.home() / ".cache" / "kvcodec" / "peers"))
+
+
+def _peer_note(peers) -> str:
+    if peers is None:
+        return ("not run (add --peers after scripts/peers/setup.sh; ../shared/design/peers.md has their rates "
+                "under a cross-entropy protocol)")
+    return (f"run in their own venvs under {_peers_root()} (scripts/peers/setup.sh, scripts/peers/runner.py); "
+            "bits/comp as each peer stores its indices and side information (formula per row)")
+
+
+def _peer_rows(peers, model, tok, exact, kv, prefix, cont, text) -> list[dict]:
+    """Each peer compresses the same exact cache in its own venv (scripts/peers/runner.py); the quality of
+    its reconstruction is measured here with the same protocol.  A peer that is not set up or fails gets a
+    row saying why."""
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from .cache import KVCache
+    from .evaluate import evaluate_cache
+
+    runner = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "runner.py"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "in.safetensors"
+        save_file({**{f"keys.{i}": k.float().contiguous() for i, k in enumerate(kv.keys)},
+                   **{f"values.{i}": v.float().contiguous() for i, v in enumerate(kv.values)}}, str(src))
+        for peer in peers or PEERS:
+            py = _peers_root() / PEER_VENV.get(peer, peer) / "bin" / "python"
+            base = {"text": text, "method": f"peer {peer}", "header_bytes": 0}
+            if not py.exists() or not runner.exists():
+                rows.append({**base, "config": {"error": f"not set up: scripts/peers/setup.sh {peer}"}})
+                continue
+            out = Path(tmp) / peer
+            proc = subprocess.run([str(py), str(runner), peer, str(src), str(out)], capture_output=True, text=True,
+                                  timeout=3600)
+            listing = out / f"{peer}.json"
+            if proc.returncode or not listing.exists():
+                rows.append({**base, "config": {"error": (proc.stderr or proc.stdout).strip()[-300:]}})
+                continue
+            for r in json.loads(listing.read_text()):
+                cfg = {"config": r["config"], "version": r["version"], "storage": r["storage"]}
+                if "error" in r:
+                    rows.append({**base, "config": {**cfg, "error": r["error"]}})
+                    continue
+                rec = load_file(str(out / r["file"]))
+                n = len(kv.keys)
+                comp = KVCache([rec[f"keys.{i}"].to(kv.dtype) for i in range(n)],
+                               [rec[f"values.{i}"].to(kv.dtype) for i in range(n)])
+                ev = evaluate_cache(model, tok, exact, comp.to_dynamic_cache(), prefix, cont)
+                ev.update(base, config=cfg, bits_per_component=r["bits_per_component"], seconds=r["seconds"])
+                rows.append(ev)
+                print(f"{text} peer {peer} {r['config']}: {r['bits_per_component']:.3f} bits/comp, "
+                      f"KL {ev['mean_kl_bits']:.4f}", flush=True)
+    return rows
+
+
 def _summary(rows):
     by = {}
     for r in rows:
+        if "mean_kl_bits" not in r:  # a peer that could not run: listed apart
+            continue
         by.setdefault((r["method"], json.dumps(r["config"], sort_keys=True)), []).append(r)
     out = []
     for (method, cfg), rs in by.items():
@@ -114,6 +227,10 @@ def to_markdown(res) -> str:
     for r in _summary(res["rows"]):
         lines.append(f"| {r['method']} | `{json.dumps(r['config'], sort_keys=True)}` | {r['bits']:.3f} | "
                      f"{r['kl']:.4f} | {r['top1']:.3f} | {r['dce']:+.4f} | {r['greedy']:.0f} |")
+    failed = {(r["method"], json.dumps(r["config"], sort_keys=True)) for r in res["rows"] if "mean_kl_bits" not in r}
+    if failed:
+        lines += ["", "Peers that could not run:", ""]
+        lines += [f"- {m}: `{c}`" for m, c in sorted(failed)]
     lines += ["", f"Peers: {res['peers']}."]
     return "\n".join(lines) + "\n"
 

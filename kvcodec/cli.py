@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-tiers", action="store_true",
                    help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
     s.add_argument("--lossy", action="store_true", help="rate-distortion of the lossy tier (bench_lossy.md)")
+    s.add_argument("--peers", nargs="*", default=None, metavar="PEER",
+                   help="lossy: also run these peer packages (none given: every one set up by "
+                        "scripts/peers/setup.sh), each in its own venv")
     s.add_argument("--prefix", type=int, default=1024, help="lossy: prefix tokens")
     s.add_argument("--continuation", type=int, default=256, help="lossy: teacher-forced tokens")
     s.add_argument("--tokens", type=int, default=None, help="tokens per text (lossless: 2048, token tiers: 1024)")
