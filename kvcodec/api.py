@@ -807,6 +807,12 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
                     d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
                              tokens=[a, b], components=comps,
                              bits_per_component=round(8 * e.length / comps, 4) if comps else None)
+                    if h.tier == "lossy" and e.section_type == L.SECTION_KV:
+                        from .stages import quant
+
+                        d["coding"] = quant.describe(r.read_payload_prefix(e, 64),
+                                                     (h.batch, lay.kv_heads, b - a, dim),
+                                                     8 * h.itemsize)
                 sections.append(d)
             status = "header, index and footer checksums ok; payloads not read"
             if verify_checksums:

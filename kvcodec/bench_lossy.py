@@ -79,10 +79,15 @@ def run_lossy_bench(args) -> int:
         for cfg in CONFIGS:
             data = api.encode(exact, tier="lossy", **cfg)
             info = api.inspect(data)
-            payload = sum(s["bytes"] for s in info["sections"] if s["type"] == "kv")
+            kvs = [s for s in info["sections"] if s["type"] == "kv"]
+            payload = sum(s["bytes"] for s in kvs)
+            fixed = None
+            if all(s.get("coding") and "fixed_width_bits_per_component" in s["coding"] for s in kvs):
+                fixed = sum(s["coding"]["fixed_width_bits_per_component"] * s["components"] for s in kvs) / comps
             r = evaluate_cache(model, tok, exact, api.decode(data), prefix, cont)
             r.update(text=name, method=f"kvz {cfg['quantizer']}", config=cfg,
-                     bits_per_component=8 * payload / comps, header_bytes=len(data) - payload)
+                     bits_per_component=8 * payload / comps, header_bytes=len(data) - payload,
+                     fixed_width_bits_per_component=fixed)
             rows.append(r)
             print(f"{name} {json.dumps(cfg)}: {r['bits_per_component']:.3f} bits/comp, KL {r['mean_kl_bits']:.4f}, "
                   f"top-1 {r['top1_agreement']:.3f}", flush=True)
@@ -136,7 +141,7 @@ def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: in
     return r
 
 
-PEERS = ["quanto", "hqq", "fp8", "turboquant", "fused-turboquant", "tiny-turboquant"]
+PEERS = ["quanto", "hqq", "fp8", "turboquant", "fused-turboquant", "tiny-turboquant", "lmcache"]
 PEER_VENV = {"fp8": "quanto"}  # transformers' fp8 layer runs in the quanto venv (same transformers)
 
 
@@ -216,16 +221,19 @@ def _summary(rows):
                     "kl_mean": statistics.fmean(r["mean_kl_bits"] for r in rs),
                     "top1": statistics.median(r["top1_agreement"] for r in rs),
                     "dce": statistics.median(r["ce_diff_bits"] for r in rs),
-                    "greedy": statistics.median(r["greedy_agreement"] for r in rs)})
+                    "greedy": statistics.median(r["greedy_agreement"] for r in rs),
+                    "fixed": (statistics.median(r["fixed_width_bits_per_component"] for r in rs)
+                              if all(r.get("fixed_width_bits_per_component") for r in rs) else None)})
     return sorted(out, key=lambda r: (r["method"], r["bits"]))
 
 
 def to_markdown(res) -> str:
     lines = [f"`{res['command']}`; {res['model']}; medians over {len({r['text'] for r in res['rows']})} texts.", "",
-             "| method | config | bits/comp (all side info) | mean KL (bits/token) | top-1 agree | ΔCE (bits) | "
-             "greedy agree /32 |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| method | config | bits/comp (all side info) | same indices fixed-width | mean KL (bits/token) | "
+             "top-1 agree | ΔCE (bits) | greedy agree /32 |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in _summary(res["rows"]):
-        lines.append(f"| {r['method']} | `{json.dumps(r['config'], sort_keys=True)}` | {r['bits']:.3f} | "
+        fixed = f"{r['fixed']:.3f}" if r.get("fixed") else ""
+        lines.append(f"| {r['method']} | `{json.dumps(r['config'], sort_keys=True)}` | {r['bits']:.3f} | {fixed} | "
                      f"{r['kl']:.4f} | {r['top1']:.3f} | {r['dce']:+.4f} | {r['greedy']:.0f} |")
     failed = {(r["method"], json.dumps(r["config"], sort_keys=True)) for r in res["rows"] if "mean_kl_bits" not in r}
     if failed:

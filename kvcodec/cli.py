@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import KvzError
+from .errors import ConfigError, KvzError
 
 
 def _progress(total: int, desc: str):
@@ -64,11 +64,20 @@ def cmd_inspect(args) -> int:
     print(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
     if not getattr(args, "sections", True):
         return 0
-    print("    #  type    layer part    chunk tokens         bytes  bits/comp")
+    lossy = info["tier"] == "lossy"
+    print("    #  type    layer part    chunk tokens         bytes  bits/comp"
+          + ("  coding (quantizer, index bits, step, exact head/tail tokens, fixed-width bits/comp)" if lossy else ""))
     for i, s in enumerate(info["sections"]):
         if s["type"] in ("kv", "residual"):
+            c = s.get("coding")
+            extra = ""
+            if c:
+                extra = (f"  {c['quantizer']} k={c['symbol_bits']}" + (f" step={c['step']:.4g}" if c["step"] else "")
+                         + f" head={c['head_tokens']} tail={c['exact_tokens']}"
+                         + (f" fixed-width={c['fixed_width_bits_per_component']}"
+                            if "fixed_width_bits_per_component" in c else ""))
             print(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
-                  f"{s['bytes']:9d}  {s['bits_per_component']}")
+                  f"{s['bytes']:9d}  {s['bits_per_component']:<9}" + extra)
         else:
             print(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
     return 0
@@ -96,9 +105,16 @@ def cmd_encode(args) -> int:
 
     kv = to_canonical(cache)
     bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
+    opts = {}
+    if args.tier in ("exact", "tokens"):
+        opts["token_model"] = args.token_model
+    elif args.tier == "lossy":
+        opts = json.loads(args.lossy_options) if args.lossy_options else {}
+        if not isinstance(opts, dict):
+            raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
+        opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
     n = save(out, cache, (model, tok), tier=args.tier, chunk_tokens=args.chunk_tokens,
-             tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update,
-             **({"token_model": args.token_model} if args.tier != "lossless" else {}))
+             tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update, **opts)
     bar.close()
     print(f"{out}: {ids.shape[1]} tokens, {_human(kv.nbytes())} {args.dtype} cache -> {_human(n)} "
           f"({kv.nbytes() / n:.3f}x) in {time.perf_counter() - t0:.1f} s")
@@ -110,7 +126,7 @@ def _file_model(args):
     from .api import inspect
 
     info = inspect(args.file)
-    if info["tier"] == "lossless":
+    if info["tier"] in ("lossless", "lossy"):
         return None
     name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[info["dtype"]]
     return _load_model(args.model, name)
@@ -199,9 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
     s.add_argument("--text", required=True)
     s.add_argument("-o", "--output")
-    s.add_argument("--tier", default="exact", choices=["exact", "tokens", "lossless"],
+    s.add_argument("--tier", default="exact", choices=["exact", "tokens", "lossless", "lossy"],
                    help="exact: tokens + residual, bit-identical, needs the model to decode (default); tokens: "
-                        "tokens only (restore = recompute); lossless: the tensors, no model needed to decode")
+                        "tokens only (restore = recompute); lossless: the tensors, no model needed to decode; "
+                        "lossy: quantized tensors (--bits or --max-kl), no model needed to decode")
+    s.add_argument("--bits", type=float, default=3.0, help="lossy: average bits per component, all side info included")
+    s.add_argument("--max-kl", type=float, default=None,
+                   help="lossy: instead of --bits, the coarsest step keeping the mean KL (bits) within this")
+    s.add_argument("--lossy-options", default=None,
+                   help='lossy: other vq_rans options as JSON, e.g. \'{"window": 64, "quantizer": "kivi"}\'')
     s.add_argument("--token-model", default="lm", choices=["lm", "static"])
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     s.add_argument("--max-tokens", type=int, default=2048)

@@ -59,3 +59,26 @@ def test_inspect_reads_a_pipe():
                            capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["num_layers"] == 2
+
+
+def test_inspect_shows_the_lossy_coding_per_section(tmp_path, capsys):
+    lossy = VECTORS / "lossy_uniform_window.kvz"
+    assert main(["inspect", str(lossy), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    kv = [s for s in info["sections"] if s["type"] == "kv"]
+    first = kv[0]["coding"]
+    assert first["quantizer"] == "uniform" and first["head_tokens"] == 1 and first["symbol_bits"] >= 2
+    assert kv[-1]["coding"]["exact_tokens"] == 4  # the window lies in the last chunk
+    assert main(["inspect", str(lossy)]) == 0
+    assert "uniform k=" in capsys.readouterr().out
+    assert main(["verify", str(lossy)]) == 0  # no model needed for a lossy file
+    assert "ok" in capsys.readouterr().out
+    assert main(["inspect", str(VECTORS / "lossy_kivi.kvz"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sections"][0]["coding"]["quantizer"] == "kivi"
+
+
+def test_describe_refuses_garbage_quietly():
+    from kvcodec.stages import quant
+
+    assert quant.describe(b"\x07" * 40, (1, 1, 4, 8), 16) is None
+    assert quant.describe(b"\x01", (1, 1, 4, 8), 16) is None

@@ -242,6 +242,10 @@ class KvzReader:
                                    "payload checksum mismatch", field="Payload_Checksum", offset=e.offset + 24)
         return data
 
+    def read_payload_prefix(self, e: SectionEntry, n: int) -> bytes:
+        """The first ``min(n, length)`` bytes of a payload, unchecked (for ``inspect``'s per-section facts)."""
+        return self._read_at(e.payload_offset, min(n, e.length), "Payload")
+
     def verify_checksums(self) -> None:
         """Read every section and check every checksum (no decoding)."""
         for e in self.sections:

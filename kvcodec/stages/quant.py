@@ -340,6 +340,32 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
     return b"".join(parts) + struct.pack("<I", len(tail)) + tail
 
 
+def describe(prefix: bytes, shape: tuple[int, int, int, int], dtype_bits: int) -> dict | None:
+    """What the first bytes of a payload say (``kvz inspect``): quantizer, index bits, step, exact head and
+    tail tokens, and the size the same indices would take packed at a fixed ``Symbol_Bits`` each (Methods 1
+    and 2: indices + 16-bit norms + exact tokens at ``dtype_bits``), in bits per component.  None if the
+    prefix is not a valid start of a payload (inspect does not validate)."""
+    if len(prefix) < _FIXED.size + 4:
+        return None
+    mode, method, k, _, exact, _seed, st, _ = _FIXED.unpack_from(prefix, 0)
+    names = {v: n for n, v in METHODS.items()}
+    if mode not in (1, 2) or method not in names:
+        return None
+    b, h, t, d = shape
+    head = 0
+    if mode == 2:
+        if len(prefix) < _FIXED.size + 4 + _HEAD.size:
+            return None
+        head = _HEAD.unpack_from(prefix, _FIXED.size + 4)[0]
+    out = {"quantizer": names[method], "symbol_bits": k, "step": st if method == METHOD_UNIFORM else None,
+           "head_tokens": head, "exact_tokens": exact}
+    tq = t - head - exact
+    if method in (METHOD_UNIFORM, METHOD_LLOYD) and tq >= 0 and b * h * t * d:
+        fixed = b * h * (tq * (k * d + 16) + (head + exact) * d * dtype_bits)
+        out["fixed_width_bits_per_component"] = round(fixed / (b * h * t * d), 4)
+    return out
+
+
 # --- decoder ------------------------------------------------------------------------
 class Decoded(NamedTuple):
     values: np.ndarray  # float32 [B, H, T - H0 - E, D]: the dequantized tokens H0 .. T - E
