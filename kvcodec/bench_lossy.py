@@ -133,9 +133,8 @@ def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: in
             dst.append(out.to(t.dtype))
     r = evaluate_cache(model, tok, exact, KVCache(keys, values).to_dynamic_cache(), prefix, cont)
     r.update(text=text, method="study: surprisal-adaptive bits (uniform, rotated)",
-             config={"b0": b0, "rule": "b_i = min(b0 + 4, max(1, floor(b0 h_i / mean h)))",
-                     "mean_b_i": float(b.double().mean())},
-             bits_per_component=8 * nbytes / comps, header_bytes=0)
+             config={"b0": b0, "rule": "b_i = min(b0 + 4, max(1, floor(b0 h_i / mean h)))"},
+             mean_b_i=float(b.double().mean()), bits_per_component=8 * nbytes / comps, header_bytes=0)
     print(f"{text} surprisal-adaptive b0={b0}: {r['bits_per_component']:.3f} bits/comp, KL {r['mean_kl_bits']:.4f}",
           flush=True)
     return r
@@ -231,14 +230,25 @@ def to_markdown(res) -> str:
     lines = [f"`{res['command']}`; {res['model']}; medians over {len({r['text'] for r in res['rows']})} texts.", "",
              "| method | config | bits/comp (all side info) | same indices fixed-width | mean KL (bits/token) | "
              "top-1 agree | ΔCE (bits) | greedy agree /32 |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    peers = {}
     for r in _summary(res["rows"]):
         fixed = f"{r['fixed']:.3f}" if r.get("fixed") else ""
-        lines.append(f"| {r['method']} | `{json.dumps(r['config'], sort_keys=True)}` | {r['bits']:.3f} | {fixed} | "
+        cfg = r["config"]
+        if r["method"].startswith("peer "):  # the peer's own configuration; version and storage below
+            peers[r["method"]] = (cfg["version"], cfg.get("storage", ""))
+            label = cfg["config"]
+        else:
+            label = f"`{json.dumps(cfg, sort_keys=True)}`"
+        lines.append(f"| {r['method']} | {label} | {r['bits']:.3f} | {fixed} | "
                      f"{r['kl']:.4f} | {r['top1']:.3f} | {r['dce']:+.4f} | {r['greedy']:.0f} |")
-    failed = {(r["method"], json.dumps(r["config"], sort_keys=True)) for r in res["rows"] if "mean_kl_bits" not in r}
+    if peers:
+        lines += ["", "Peer versions and how their bits/comp are counted:", ""]
+        lines += [f"- {m} ({v}): {st}" for m, (v, st) in sorted(peers.items())]
+    failed = {(r["method"], r["config"].get("config", ""), r["config"]["error"]) for r in res["rows"]
+              if "mean_kl_bits" not in r}
     if failed:
         lines += ["", "Peers that could not run:", ""]
-        lines += [f"- {m}: `{c}`" for m, c in sorted(failed)]
+        lines += [f"- {m} {c}: {e}" for m, c, e in sorted(failed)]
     lines += ["", f"Peers: {res['peers']}."]
     return "\n".join(lines) + "\n"
 
