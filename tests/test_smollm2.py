@@ -57,12 +57,17 @@ def test_batch_of_two_with_padding(smollm2):
     assert back.equal(kvcodec.to_canonical(cache)) and back.batch == 2
 
 
-def test_chat_template_conversation(smollm2):
-    model, tok = smollm2
+def _chat_ids(tok):
+    """A three-turn conversation through the model's chat template, ready for the assistant's answer."""
     msgs = [{"role": "user", "content": "What is a KV cache?"},
             {"role": "assistant", "content": "The keys and values of past tokens."},
             {"role": "user", "content": "Why store it?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_chat_template_conversation(smollm2):
+    model, tok = smollm2
+    ids = _chat_ids(tok)
     cache = prefill(model, ids)
     assert kvcodec.decode(kvcodec.encode(cache), output="kvcache").equal(kvcodec.to_canonical(cache))
 
@@ -118,10 +123,7 @@ def test_exact_tier_prefill_and_generation_bit_identical(smollm2, dtype):
 
 def test_exact_tier_chat_batch_and_static(smollm2):
     model, tok = smollm2
-    msgs = [{"role": "user", "content": "What is a KV cache?"},
-            {"role": "assistant", "content": "The keys and values of past tokens."},
-            {"role": "user", "content": "Why store it?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = _chat_ids(tok)
     cache = prefill(model, ids)
     for tm in ("lm", "static"):
         data = kvcodec.encode(cache, (model, tok), token_model=tm)

@@ -29,6 +29,16 @@ from ._coder import RangeTokenCoder, TokenStream  # noqa: F401  (TokenStream re-
 CHUNK_TOKENS = 256
 
 
+def lm_procedure(model, procedure_id: str) -> dict:
+    """The recorded procedure of an LM token coder: the id names the procedure of spec/kvz.md; dtype, device,
+    threads and library versions are what a decoder must match to get the same probabilities."""
+    p = next(model.parameters())
+    return {"id": procedure_id, "dtype": str(p.dtype).replace("torch.", ""), "device": p.device.type,
+            "threads": torch.get_num_threads(),
+            "versions": {"torch": torch.__version__, "transformers": md.version("transformers"),
+                         "constriction": md.version("constriction")}}
+
+
 class LMTokenCoder(RangeTokenCoder):
     """Code token ids with ``model``'s next-token distribution (see the module docstring).
 
@@ -47,16 +57,9 @@ class LMTokenCoder(RangeTokenCoder):
 
     def procedure(self) -> dict:
         """What a decoder must reproduce to get the same probabilities (informative versions included)."""
-        p = next(self.model.parameters())
-        return {  # the id names the procedure of spec/kvz.md (incremental, one token per call, softmax in
-            # float64, first token uniform, constriction RangeEncoder + Categorical(perfect=False))
-            "id": "lm-incremental-v1",
-            "dtype": str(p.dtype).replace("torch.", ""),
-            "device": p.device.type,
-            "threads": torch.get_num_threads(),
-            "versions": {"torch": torch.__version__, "transformers": md.version("transformers"),
-                         "constriction": md.version("constriction")},
-        }
+        # spec/kvz.md: incremental, one token per call, softmax in float64, first token uniform,
+        # constriction RangeEncoder + Categorical(perfect=False)
+        return lm_procedure(self.model, "lm-incremental-v1")
 
     def _distributions(self):
         """Generator: send token i-1, receive the float64 distribution of token i."""

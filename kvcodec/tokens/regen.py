@@ -25,7 +25,6 @@ probabilities by exactly the same procedure.
 from __future__ import annotations
 
 import copy
-import importlib.metadata as md
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import torch
 from ..errors import FormatError
 from ..runtime import cache_kwarg
 from ._coder import TokenStream, check_chunk, chunk_checksums, decode_symbol
+from .lm import lm_procedure
 
 
 @dataclass
@@ -119,15 +119,7 @@ class ScheduleLMCoder:
         self._family = constriction.stream.model.Categorical(perfect=False)
 
     def procedure(self) -> dict:
-        p = next(self.model.parameters())
-        return {  # the id names the procedure of spec/kvz.md; the rest is what a decoder must match
-            "id": "lm-schedule-v1",
-            "dtype": str(p.dtype).replace("torch.", ""),
-            "device": p.device.type,
-            "threads": torch.get_num_threads(),
-            "versions": {"torch": torch.__version__, "transformers": md.version("transformers"),
-                         "constriction": md.version("constriction")},
-        }
+        return lm_procedure(self.model, "lm-schedule-v1")
 
     @torch.no_grad()
     def _run(self, plan: Plan, step, tokens: torch.Tensor):
