@@ -42,15 +42,20 @@ def _build():
     return k._rotate_quantize_kernel, k._dequantize_add_kernel
 
 
-def _check(x: torch.Tensor, name: str) -> int:
-    if x.dim() != 4:
-        raise ValueError(f"{name}: expected a [batch, heads, seq, head_dim] tensor, got {tuple(x.shape)}")
-    d = x.shape[-1]
+def _check_layout(shape, dtype, name: str) -> int:
+    """head_dim of a ``[batch, heads, seq, head_dim]`` shape in one of the three dtypes, else ValueError."""
+    if len(shape) != 4:
+        raise ValueError(f"{name}: expected a [batch, heads, seq, head_dim] tensor, got {tuple(shape)}")
+    d = shape[-1]
     if d < 2 or d & (d - 1):
         raise ValueError(f"{name}: head_dim {d} is not a power of two >= 2 (the Hadamard rotation needs one)")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{name}: dtype {x.dtype} (float16, bfloat16 or float32)")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {dtype} (float16, bfloat16 or float32)")
     return d
+
+
+def _check(x: torch.Tensor, name: str) -> int:
+    return _check_layout(tuple(x.shape), x.dtype, name)
 
 
 def _signs(seed: int, d: int, device) -> torch.Tensor:
@@ -86,11 +91,8 @@ def dequantize_add(q: torch.Tensor, norms: torch.Tensor, step: float, seed: int,
     float16 ``norms``, plus ``base`` (optional, same shape); every value as :func:`kvcodec.stages.quant.decode`
     computes it (binary32, one rounding to ``dtype`` at the end)."""
     _, dq = _build()
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype} (float16, bfloat16 or float32)")
-    b, h, s, d = shape
-    probe = torch.empty((1, 1, 1, d), dtype=dtype)
-    _check(probe, "shape")
+    d = _check_layout(tuple(shape), dtype, "shape")
+    b, h, s, _ = shape
     n = b * h * s
     if tuple(q.shape) != (n, d) or q.dtype != torch.int32 or tuple(norms.shape) != (n,) \
             or norms.dtype != torch.float16:

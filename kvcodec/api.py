@@ -788,6 +788,8 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
     With ``verify_checksums=True`` every payload is also read and its checksum
     checked (still no decoding).  The result is JSON-serialisable.
     """
+    from .stages import quant
+
     owned = None
     if isinstance(source, (str, os.PathLike)) and "://" in str(source):
         owned = source = _open_path(source, "rb")
@@ -808,8 +810,6 @@ def inspect(source, *, verify_checksums: bool = False) -> dict:
                              tokens=[a, b], components=comps,
                              bits_per_component=round(8 * e.length / comps, 4) if comps else None)
                     if h.tier == "lossy" and e.section_type == L.SECTION_KV:
-                        from .stages import quant
-
                         d["coding"] = quant.describe(r.read_payload_prefix(e, 64),
                                                      (h.batch, lay.kv_heads, b - a, dim),
                                                      8 * h.itemsize)

@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import torch
 
+from allocation import setup  # the same prefix, continuation and KL measure (scripts/studies/allocation.py)
+
 from kvcodec import api
 from kvcodec.cache import KVCache, to_canonical
-from kvcodec.evaluate import prefix_case
 from kvcodec.models import load_model
-from kvcodec.runtime import cache_kwarg, corpus_files
 from kvcodec.stages import floatctx, quant
 
 
@@ -40,25 +40,10 @@ def absolute(x, step, part):
 def main(texts):
     torch.set_num_threads(2)
     model, tok = load_model("smollm2", dtype=torch.float32)
-    files = {f.name: f for f in corpus_files()}
     for name in texts or ["legal_en_gpl-3.0.txt", "code_python_textwrap.py"]:
-        prefix, cont, exact, comps = prefix_case(model, tok, files[name], 1024, 256)
-        kv = to_canonical(exact)
-
-        @torch.no_grad()
-        def logp(k, v):
-            c = KVCache(k, v).to_dynamic_cache()
-            out = model(cont[:, :-1], use_cache=True, **{cache_kwarg(model): c})
-            return torch.log_softmax(out.logits[0].double(), -1)
-
-        ref = logp(kv.keys, kv.values)
-
-        def kl(k, v):
-            lq = logp(k, v)
-            return float(((ref.exp() * (ref - lq)).sum(-1) / np.log(2)).mean())
-
+        _, kv, comps, kl = setup(name, model, tok)
         for bits in (2.0, 2.5):
-            data = api.encode(exact, tier="lossy", bits=bits)
+            data = api.encode(KVCache(kv.keys, kv.values), tier="lossy", bits=bits)
             payload = sum(s["bytes"] for s in api.inspect(data)["sections"] if s["type"] == "kv")
             dec = to_canonical(api.decode(data))
             print(f"{name} normalized (vq_rans) bits={bits}: {8 * payload / comps:.3f} bits/comp, "
