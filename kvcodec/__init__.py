@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FormatError, KvzError, LimitExceeded,
-    ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion,
-    FallbackWarning,
+    ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedCache,
+    UnsupportedVersion, FallbackWarning,
 )
 from .cache import KVCache, to_canonical  # noqa: E402
 from .api import decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
@@ -25,7 +25,8 @@ __all__ = [
     "__version__", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
     "model_fingerprint", "KVCache", "to_canonical",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
-    "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "ConfigError",
+    "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache",
+    "ConfigError",
     "BackendUnavailable", "FallbackWarning", "tokens",
 ]
 

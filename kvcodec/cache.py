@@ -6,11 +6,15 @@ bfloat16), optional token ids ``[batch, tokens]``, and the position of the
 first cached token.  Layers may differ in length (sliding-window layers keep
 only their window; ``cumulative_length`` says how many tokens they have seen).
 
-Adapters: transformers 5.x ``DynamicCache`` (``cache.layers[i].keys/values``,
-including ``DynamicSlidingWindowLayer``), the legacy tuple of ``(k, v)`` pairs,
-and ``KVCache`` itself.  Anything else - quantized or offloaded cache layers,
-uninitialised layers, mixed dtypes or batch sizes - raises ``TypeError`` or
-``ValueError`` naming the layer; nothing is silently converted.
+Adapters: transformers 5.x ``DynamicCache`` whose layers are exactly
+``DynamicLayer`` or ``DynamicSlidingWindowLayer``, the legacy tuple of
+``(k, v)`` pairs, and ``KVCache`` itself.  Any other layer class - subclasses
+included: quantized layers keep most tokens outside ``keys``/``values``,
+hybrid and indexed layers (FalconH1, DeepSeek-V3.2) carry extra state - raises
+:class:`~kvcodec.errors.UnsupportedCache` naming the layer and its class;
+uninitialised layers, mixed dtypes or batch sizes raise ``TypeError`` or
+``ValueError`` naming the layer.  Nothing is silently converted or stored in
+part.
 """
 
 from __future__ import annotations
@@ -149,11 +153,16 @@ def to_canonical(cache) -> KVCache:
     if layers is not None and not isinstance(cache, (tuple, list)):
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+        from .errors import UnsupportedCache
+
         keys, values, sw, cum = [], [], [], []
         for i, layer in enumerate(layers):
-            if not isinstance(layer, DynamicLayer):
-                raise TypeError(f"layer {i}: {type(layer).__name__} is not supported "
-                                "(only DynamicLayer / DynamicSlidingWindowLayer)")
+            # exact classes: a subclass (QuantizedLayer, DynamicIndexedLayer, LinearAttention...Layer) holds state
+            # that keys/values do not show, and storing only keys/values would lose it silently
+            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+                raise UnsupportedCache(f"layer {i}: {type(layer).__module__}.{type(layer).__qualname__} "
+                                       f"(in a {type(cache).__name__}) is not supported: only DynamicLayer and "
+                                       "DynamicSlidingWindowLayer are stored; its other state would be lost")
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.dim() != 4:
                 raise ValueError(f"layer {i}: the cache layer holds no tensors (uninitialised)")
             keys.append(layer.keys)

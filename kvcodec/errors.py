@@ -15,6 +15,7 @@ message names the field and, where there is one, the byte offset::
     │   ├── LimitExceeded               a declared size beyond the decoder's limits
     │   └── ChecksumMismatch
     ├── ModelMismatch                   the file needs another model than the one given
+    ├── UnsupportedCache (TypeError)    a cache (layer) class kvcodec cannot store faithfully
     ├── ConfigError (ValueError)        bad options / pipeline config at the API
     └── BackendUnavailable (ImportError)
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 __all__ = [
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
     "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
-    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "ConfigError",
+    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache", "ConfigError",
     "BackendUnavailable",
 ]
 
@@ -97,6 +98,11 @@ class ChecksumMismatch(FormatError):
 
 class ModelMismatch(KvzError):
     """The file was made with a different model than the one supplied (or needs one)."""
+
+
+class UnsupportedCache(KvzError, TypeError):
+    """The cache, or one of its layers, is of a class kvcodec does not know how to store without loss
+    (quantized, offloaded or hybrid layers, layers with extra state): refused rather than stored in part."""
 
 
 class ConfigError(KvzError, ValueError):

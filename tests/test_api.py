@@ -100,11 +100,60 @@ def test_quantized_cache_layers_are_refused():
 
     c = DynamicCache()
     c.layers = [FakeQuantizedLayer()]
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(kvcodec.UnsupportedCache, match="not supported"):
         kvcodec.encode(c)
     c.layers = [DynamicLayer()]  # never filled
     with pytest.raises(ValueError, match="uninitialised"):
         kvcodec.encode(c)
+
+
+def test_transformers_quantized_cache_is_refused_not_truncated():
+    """Quantized layers keep their tokens outside layer.keys/values (quanto's kept 7 of 31 there): reading keys
+    and values would store part of the cache.  It must be refused by name (regression; fp8 needs no extra
+    package, quanto and HQQ layers are subclasses of the same BaseQuantizedLayer)."""
+    from transformers.cache_utils import QuantizedCache
+
+    from kvcodec.runtime import cache_kwarg
+
+    m = tiny_model("llama")
+    qc = QuantizedCache(backend="fp8", config=m.config)
+    ids = torch.randint(0, VOCAB, (1, 31))
+    with torch.no_grad():
+        m(ids[:, :24], use_cache=True, **{cache_kwarg(m): qc})
+        for j in range(24, 31):
+            m(ids[:, j:j + 1], use_cache=True, **{cache_kwarg(m): qc})
+    assert qc.get_seq_length() == 31
+    with pytest.raises(kvcodec.UnsupportedCache, match="Fp8QuantizedLayer"):
+        kvcodec.encode(qc)
+    with pytest.raises(kvcodec.UnsupportedCache):
+        kvcodec.encode(qc, m)  # the token tiers read the cache through the same adapter
+
+
+@pytest.mark.parametrize("layer_class", ["DynamicIndexedLayer", "LinearAttentionAndFullAttentionLayer",
+                                         "LinearAttentionAndSlidingWindowAttentionLayer", "subclass"])
+def test_layers_with_extra_state_are_refused(layer_class):
+    """DeepSeek-V3.2's indexed layers (indexer keys) and FalconH1's hybrid layers (conv / SSM states) are
+    DynamicLayer subclasses whose extra state keys/values do not show; so is any user subclass."""
+    import transformers.cache_utils as cu
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if layer_class == "subclass":
+        layer = type("MyLayer", (DynamicLayer,), {})()
+    elif "SlidingWindow" in layer_class:
+        layer = getattr(cu, layer_class)(sliding_window=4)
+    else:
+        layer = getattr(cu, layer_class)()
+    k = torch.randn(1, 2, 5, 4)
+    layer.lazy_initialization(k, k)
+    layer.keys, layer.values = k, k.clone()
+    c = DynamicCache()
+    c.layers = [DynamicLayer(), layer]
+    c.layers[0].lazy_initialization(k, k)
+    c.layers[0].keys, c.layers[0].values = k, k
+    with pytest.raises(kvcodec.UnsupportedCache, match="layer 1: .*(Layer|MyLayer)"):
+        kvcodec.encode(c)
+    c.layers = c.layers[:1]  # the known class alone is stored
+    assert kvcodec.decode(kvcodec.encode(c), output="kvcache").equal(kvcodec.KVCache([k], [k]))
 
 
 def test_model_fingerprint_and_mismatch():
