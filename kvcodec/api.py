@@ -598,6 +598,10 @@ class KvzFile:
             self._regen = (tokens, regen)
         return self._regen
 
+    def regenerated(self) -> KVCache:
+        """Token tiers: the cache the model regenerates from the decoded tokens, before the residuals."""
+        return self._regenerated()[1]
+
     @property
     def dtype(self) -> torch.dtype:
         return DTYPE_BY_NAME[self.header.dtype]
@@ -625,11 +629,11 @@ class KvzFile:
         sums = np.frombuffer(self.reader.read_payload(e), dtype="<u8").tolist()
         return {s: (x, e.payload_offset + 8 * i) for i, (s, x) in enumerate(zip(slices, sums))}
 
-    def _decode_token_tier(self, layers, progress=None) -> dict:
+    def _decode_token_tier(self, layers, progress=None, regen: KVCache | None = None) -> dict:
         from .stages import residual
 
         h = self.header
-        _, regen = self._regenerated()
+        regen = self._regenerated()[1] if regen is None else regen
         sums = self._tensor_checksums() if h.tokens.has_residual else None
         outs = {}
         for li in layers:
@@ -653,11 +657,11 @@ class KvzFile:
                 outs[li, p] = _tensor(bits, self.dtype)
         return outs
 
-    def _decode(self, layers, progress=None) -> dict:
+    def _decode(self, layers, progress=None, regen=None) -> dict:
         """Decode the keys and values of ``layers``: {(layer, part): tensor}."""
         h = self.header
         if self.is_token_tier:
-            return self._decode_token_tier(layers, progress)
+            return self._decode_token_tier(layers, progress, regen)
         outs = {}
         jobs = []
         for li in layers:
@@ -703,13 +707,14 @@ class KvzFile:
     def num_sections(self) -> int:
         return len(self.reader.sections)
 
-    def to_kvcache(self, progress=None) -> KVCache:
-        """Decode the whole file."""
+    def to_kvcache(self, progress=None, *, regenerated: KVCache | None = None) -> KVCache:
+        """Decode the whole file.  Token tiers: ``regenerated=`` applies the file's residuals to those tensors
+        instead of regenerating the cache with the model (no model needed; no token ids in the result)."""
         h = self.header
         n = len(h.layers)
-        d = self._decode(range(n), progress)
+        d = self._decode(range(n), progress, regenerated)
         return KVCache([d[i, L.PART_KEYS] for i in range(n)], [d[i, L.PART_VALUES] for i in range(n)],
-                       self.tokens(), h.start_position,
+                       None if regenerated is not None else self.tokens(), h.start_position,
                        [lay.sliding_window for lay in h.layers], [lay.cumulative_length for lay in h.layers])
 
     def close(self):
