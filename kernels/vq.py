@@ -8,7 +8,7 @@
 
 Both take ``[batch, heads, seq, head_dim]`` tensors in float16, bfloat16 or float32 (head_dim a power of
 two) on any device Triton runs on; on CPU tensors they run under ``TRITON_INTERPRET=1`` (how the tests
-check them).  They are **bit-exact** with the NumPy reference in :mod:`kvcodec.stages.quant`, because their
+check them).  They are **bit-exact** with the NumPy reference in :mod:`kvcodec.codecs.vq_rans`, because their
 output feeds the bitstream (encoder) or must equal every other decoder's (decoder):
 
 * every operation is one IEEE binary32 operation in the reference's order: the butterfly is written out
@@ -59,7 +59,7 @@ def _check(x: torch.Tensor, name: str) -> int:
 
 
 def _signs(seed: int, d: int, device) -> torch.Tensor:
-    from kvcodec.stages.quant import signs
+    from kvcodec.codecs.vq_rans import signs
 
     return torch.from_numpy(signs(seed, d)).to(device)
 
@@ -88,7 +88,7 @@ def rotate_quantize(x: torch.Tensor, step: float, seed: int, pred: torch.Tensor 
 def dequantize_add(q: torch.Tensor, norms: torch.Tensor, step: float, seed: int, shape, dtype: torch.dtype,
                    offset: int = 0, base: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, H, S, D]`` tensor of ``dtype``: vectors ``(q + offset) * step`` rotated back, scaled by the
-    float16 ``norms``, plus ``base`` (optional, same shape); every value as :func:`kvcodec.stages.quant.decode`
+    float16 ``norms``, plus ``base`` (optional, same shape); every value as :func:`kvcodec.codecs.vq_rans.decode`
     computes it (binary32, one rounding to ``dtype`` at the end)."""
     _, dq = _build()
     d = _check_layout(tuple(shape), dtype, "shape")

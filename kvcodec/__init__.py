@@ -3,6 +3,7 @@
 Public API::
 
     data = kvcodec.encode(cache)                      # tier "lossless"
+    data = kvcodec.encode(cache, tier="lossy", bits=3) # ~3 bits per component, no model to decode
     data = kvcodec.encode(cache, model)               # tier "exact": tokens + residual, needs the model
     cache = kvcodec.decode(data, model=None)          # a transformers DynamicCache
     kvcodec.save("cache.kvz", cache); kvcodec.load("cache.kvz")
@@ -10,30 +11,23 @@ Public API::
     model, tokenizer = kvcodec.load_model("smollm2")  # the embedded default, offline
 """
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .errors import (  # noqa: E402
     BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FormatError, KvzError, LimitExceeded,
     ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedCache,
     UnsupportedVersion, FallbackWarning,
 )
 from .cache import KVCache, to_canonical  # noqa: E402
-from .api import decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
-from .models import load_model, model_fingerprint  # noqa: E402
+from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
+from .api import Encoder, decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
+from .models import load_model, model_fingerprint, tokenizer_fingerprint  # noqa: E402
 
 __all__ = [
-    "__version__", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
-    "model_fingerprint", "KVCache", "to_canonical",
+    "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
+    "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache",
     "ConfigError",
-    "BackendUnavailable", "FallbackWarning", "tokens",
+    "BackendUnavailable", "FallbackWarning",
 ]
 
-
-def __getattr__(name):  # kvcodec.tokens (RecordingCache, coders) is imported on first use
-    if name == "tokens":
-        import importlib
-
-        return importlib.import_module(".tokens", __name__)
-    raise AttributeError(f"module 'kvcodec' has no attribute {name!r}")

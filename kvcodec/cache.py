@@ -23,29 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtypes import DTYPES, of
+
 __all__ = ["KVCache", "to_canonical"]
-
-SUPPORTED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-DTYPE_BY_NAME = {v: k for k, v in SUPPORTED_DTYPES.items()}
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def bit_patterns(t: torch.Tensor):
-    """Raw bit patterns of a CPU copy of ``t`` as a uint16/uint32 NumPy array."""
-    import numpy as np
-
-    t = t.detach().to("cpu").contiguous()
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
-        {2: np.uint16, 4: np.uint32}[t.element_size()])
-
-
-def from_bit_patterns(bits, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of ``dtype`` whose bit patterns are the uint16/uint32 array ``bits`` (no copy if contiguous)."""
-    import numpy as np
-
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.ascontiguousarray(bits).view({2: np.int16, 4: np.int32}[size])).view(dtype)
-
 
 @dataclass
 class KVCache:
@@ -66,7 +46,7 @@ class KVCache:
         if not self.cumulative_length:
             self.cumulative_length = [int(k.shape[-2]) for k in self.keys]
         dt = self.keys[0].dtype
-        if dt not in SUPPORTED_DTYPES:
+        if dt not in {d.torch for d in DTYPES.values()}:
             raise TypeError(f"layer 0: dtype {dt} is not supported (float32, float16, bfloat16)")
         b = self.keys[0].shape[0]
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
@@ -99,7 +79,7 @@ class KVCache:
 
     @property
     def dtype_name(self) -> str:
-        return SUPPORTED_DTYPES[self.dtype]
+        return of(self.dtype).name
 
     @property
     def batch(self) -> int:
@@ -116,7 +96,7 @@ class KVCache:
         """Bit-identical tensors (NaN payloads included)."""
         if self.num_layers != other.num_layers or self.dtype != other.dtype:
             return False
-        iv = _INT_VIEW[self.dtype]
+        iv = of(self.dtype).int_view
         for a, b in zip(self.keys + self.values, other.keys + other.values):
             if a.shape != b.shape or not torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)):
                 return False

@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from . import registry
 from .errors import ConfigError, KvzError
+from .formatting import human as _human, inspection_text
 
 
 def _progress(total: int, desc: str):
@@ -29,71 +31,24 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="section", mininterval=1.0, delay=1.0, leave=False)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_inspect(args) -> int:
     from .api import inspect
 
     info = inspect(args.file, verify_checksums=args.verify)
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(f"{args.file}: .kvz {info['format_version']}, {_human(info['file_bytes'])}")
-    m = info["model"]
-    print(f"  model        : {m['fingerprint'] if m else 'none recorded'}"
-          + (f" ({m.get('architecture')})" if m and m.get("architecture") else ""))
-    print(f"  tier / codec : {info['tier']} / {info['codec']['id']} {json.dumps(info['codec']['params'], sort_keys=True)}")
-    print(f"  cache        : {info['dtype']}, batch {info['batch']}, {info['num_layers']} layers, "
-          f"kv heads {info['kv_heads']}, head dims {info['head_dims']}, {info['tokens']} tokens, "
-          f"start position {info['start_position']}, token ids {'stored' if info['has_token_ids'] else 'not stored'}")
-    print(f"  size         : {_human(info['raw_tensor_bytes'])} raw -> {_human(info['file_bytes'])}: "
-          f"{info['ratio']}x, {info['bits_per_component']} bits/component")
-    tc = info.get("token_channel")
-    if tc:
-        print(f"  token channel: {tc['token_model']}, {tc['coded_tokens']} tokens in {_human(tc['token_stream_bytes'])}"
-              f" = {tc['bits_per_token']} bits/token; schedule {tc['schedule']}, padding {tc['padding']}")
-        print(f"  residual     : {_human(tc['residual_bytes'])}, tolerance {tc['tolerance']}, max abs deviation of "
-              f"a bare recompute at encode time {tc['max_abs_deviation']}")
-    print(f"  checksums    : {info['checksums']}")
-    print(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
-    if not getattr(args, "sections", True):
-        return 0
-    lossy = info["tier"] == "lossy"
-    print("    #  type    layer part    chunk tokens         bytes  bits/comp"
-          + ("  coding (quantizer, index bits, step, exact head/tail tokens, fixed-width bits/comp)" if lossy else ""))
-    for i, s in enumerate(info["sections"]):
-        if s["type"] in ("kv", "residual"):
-            c = s.get("coding")
-            extra = ""
-            if c:
-                extra = (f"  {c['quantizer']} k={c['symbol_bits']}" + (f" step={c['step']:.4g}" if c["step"] else "")
-                         + f" head={c['head_tokens']} tail={c['exact_tokens']}"
-                         + (f" fixed-width={c['fixed_width_bits_per_component']}"
-                            if "fixed_width_bits_per_component" in c else ""))
-            print(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
-                  f"{s['bytes']:9d}  {s['bits_per_component']:<9}" + extra)
-        else:
-            print(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
+    print(json.dumps(info, indent=2) if args.json else inspection_text(info, args.file))
     return 0
 
 
 def _load_model(name: str, dtype: str):
+    from .dtypes import parse
     from .models import load_model
-    from .runtime import DTYPE_ALIASES
 
-    model, tok = load_model(name, dtype=DTYPE_ALIASES[dtype])
-    return model, tok
+    return load_model(name, dtype=parse(dtype).torch)
 
 
 def cmd_encode(args) -> int:
     from .api import save
-    from .runtime import prefill, tokenize
+    from .models import prefill, tokenize
 
     text = Path(args.text).read_text(encoding="utf-8")
     t0 = time.perf_counter()
@@ -106,7 +61,7 @@ def cmd_encode(args) -> int:
     kv = to_canonical(cache)
     bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
     opts = {}
-    if args.tier in ("exact", "tokens"):
+    if registry.tier(args.tier).needs_model:
         opts["token_model"] = args.token_model
     elif args.tier == "lossy":
         opts = json.loads(args.lossy_options) if args.lossy_options else {}
@@ -122,14 +77,13 @@ def cmd_encode(args) -> int:
 
 
 def _file_model(args):
-    """The model a token-tier file needs (``--model``, in the file's dtype); None for the lossless tier."""
+    """The model a file needs (``--model``, in the file's dtype); None for tiers that decode without one."""
     from .api import inspect
 
     info = inspect(args.file)
-    if info["tier"] in ("lossless", "lossy"):
+    if not registry.tier(info["tier"]).needs_model:
         return None
-    name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[info["dtype"]]
-    return _load_model(args.model, name)
+    return _load_model(args.model, info["dtype"])
 
 
 def cmd_decode(args) -> int:
@@ -167,16 +121,16 @@ def cmd_verify(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.lossy:
-        from .bench_lossy import run_lossy_bench
+        from .lab.bench_lossy import run_lossy_bench
 
         return run_lossy_bench(args)
     if args.token_tiers:
-        from .bench_tokens import run_token_bench
+        from .lab.bench_tokens import run_token_bench
 
         args.tokens = args.tokens or 1024
         args.repeats = args.repeats or 3
         return run_token_bench(args)
-    from .bench import run_bench
+    from .lab.bench import run_bench
 
     args.tokens = args.tokens or 2048
     args.repeats = args.repeats or 5
@@ -184,19 +138,19 @@ def cmd_bench(args) -> int:
 
 
 def cmd_claims(args) -> int:
-    from .claims import run_claims
+    from .lab.claims import run_claims
 
     return run_claims(args)
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import run_eval
+    from .lab.evaluate import run_eval
 
     return run_eval(args)
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .lab.demo import run_demo
 
     return run_demo(args)
 
@@ -215,10 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
     s.add_argument("--text", required=True)
     s.add_argument("-o", "--output")
-    s.add_argument("--tier", default="exact", choices=["exact", "tokens", "lossless", "lossy"],
-                   help="exact: tokens + residual, bit-identical, needs the model to decode (default); tokens: "
-                        "tokens only (restore = recompute); lossless: the tensors, no model needed to decode; "
-                        "lossy: quantized tensors (--bits or --max-kl), no model needed to decode")
+    s.add_argument("--tier", default="exact", choices=registry.tier_ids(),
+                   help="; ".join(f"{t}: {registry.tier(t).summary}" for t in registry.tier_ids())
+                   + " (default: exact)")
     s.add_argument("--bits", type=float, default=3.0, help="lossy: average bits per component, all side info included")
     s.add_argument("--max-kl", type=float, default=None,
                    help="lossy: instead of --bits, the coarsest step keeping the mean KL (bits) within this")
@@ -240,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help="quality of the lossy tier: KL of next-token distributions, top-1, greedy")
     s.add_argument("--out", default="bench_out")
     s.add_argument("--texts", nargs="*", help="corpus file names (default: three genres)")
+    s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")
     s.add_argument("--prefix", type=int, default=1024)
     s.add_argument("--continuation", type=int, default=256)
     s.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
@@ -264,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--continuation", type=int, default=256, help="lossy: teacher-forced tokens")
     s.add_argument("--tokens", type=int, default=None, help="tokens per text (lossless: 2048, token tiers: 1024)")
     s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres; token tiers: all)")
+    s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")
     s.add_argument("--repeats", type=int, default=None, help="timing repeats (lossless: 5, token tiers: 3)")
     s.add_argument("--exact-tokens", type=int, default=512, help="token tiers: tokens of the exact-tier caches")
     s.add_argument("--generate", type=int, default=64, help="token tiers: generated tokens of the generate cache")
@@ -280,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--long-tokens", type=int, default=2048, help="tokens for the texts in --long")
     s.add_argument("--long", nargs="*", default=["prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"])
     s.add_argument("--files", nargs="*", help="corpus file names (default: all)")
+    s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")
     s.set_defaults(func=cmd_claims)
 
     s = sub.add_parser("demo", help="the main job: SmolLM2 cache -> .kvz -> back, bit-identical, generation identical")

@@ -25,11 +25,15 @@ type) raises plain ``TypeError`` / ``ValueError``.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
     "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
     "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache", "ConfigError",
-    "BackendUnavailable",
+    "BackendUnavailable", "FallbackWarning", "warn",
 ]
 
 
@@ -116,3 +120,14 @@ class BackendUnavailable(KvzError, ImportError):
 class FallbackWarning(UserWarning):
     """An encoder could not use the tier asked for and used another one (the reason is in the message and in
     the file's ``info.fallback``)."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside kvcodec (the user's line, whatever the depth)."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 is warn()'s caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

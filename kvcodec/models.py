@@ -8,9 +8,10 @@ the first call converts it once to safetensors under the local cache directory
 ever downloaded: transformers runs with ``HF_HUB_OFFLINE=1`` semantics
 (``local_files_only=True``).
 
-``model_fingerprint(model, tokenizer)`` is the identity a later tier uses to
-refuse the wrong model: a hash of the config, of every parameter's name, shape,
-dtype *and bytes*, and of the tokenizer's vocabulary.
+``model_fingerprint(model)`` is the identity the token tiers record to refuse
+the wrong model: a hash of the config and of every parameter's name, shape,
+dtype *and bytes*.  ``tokenizer_fingerprint(tokenizer)`` identifies the ids
+(the vocabulary); files record the two separately.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-__all__ = ["load_model", "model_fingerprint", "cache_dir", "EMBEDDED_MODELS"]
+__all__ = ["load_model", "model_fingerprint", "tokenizer_fingerprint", "tokenize", "prefill", "cache_dir",
+           "EMBEDDED_MODELS"]
 
 #: name -> (python package holding the GGUF, GGUF file name)
 EMBEDDED_MODELS = {
@@ -133,16 +135,19 @@ def load_model(name: str = "smollm2", *, dtype=None, device: str = "cpu"):
     return model, tok
 
 
-def model_fingerprint(model, tokenizer=None) -> str:
-    """Hex SHA-256 identity of a model (config + weights + tokenizer).
+def model_fingerprint(model) -> str:
+    """Hex SHA-256 identity of a model (config + weights): what a file's ``model.fingerprint`` records.
 
     The config is hashed as canonical JSON without the fields that do not change
     the computation (names, versions, dtype bookkeeping).  Weights are hashed
     by name, shape, dtype and raw bytes, so a model cast to another dtype is a
-    different model (its cache differs).
+    different model (its cache differs).  A ``(model, tokenizer)`` pair is
+    accepted; its tokenizer has its own :func:`tokenizer_fingerprint`.
     """
     import torch
 
+    if isinstance(model, tuple):
+        model = model[0]
     h = hashlib.sha256(b"kvcodec-model-fingerprint-v1\0")
     cfg = model.config.to_dict()
     for k in ("_name_or_path", "_model_name_or_path", "transformers_version",
@@ -156,9 +161,6 @@ def model_fingerprint(model, tokenizer=None) -> str:
             t = p.detach().cpu().contiguous()
             h.update(f"{pname}|{tuple(t.shape)}|{t.dtype}\0".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
     return h.hexdigest()
 
 
@@ -168,3 +170,19 @@ def tokenizer_fingerprint(tokenizer) -> str:
     vocab = tokenizer.get_vocab()
     h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
     return h.hexdigest()
+
+
+def tokenize(tokenizer, text: str, max_tokens: int):
+    """The first ``max_tokens`` token ids of ``text``, ``[1, n]``."""
+    return tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens]
+
+
+def prefill(model, ids, dtype=None):
+    """Run ``model`` over ``ids`` once (in ``dtype`` if given); returns its ``DynamicCache``."""
+    import torch
+
+    if dtype is not None and next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    return out["cache"] if "cache" in out else out["past_key_values"]  # renamed in transformers 5.x

@@ -51,7 +51,7 @@ def main(argv=None):
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvcodec._kernels import vq
-    from kvcodec.stages import quant
+    from kvcodec.codecs import vq_rans as quant
 
     name = torch.cuda.get_device_name()
     peak = args.peak_gbs or next((v for k, v in PEAKS.items() if k in name), None)
@@ -60,7 +60,7 @@ def main(argv=None):
     # bit-exactness on the device (the interpreter tests cover CPU)
     x = torch.randn(2, 3, 257, 64) * 3
     n, q = vq.rotate_quantize(x.to(dev), 0.05, 11)
-    rn, rz = quant._directions(x.reshape(-1, 64).numpy(), 11)
+    rn, rz = quant.directions(x.reshape(-1, 64).numpy(), 11)
     exact_q = bool((n.cpu().numpy().view(np.uint16) == rn.view(np.uint16)).all()
                    and (q.cpu().numpy() == np.rint(rz / np.float32(0.05))).all())
     back = vq.dequantize_add(q, n, 0.05, 11, tuple(x.shape), torch.float32).cpu().numpy()

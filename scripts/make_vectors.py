@@ -118,7 +118,7 @@ def tiny_model():
 @torch.no_grad()
 def run_schedule(model, ids, schedule, padding=None):
     """The cache of feeding ``ids`` by the calls of ``schedule`` (left padding with generate()'s positions)."""
-    from kvcodec.tokens.regen import Plan, replay
+    from kvcodec.tokens.plan import Plan, replay
 
     plan = Plan(schedule, padding or [0] * ids.shape[0], "mask", 0)
     return replay(model, ids, plan)

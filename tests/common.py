@@ -40,7 +40,7 @@ def model_cache(model, ids):
 
 def recorded_generate(model, ids, new, pad_token_id=0, **kw):
     """Greedy generation into a :class:`kvcodec.tokens.RecordingCache`: (the cache, the output ids)."""
-    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens.plan import cache_kwarg
     from kvcodec.tokens import RecordingCache
 
     rec = RecordingCache(config=model.config)
@@ -53,7 +53,7 @@ def greedy_from(model, ids, original, restored, new, pad_token_id=0):
     """Greedy continuations of ``ids`` from a copy of ``original`` and from ``restored``."""
     import copy
 
-    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens.plan import cache_kwarg
 
     kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad_token_id)
     return (model.generate(ids, **{cache_kwarg(model): copy.deepcopy(original)}, **kw),

@@ -113,7 +113,7 @@ def test_transformers_quantized_cache_is_refused_not_truncated():
     package, quanto and HQQ layers are subclasses of the same BaseQuantizedLayer)."""
     from transformers.cache_utils import QuantizedCache
 
-    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens.plan import cache_kwarg
 
     m = tiny_model("llama")
     qc = QuantizedCache(backend="fp8", config=m.config)

@@ -78,7 +78,7 @@ def test_inspect_shows_the_lossy_coding_per_section(tmp_path, capsys):
 
 
 def test_describe_refuses_garbage_quietly():
-    from kvcodec.stages import quant
+    from kvcodec.codecs import vq_rans as quant
 
     assert quant.describe(b"\x07" * 40, (1, 1, 4, 8), 16) is None
     assert quant.describe(b"\x01", (1, 1, 4, 8), 16) is None

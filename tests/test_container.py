@@ -256,9 +256,7 @@ def test_writer_streams_without_seeking():
 
     sink = WriteOnly()
     cache = random_cache(layers=3, seq=10)
-    from kvcodec.api import _write
-
-    n = _write(sink, cache, None, "lossless", 4, None, None, 1, {})
+    n = kvcodec.Encoder(tier="lossless", chunk_tokens=4, threads=1).write(sink, cache)
     data = b"".join(sink.chunks)
     assert len(data) == n
     assert kvcodec.decode(data, output="kvcache").equal(kvcodec.to_canonical(cache))

@@ -16,13 +16,16 @@ def test_readme_python_example(tmp_path, monkeypatch):
 
 
 def test_registry_lists_the_implemented_ids():
+    from kvcodec import registry
     from kvcodec.container import layout as L
-    from kvcodec.container.header import DTYPES, TIERS
+    from kvcodec.dtypes import DTYPES
 
     reg = (ROOT / "spec" / "registry.md").read_text()
     for sid, name in L.SECTION_NAMES.items():
         assert re.search(rf"\| {sid if sid != 0xFFFF else '0xFFFF'} \| `{name}` \|", reg), name
-    for tier, codecs in TIERS.items():
-        assert f"`{tier}`" in reg and all(f"`{c}`" in reg for c in codecs)
+    assert registry.tier_ids() == ["exact", "lossless", "lossy", "tokens"]
+    for tier in registry.tier_ids():
+        assert f"`{tier}`" in reg and all(f"`{c}`" in reg for c in registry.tier(tier).codec_ids)
+    assert set(registry.codec_ids()) == {c for t in registry.tier_ids() for c in registry.tier(t).codec_ids}
     for d in DTYPES:
         assert f"`{d}`" in reg

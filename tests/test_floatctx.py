@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from kvcodec.errors import ConfigError, FormatError, LimitExceeded
-from kvcodec.stages import floatctx as fc
+from kvcodec.codecs import float_ctx_rans as fc
 
 DTYPES = {"bfloat16": (torch.bfloat16, np.uint16, torch.int16), "float16": (torch.float16, np.uint16, torch.int16),
           "float32": (torch.float32, np.uint32, torch.int32)}

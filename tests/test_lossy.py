@@ -9,7 +9,7 @@ import torch
 import kvcodec
 from kvcodec.container import layout as L
 from kvcodec.container.reader import KvzReader
-from kvcodec.stages import quant
+from kvcodec.codecs import vq_rans as quant
 
 
 def structured_cache(layers=2, heads=2, seq=96, dim=64, dtype=torch.bfloat16, seed=0):
@@ -74,7 +74,7 @@ def test_decoding_is_deterministic_and_matches_the_spec_reconstruction():
     mode, method, k, _, exact, seed, step, norms_len = struct.unpack_from("<BBBBIQfI", p, 0)
     (off,) = struct.unpack_from("<i", p, 24)
     assert (mode, method, exact) == (1, 1, 0)
-    from kvcodec.stages import floatctx
+    from kvcodec.codecs import float_ctx_rans as floatctx
 
     norms = floatctx.decode(memoryview(p)[28:28 + norms_len], (1, 1, 10, 1), "float16").view(np.float16)
     syms = np.empty((1, 10, 8), dtype=np.uint16)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.runtime import demo_text, prefill, tokenize
+from kvcodec.lab.common import demo_text
+from kvcodec.models import prefill, tokenize
 
 from .common import greedy_from, recorded_generate
 

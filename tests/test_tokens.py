@@ -97,7 +97,8 @@ def test_lm_truncated_stream_is_detected():
 
 @pytest.mark.slow
 def test_smollm2_tokens_recovered_and_coded_near_cross_entropy(smollm2):
-    from kvcodec.runtime import demo_text, prefill, tokenize
+    from kvcodec.lab.common import demo_text
+    from kvcodec.models import prefill, tokenize
 
     model, tok = smollm2
     ids = tokenize(tok, demo_text(), 96)
@@ -137,7 +138,7 @@ def test_static_coder_frequencies_are_integers():
 
 
 def test_recording_cache_records_generate_schedule_and_replay_is_bit_exact():
-    from kvcodec.runtime import cache_kwarg
+    from kvcodec.tokens.plan import cache_kwarg
     from kvcodec.tokens import RecordingCache
     from kvcodec.tokens.schedule import expand, runs
 

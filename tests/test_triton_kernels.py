@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcodec import _kernels
-from kvcodec.stages import quant
+from kvcodec.codecs import vq_rans as quant
 
 pytestmark = pytest.mark.skipif(not _kernels.triton_available(), reason="Triton is not installed")
 
@@ -33,7 +33,7 @@ def _data(shape, dtype, seed):
 def _reference_quantize(x, step, seed, pred=None):
     r = x.float() - (pred.float() if pred is not None else 0)
     vecs = r.reshape(-1, x.shape[-1]).numpy().astype(np.float32)
-    norms16, z = quant._directions(vecs, seed)
+    norms16, z = quant.directions(vecs, seed)
     return norms16, np.rint(z / np.float32(step)).astype(np.int64)
 
 

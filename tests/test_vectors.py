@@ -115,10 +115,10 @@ def _numerics_match(case) -> bool:
     regenerated tensors were computed on the machine that wrote them; float results of a model differ between
     CPUs (instruction set, BLAS kernels), so decoding the LM-coded streams and re-encoding are numerics-bound."""
     if case not in _NUMERICS:
-        from kvcodec.tokens.regen import Plan, replay
+        from kvcodec.tokens.plan import Plan, replay
 
         meta, data = _load(case)
-        t = KvzReader(data).header.tokens
+        t = KvzReader(data).header.tier_info
         plan = Plan(list(t.schedule), list(t.padding), t.positions, t.pad_token)
         here = kvcodec.to_canonical(replay(_vector_model(), torch.tensor(meta["tokens"]), plan))
         _NUMERICS[case] = here.equal(_tensors(VECTORS / f"{case}.regen.safetensors"))
@@ -148,17 +148,17 @@ def test_token_tier_vector_container(case):
 def test_token_tier_vector_static_stream(case):
     """Portable: the static coder is integer arithmetic, so its streams decode to the same ids anywhere."""
     from kvcodec.tokens.static import StaticTokenCoder
-    from kvcodec.tokentier import unpack_stream
+    from kvcodec.tokens.rangecoder import unpack_stream
 
     meta, data = _load(case)
     with KvzReader(data) as r:
-        t = r.header.tokens
+        t = r.header.tier_info
         assert t.token_model == "static"
         for row, expected in enumerate(meta["tokens"]):
             e = r.entry(L.SECTION_TOKEN_STREAM, 0, 0, row)
             stream = unpack_stream(r.read_payload(e), expect_tokens=len(expected) - t.padding[row],
-                                   chunk=t.chunk_tokens, offset=e.payload_offset)
-            assert StaticTokenCoder(t.vocab, t.chunk_tokens).decode(stream).tolist() == expected[t.padding[row]:]
+                                   chunk=t.checksum_tokens, offset=e.payload_offset)
+            assert StaticTokenCoder(t.vocab, t.checksum_tokens).decode(stream).tolist() == expected[t.padding[row]:]
 
 
 @pytest.mark.parametrize("case", TOKEN_TIERS)

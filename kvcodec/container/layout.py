@@ -19,9 +19,8 @@ END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
 FORMAT_VERSION_MINOR = 1  # the highest minor version this code reads and writes
-#: a writer stamps the lowest minor version that can express the file: 0 for the lossless tier,
-#: 1 for the token tiers (sections 3 and 4), so 1.0 readers keep reading lossless files
-TIER_MIN_MINOR = {"lossless": 0, "tokens": 1, "exact": 1, "lossy": 1}
+# A writer stamps the lowest minor version that can express the file - each tier's ``min_minor`` (0 for the
+# lossless tier, so 1.0 readers keep reading lossless files; 1 for the others).
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")
@@ -33,12 +32,12 @@ FOOTER = struct.Struct("<QQQ8s")  # Index_Offset, File_Length, Footer_Checksum, 
 
 # Section types (spec/registry.md).  Never reuse a retired number.
 SECTION_KV = 1
-SECTION_TOKENS = 2
+SECTION_TOKEN_IDS = 2  # the cache's token ids, raw (not the token_stream)
 SECTION_TOKEN_STREAM = 3  # format 1.1
 SECTION_RESIDUAL = 4  # format 1.1
 SECTION_TENSOR_CHECKSUMS = 5  # format 1.1
 SECTION_INDEX = 0xFFFF
-SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKENS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
+SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKEN_IDS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
                  SECTION_RESIDUAL: "residual", SECTION_TENSOR_CHECKSUMS: "tensor_checksums",
                  SECTION_INDEX: "index"}
 

@@ -115,8 +115,8 @@ class KvzReader:
             raise ChecksumMismatch(f"header checksum {hsum:016x} != computed {self.header_checksum:016x}",
                                    field="Header_Checksum", offset=hend)
         self.header: Header = parse(body, offset=L.PREAMBLE.size, limits=self.limits)
-        if minor < L.TIER_MIN_MINOR[self.header.tier]:
-            raise FormatError(f"tier {self.header.tier!r} needs format 1.{L.TIER_MIN_MINOR[self.header.tier]}, "
+        if minor < self.header.min_minor:
+            raise FormatError(f"tier {self.header.tier!r} needs format 1.{self.header.min_minor}, "
                               f"the file says 1.{minor}", field="Version_Minor", offset=10)
         self.data_start = hend + 8
         self._read_footer_and_index()

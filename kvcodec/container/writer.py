@@ -9,6 +9,7 @@ random-access reader finds any section from the footer.
 
 from __future__ import annotations
 
+from .. import registry
 from . import layout as L
 from .header import dumps
 
@@ -38,7 +39,8 @@ class KvzWriter:
         body = dumps(header)
         if len(body) > L.MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(body)} bytes exceeds {L.MAX_HEADER_BYTES}")
-        minor = L.TIER_MIN_MINOR.get(header.get("tier"), L.FORMAT_VERSION_MINOR)
+        tier = header.get("tier")
+        minor = registry.tier(tier).min_minor if registry.has_tier(tier) else L.FORMAT_VERSION_MINOR
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))

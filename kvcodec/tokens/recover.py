@@ -16,6 +16,7 @@ guessing.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -123,3 +124,21 @@ def min_pairwise_distance(table: torch.Tensor, chunk: int = 1024) -> tuple[float
         d[torch.arange(v.shape[0]), torch.arange(a, a + v.shape[0])] = float("inf")
         best = min(best, float(d.min().sqrt()))
     return best, table.shape[0] - uniq.shape[0]
+
+
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cached_value_table(model) -> torch.Tensor:
+    """:func:`layer0_value_table`, built once per model object and weights version."""
+    stamp = sum(p._version for p in model.parameters())
+    hit = _TABLES.get(model)
+    if hit is None or hit[0] != stamp:
+        hit = (stamp, layer0_value_table(model))
+        _TABLES[model] = hit
+    return hit[1]
+
+
+def recover(values_layer0: torch.Tensor, model) -> RecoveredTokens:
+    """:func:`recover_tokens` with the model's vocab table built once (:func:`cached_value_table`)."""
+    return recover_tokens(values_layer0, model, table=cached_value_table(model))

@@ -8,7 +8,7 @@ is a transformers ``DynamicCache`` that logs the number of new tokens of every
 forward call, so ``model.generate(..., cache=RecordingCache())`` or a manual
 prefill + steps leaves the schedule in ``cache.schedule``; :func:`runs` packs it
 as run-lengths, ``[[400, 1], [1, 100]]`` = one call of 400 tokens then 100
-calls of 1, the form the token tiers will store.
+calls of 1, the form the header of a token-tier file stores.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ._coder import RangeTokenCoder
+from .rangecoder import RangeTokenCoder
 
 class StaticTokenCoder(RangeTokenCoder):
     """Adaptive context-model coder for token ids in ``[0, vocab)``."""

@@ -20,7 +20,8 @@ from allocation import setup  # the same prefix, continuation and KL measure (sc
 from kvcodec import api
 from kvcodec.cache import KVCache, to_canonical
 from kvcodec.models import load_model
-from kvcodec.stages import floatctx, quant
+from kvcodec.codecs import float_ctx_rans as floatctx
+from kvcodec.codecs import vq_rans as quant
 
 
 def absolute(x, step, part):
@@ -32,7 +33,7 @@ def absolute(x, step, part):
     k = max(2, math.ceil(math.log2(int(q.max()) - lo + 1)))
     syms = (q - lo).astype(np.uint16).reshape(b, h, t, d)
     rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
-    nbytes = len(floatctx.encode_symbols(rows, k, quant._CTX))
+    nbytes = len(floatctx.encode_symbols(rows, k, floatctx.DEFAULTS))
     rec = quant.fwht(q.astype(np.float32) * st) * quant.signs(7, d)[None, :] * np.float32(1 / d)
     return rec.reshape(x.shape), nbytes
 

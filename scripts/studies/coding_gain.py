@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from kvcodec.cache import to_canonical
-from kvcodec.evaluate import prefix_case
+from kvcodec.lab.evaluate import prefix_case
 from kvcodec.models import load_model
-from kvcodec.runtime import corpus_files
-from kvcodec.stages import quant
+from kvcodec.lab.common import corpus_files
+from kvcodec.codecs import vq_rans as quant
 
 
 def entropy(q):
@@ -52,7 +52,7 @@ def main():
                 v = x[h, 1:]
                 d = v.shape[1]
                 u = v / np.linalg.norm(v, axis=1, keepdims=True)
-                _, z = quant._directions(v, seed)
+                _, z = quant.directions(v, seed)
 
                 def g(c):
                     var = np.var(c, axis=0) + 1e-12

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the lossless tier's bits go: the numbers behind BENCHMARKS.md's "Why the ratio stops".
 
-    python scripts/entropy_study.py [--tokens 2048] [--text FILE]
+    python scripts/studies/entropy.py [--tokens 2048] [--text FILE]
 
 Builds SmolLM2's bf16 cache of the text (default: the corpus' Austen excerpt, else the shipped
 demo text), then prints (a) entropies of the sign+exponent symbol under simple context models
@@ -21,8 +21,9 @@ import zstandard
 from kvcodec.cache import to_canonical
 from kvcodec.entropy import rans
 from kvcodec.models import load_model
-from kvcodec.runtime import corpus_dir, demo_text, prefill, tokenize
-from kvcodec.stages import floatctx as fc
+from kvcodec.lab.common import corpus_dir, demo_text
+from kvcodec.models import prefill, tokenize
+from kvcodec.codecs import float_ctx_rans as fc
 
 
 def cond_entropy(ctx: np.ndarray, x: np.ndarray) -> float:

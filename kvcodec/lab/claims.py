@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from .runtime import write_report
+from .common import missing_corpus, write_report
 
 BUCKETS = [(0, 1), (1, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096)]
 
@@ -32,17 +32,17 @@ def _bucket_table(bits: np.ndarray) -> list[dict]:
 
 
 def run_claims(args) -> int:
-    from .cache import to_canonical
-    from .models import load_model
-    from .runtime import corpus_files, prefill, tokenize
-    from .tokens import LMTokenCoder, layer0_value_table, recover_tokens
-    from .tokens.static import StaticTokenCoder
-    from .tokens.recover import min_pairwise_distance
+    from ..cache import to_canonical
+    from ..models import load_model
+    from .common import corpus_files
+    from ..models import prefill, tokenize
+    from ..tokens import LMTokenCoder, layer0_value_table, recover_tokens
+    from ..tokens.static import StaticTokenCoder
+    from ..tokens.recover import min_pairwise_distance
 
-    files = corpus_files()
+    files = corpus_files(args.corpus)
     if not files:
-        print("kvz claims: corpus not found; set KVCODEC_CORPUS")
-        return 1
+        return missing_corpus("kvz claims")
     if args.files:
         files = [f for f in files if f.name in set(args.files)]
     model, tok = load_model("smollm2")
@@ -89,7 +89,7 @@ def run_claims(args) -> int:
     return 0
 
 
-LAYER2 = ("## Claim 5: layer 2 (predictive delta coding)\n\nMeasured separately by `python scripts/layer2_study.py` "
+LAYER2 = ("## Claim 5: layer 2 (predictive delta coding)\n\nMeasured separately by `python scripts/studies/layer2.py` "
           "([layer2.md](layer2.md)): the paper's top-k expected-KV predictor removes ~60 % of the KV variance and saves "
           "about 1.4 bits per component (4.72 -> 3.34) against quantizing the raw components at the same step, at k model "
           "token-steps per token (soft token: 1.1 bits for 1 step; previous token: 0.3 bit, its residual energy "

@@ -12,7 +12,7 @@ Predictors: previous token (KV_{i-1}); expected KV under the model's top-k next-
 expected input embedding fed once); and the token channel's recompute (KV^ = the exact KV when the
 schedule is replayed: ratio 0, paid for by ~3-5 bits per token of token stream).
 
-    python scripts/layer2_study.py --out docs   # writes docs/layer2.md and docs/layer2.json
+    python scripts/studies/layer2.py --out docs   # writes docs/layer2.md and docs/layer2.json
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kvcodec  # noqa: E402
-from kvcodec.runtime import cache_kwarg, corpus_files, tokenize  # noqa: E402
+from kvcodec.lab.common import corpus_files  # noqa: E402
+from kvcodec.models import tokenize  # noqa: E402
+from kvcodec.tokens.plan import cache_kwarg  # noqa: E402
 
 
 def kv_at(cache, pos):
@@ -112,7 +114,7 @@ def main() -> int:
 def render(res) -> str:
     names = list(res["predictors"])
     lines = ["# Layer 2 of the seed paper (predictive delta coding), measured", "",
-             f"`python scripts/layer2_study.py` — SmolLM2-135M-Instruct (fp32), {res['text']}, positions "
+             f"`python scripts/studies/layer2.py` — SmolLM2-135M-Instruct (fp32), {res['text']}, positions "
              f"{res['prefix']}..{res['prefix'] + res['positions'] - 1} teacher-forced with the true prefix cache. "
              "Residual-energy ratio E‖KV − KV̂‖² / E‖KV − mean‖² (keys and values together), per layer:", "",
              "| layer | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]

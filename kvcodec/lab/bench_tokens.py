@@ -30,8 +30,7 @@ import time
 
 import torch
 
-from .bench import _median_time
-from .runtime import write_report
+from .common import corpus_files, median_time, missing_corpus, write_report
 
 LONG = ["prose_en_austen_pride_and_prejudice.txt", "legal_en_gpl-3.0.txt"]
 BUCKETS = [(0, 64), (64, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096)]
@@ -54,7 +53,7 @@ def layer_draft(model, n_layers: int):
 def _incremental(model, ids):
     from transformers.cache_utils import DynamicCache
 
-    from .runtime import cache_kwarg
+    from ..tokens.plan import cache_kwarg
 
     cache = DynamicCache(config=model.config)
     for i in range(ids.shape[1]):
@@ -63,8 +62,8 @@ def _incremental(model, ids):
 
 
 def _gen(model, tok, ids, new):
-    from .runtime import cache_kwarg
-    from .tokens import RecordingCache
+    from ..tokens.plan import cache_kwarg
+    from ..tokens import RecordingCache
 
     rec = RecordingCache(config=model.config)
     model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,
@@ -73,23 +72,19 @@ def _gen(model, tok, ids, new):
 
 
 def _residual_bytes(data):
-    from .api import inspect
+    from ..api import inspect
 
     return inspect(data)["token_channel"]["residual_bytes"]
 
 
 def run(args) -> dict:
-    import io
+    from .. import api
+    from ..cache import to_canonical
+    from ..models import load_model
+    from ..models import prefill, tokenize
+    from ..tokens import LMTokenCoder, Plan, StaticTokenCoder
 
-    from . import api, tokentier
-    from .cache import to_canonical
-    from .models import load_model
-    from .runtime import corpus_files, prefill, tokenize
-    from .tokens.lm import LMTokenCoder
-    from .tokens.regen import Plan, ScheduleLMCoder
-    from .tokens.static import StaticTokenCoder
-
-    files = corpus_files()
+    files = corpus_files(args.corpus)
     if args.genres:
         files = [f for f in files if f.name in set(args.genres)]
     model, tok = load_model("smollm2", dtype=torch.bfloat16)
@@ -110,14 +105,10 @@ def run(args) -> dict:
         n = int(ids.shape[1])
         cache = prefill(model, ids)
         t = time.perf_counter()
-        enc = tokentier.prepare(cache, to_canonical(cache), mt, tier="tokens", tokens=ids, token_model="lm",
-                                draft=None, schedule="prefill", attention_mask=None, tolerance=None)
-        buf = io.BytesIO()
-        api._write_token_tier(buf, to_canonical(cache), enc, mt, "tokens", api.DEFAULT_CHUNK_TOKENS, None, None,
-                              None)
-        data = buf.getvalue()
+        encoder = api.Encoder(tier="tokens", token_model="lm", tolerance=None)
+        data = encoder.encode(cache, mt, tokens=ids, schedule="prefill")
         enc_s = time.perf_counter() - t
-        ce = enc.streams[0].cross_entropy_bits  # -log2 p under exactly the coded distributions
+        ce = encoder.last_report["cross_entropy_bits"]  # -log2 p under exactly the coded distributions
         tc = api.inspect(data)["token_channel"]
         static = StaticTokenCoder(int(model.get_output_embeddings().weight.shape[0])).encode(ids[0])
         d_stream = LMTokenCoder(draft).encode(ids[0])
@@ -171,15 +162,15 @@ def run(args) -> dict:
     # 3. times, one text, side by side
     ids = tokenize(tok, text, args.time_tokens)
     cache = prefill(model, ids)
-    t_prefill, _ = _median_time(lambda: prefill(model, ids), args.repeats)
-    t_incr, _ = _median_time(lambda: _incremental(model, ids), 1)
-    t_enc_static, d_static = _median_time(lambda: api.encode(cache, mt, token_model="static"), args.repeats)
-    t_dec_static, _ = _median_time(lambda: api.decode(d_static, mt), args.repeats)
-    t_enc_lm, d_lm = _median_time(lambda: api.encode(cache, mt, token_model="lm"), 1)
-    t_dec_lm, back = _median_time(lambda: api.decode(d_lm, mt), 1)
+    t_prefill, _ = median_time(lambda: prefill(model, ids), args.repeats)
+    t_incr, _ = median_time(lambda: _incremental(model, ids), 1)
+    t_enc_static, d_static = median_time(lambda: api.encode(cache, mt, token_model="static"), args.repeats)
+    t_dec_static, _ = median_time(lambda: api.decode(d_static, mt), args.repeats)
+    t_enc_lm, d_lm = median_time(lambda: api.encode(cache, mt, token_model="lm"), 1)
+    t_dec_lm, back = median_time(lambda: api.decode(d_lm, mt), 1)
     assert to_canonical(back).equal(to_canonical(cache))
-    t_enc_ll, d_ll = _median_time(lambda: api.encode(cache, tier="lossless"), args.repeats)
-    t_dec_ll, _ = _median_time(lambda: api.decode(d_ll), args.repeats)
+    t_enc_ll, d_ll = median_time(lambda: api.encode(cache, tier="lossless"), args.repeats)
+    t_dec_ll, _ = median_time(lambda: api.decode(d_ll), args.repeats)
     res["times"] = {
         "tokens": int(ids.shape[1]), "bare_prefill_s": t_prefill, "bare_incremental_s": t_incr,
         "static_encode_s": t_enc_static, "static_restore_s": t_dec_static,
@@ -194,7 +185,7 @@ def run(args) -> dict:
         if f.name not in LONG:
             continue
         ids = tokenize(tok, f.read_text(encoding="utf-8"), args.long_tokens)
-        streams, _ = ScheduleLMCoder(model).encode(ids, Plan([int(ids.shape[1])]))
+        streams, _ = LMTokenCoder(model).encode_replay(ids, Plan([int(ids.shape[1])]))
         bits = streams[0].token_bits
         res["by_position"].append({"file": f.name, "tokens": int(bits.size), "buckets": [
             {"from": a, "to": min(b, bits.size), "bits_per_token": float(bits[a:b].mean())}
@@ -255,6 +246,8 @@ def to_markdown(res: dict) -> str:
 
 
 def run_token_bench(args) -> int:
+    if not corpus_files(args.corpus):
+        return missing_corpus("kvz bench --token-tiers")
     res = run(args)
     write_report(args.out, "bench_tokens", res, to_markdown(res))
     return 0

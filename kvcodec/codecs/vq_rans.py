@@ -39,8 +39,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..dtypes import DTYPES, bit_patterns
 from ..errors import ConfigError, FormatError
-from . import floatctx
+from ..registry import register_codec
+from . import float_ctx_rans as floatctx
+from .base import Codec, Slice
 
 CODEC_ID = "vq_rans"
 METHOD_UNIFORM = 1
@@ -57,7 +60,7 @@ DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, 
             "kivi_bits": 2, "group": 32, "key_weight": 8.0,
             # CacheGen as LMCache ships it (7B/8B preset): per-token max-abs bins, finer in shallow layers
             "cachegen_bins": [32, 16], "cachegen_key_fine": 0.3125, "cachegen_value_fine": 0.0625}
-_CTX = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
+_CTX = floatctx.DEFAULTS  # the indices are coded like float_ctx_rans symbols
 
 
 def check_config(cfg: dict) -> dict:
@@ -138,7 +141,7 @@ def lloyd_max_gaussian(levels: int, iters: int = 200) -> np.ndarray:
 
 
 # --- encoder ------------------------------------------------------------------------
-def _directions(x: np.ndarray, seed: int):
+def directions(x: np.ndarray, seed: int):
     """(fp16 norms, rotated coordinates z) of float32 vectors ``x [N, D]``."""
     norms16 = np.linalg.norm(x.astype(np.float64), axis=1).astype(np.float16)
     n32 = norms16.astype(np.float32)
@@ -305,7 +308,7 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         vecs = np.ascontiguousarray(x[:, :, :tq]).reshape(-1, d).astype(np.float32)
         st = step if step is not None else cfg["step"]
         if method != METHOD_UNIFORM or st is None or rotq is None:
-            norms16, z = _directions(vecs, seed)
+            norms16, z = directions(vecs, seed)
         if method == METHOD_UNIFORM:
             st = np.float32(st if st is not None else step_for_rate(z, cfg["bits"]))
             if part == 0:  # keys: a finer step (equal weighted distortion: D_k = D_v / key_weight)
@@ -492,3 +495,82 @@ def _decode_kivi(mv, p: int, shape, k: int, offset: int):
     vals = side[0][:, None] + g * side[1][:, None]
     return _kivi_ungroup(vals.astype(np.float32), shape, axis, group), p
 
+
+
+def global_step(tensors, params: dict) -> float:
+    """One uniform step for a whole cache (equal distortion everywhere: MSE-optimal allocation), chosen so that
+    indices plus norms average ``params['bits']`` bits per component (order-0 estimate; the context coder then
+    lands at or below it).  ``tensors``: every key and value tensor of the cache."""
+    zs, comps, vecs = [], 0, 0
+    for t in tensors:
+        if not t.numel():
+            continue
+        x = t.float().reshape(-1, t.shape[-1]).cpu().numpy()
+        sub = x[:: max(1, x.shape[0] // 4096)]
+        zs.append(directions(sub, params["seed"])[1].ravel())
+        comps += t.numel()
+        vecs += x.shape[0]
+    side = 12.0 * vecs / max(comps, 1)  # fp16 norms coded by float_ctx_rans: ~12 bits each (measured)
+    return step_for_rate(np.concatenate(zs), max(0.05, params["bits"] - side))
+
+
+def _kernel_rotq(t):
+    """The Triton rotation + quantization of slice ``t`` for the uniform quantizer, used when ``t`` is on a GPU
+    and Triton is installed, or when ``KVCODEC_TRITON=1`` (CPU tensors under ``TRITON_INTERPRET=1``: how the
+    tests check that both paths write the same bytes); else None (NumPy)."""
+    import os
+
+    from .. import _kernels
+
+    if not ((t.is_cuda or os.environ.get("KVCODEC_TRITON") == "1") and _kernels.triton_available()):
+        return None
+
+    def rotq(step, seed, a, b):
+        from .._kernels import vq
+
+        norms, q = vq.rotate_quantize(t[:, :, a:b], float(step), int(seed))
+        return norms.cpu().numpy(), q.cpu().numpy().astype(np.int64)
+
+    return rotq
+
+
+@register_codec
+class VqRans(Codec):
+    """Lossy per-vector quantization (tier ``lossy``).  ``params`` are :func:`check_config`'s (the tier fills
+    ``step``); the cache's first ``sink`` and last ``window`` tokens of each layer are stored exactly, which is
+    why :meth:`encode` needs to know where the slice sits.  ``step=`` overrides ``params['step']`` (the tier's
+    rate and KL searches try steps without rebuilding the codec)."""
+
+    codec_id = CODEC_ID
+
+    @classmethod
+    def configure(cls, options: dict, dtype: str) -> "VqRans":
+        return cls(check_config(dict(options)))
+
+    def encode(self, t, where: Slice, prediction=None, step: float | None = None) -> bytes:
+        p = self.params
+        n, start = t.shape[2], where.start
+        end = start + n
+        exact = max(0, end - max(start, where.layer_tokens - p["window"])) if p["window"] else 0
+        head = min(max(0, p["sink"] - start), n - exact)
+        return encode(t.float().cpu().numpy(), p, exact_tokens=exact, dtype=where.dtype,
+                      exact_bits=bit_patterns(t[:, :, n - exact:]) if exact else None, head_tokens=head,
+                      head_bits=bit_patterns(t[:, :, :head]) if head else None, step=step, part=where.part,
+                      layer=where.layer, num_layers=where.num_layers, rotq=_kernel_rotq(t))
+
+    def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
+        """The reconstruction's bit patterns in the cache's dtype (float32 values rounded by torch, which is
+        deterministic), exact head and tail tokens as stored."""
+        import torch
+
+        dt = DTYPES[where.dtype]
+        dec = decode(payload, where.shape, where.dtype, offset=where.offset)
+        if out is None:
+            out = np.empty(where.shape, dtype=dt.uint)
+        h0, t = dec.head_tokens, where.shape[2]
+        out[:, :, h0:t - dec.exact] = bit_patterns(torch.from_numpy(dec.values).to(dt.torch))
+        if h0:
+            out[:, :, :h0] = dec.head
+        if dec.exact:
+            out[:, :, t - dec.exact:] = dec.tail
+        return out

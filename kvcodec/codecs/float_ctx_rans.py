@@ -30,16 +30,16 @@ import struct
 import numpy as np
 import zstandard
 
+from ..dtypes import DTYPES, bit_patterns
 from ..entropy import rans
 from ..errors import ConfigError, FormatError, LimitExceeded
+from ..registry import register_codec
+from .base import Codec, Slice
 
 CODEC_ID = "float_ctx_rans"
 
 MODE_RAW = 0
 MODE_CODED = 1
-
-#: dtype name -> (bytes per element, exponent bits)
-DTYPES = {"float32": (4, 8), "float16": (2, 5), "bfloat16": (2, 8)}
 
 _FIXED = struct.Struct("<BBBBBBHIII")  # Mode .. Num_Words: 20 bytes
 FIXED_SIZE = _FIXED.size
@@ -58,7 +58,7 @@ def check_config(cfg: dict, dtype: str) -> dict:
     if unknown:
         raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)}")
     out = {**DEFAULTS, **cfg}
-    width, ebits = DTYPES[dtype]
+    width, ebits = DTYPES[dtype].itemsize, DTYPES[dtype].exponent_bits
     if out["coded_bits"] is None:
         # sign + exponent + the top mantissa bit: the top mantissa bit is skewed
         # within a binade (K 1.6285x vs 1.6174x at sign+exponent, bf16 SmolLM2)
@@ -120,7 +120,7 @@ def _cluster(counts: np.ndarray, n_tables: int, iters: int = 8) -> np.ndarray:
 
 def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     """Encode a ``[B, H, S, D]`` array of raw float bit patterns (uint16/uint32)."""
-    width, _ = DTYPES[dtype]
+    width = DTYPES[dtype].itemsize
     cfg = check_config(cfg, dtype)
     b, h, s, d = words.shape
     n = words.size
@@ -185,7 +185,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     into (saves a copy).  Every field is validated before anything is allocated
     from it.
     """
-    width, _ = DTYPES[dtype]
+    width = DTYPES[dtype].itemsize
     mv = memoryview(payload)
     b, h, s, d = shape
     n = b * h * s * d
@@ -288,3 +288,21 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
     rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
                       out, field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
     return expect
+
+
+@register_codec
+class FloatCtxRans(Codec):
+    """Bit-exact float coding (tier ``lossless``); ``params`` are the encoder options, filled by
+    :func:`check_config` (all of them are also recorded in each payload)."""
+
+    codec_id = CODEC_ID
+
+    @classmethod
+    def configure(cls, options: dict, dtype: str) -> "FloatCtxRans":
+        return cls(check_config(dict(options), dtype))
+
+    def encode(self, t, where: Slice, prediction=None) -> bytes:
+        return encode(bit_patterns(t), where.dtype, self.params)
+
+    def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
+        return decode(payload, where.shape, where.dtype, offset=where.offset, out=out)

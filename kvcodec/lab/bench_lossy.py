@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .runtime import write_report
+from .common import missing_corpus, write_report
 
 CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]
            + [{"quantizer": "lloyd", "lloyd_bits": b} for b in (2, 3, 4)]
@@ -33,7 +33,7 @@ TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "cod
 
 
 def _fp8(kv):
-    from .cache import KVCache
+    from ..cache import KVCache
 
     def q(t):
         s = t.abs().amax().clamp_min(1e-30) / 448.0
@@ -43,7 +43,7 @@ def _fp8(kv):
 
 
 def _minmax_token(kv, bits=4):
-    from .cache import KVCache
+    from ..cache import KVCache
 
     def q(t):
         mn, mx = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
@@ -54,14 +54,16 @@ def _minmax_token(kv, bits=4):
 
 
 def run_lossy_bench(args) -> int:
-    from . import api
-    from .cache import to_canonical
+    from .. import api
+    from ..cache import to_canonical
     from .evaluate import evaluate_cache, prefix_case
-    from .models import load_model
-    from .runtime import corpus_files
+    from ..models import load_model
+    from .common import corpus_files
 
     model, tok = load_model("smollm2", dtype=torch.float32)
-    files = {f.name: f for f in corpus_files()}
+    files = {f.name: f for f in corpus_files(args.corpus)}
+    if not files:
+        return missing_corpus("kvz bench --lossy")
     texts = args.genres or TEXTS
     rows = []
     for name in texts:
@@ -107,10 +109,9 @@ def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: in
     per slice): compare it with the uniform rows at the same rate."""
     import math
 
-    from .api import _global_step
-    from .cache import KVCache
+    from ..cache import KVCache
+    from ..codecs import vq_rans as quant
     from .evaluate import evaluate_cache
-    from .stages import quant
 
     with torch.no_grad():
         lp = torch.log_softmax(model(prefix).logits[0, :-1].double(), -1)
@@ -118,7 +119,7 @@ def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: in
     h = torch.cat([h.mean().reshape(1), h])  # token 0 has no prediction: the mean
     b = torch.clamp(torch.floor(b0 * h / h.mean()), min=1, max=b0 + 4).long()  # cap: 12-bit index symbols
     params = quant.check_config({"bits": float(b0), "sink": 0})
-    step = _global_step(kv, params)
+    step = quant.global_step(kv.keys + kv.values, params)
     keys, values, nbytes = [], [], 0
     for li in range(kv.num_layers):
         for part, t, dst in ((0, kv.keys[li], keys), (1, kv.values[li], values)):
@@ -167,7 +168,7 @@ def _peer_rows(peers, model, tok, exact, kv, prefix, cont, text) -> list[dict]:
 
     from safetensors.torch import load_file, save_file
 
-    from .cache import KVCache
+    from ..cache import KVCache
     from .evaluate import evaluate_cache
 
     runner = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "runner.py"

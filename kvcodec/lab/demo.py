@@ -18,13 +18,15 @@ import zstandard
 
 
 def run_demo(args) -> int:
-    from . import api
-    from .cache import to_canonical
-    from .cli import _human, cmd_inspect
-    from .models import load_model
-    from .runtime import DTYPE_ALIASES, cache_kwarg, demo_text, prefill, tokenize
+    from .. import api, dtypes
+    from ..cache import to_canonical
+    from ..formatting import human as _human
+    from ..formatting import inspection_text
+    from ..models import load_model, prefill, tokenize
+    from ..tokens.plan import cache_kwarg
+    from .common import demo_text
 
-    dtype = DTYPE_ALIASES[args.dtype]
+    dtype = dtypes.parse(args.dtype).torch
     t0 = time.perf_counter()
     model, tok = load_model("smollm2", dtype=dtype)
     print(f"[1/8] loaded SmolLM2-135M-Instruct ({args.dtype}) in {time.perf_counter() - t0:.1f} s")
@@ -52,8 +54,7 @@ def run_demo(args) -> int:
           "(tokens recovered from the cache, arithmetic-coded with the model, residual against the recompute)")
 
     print("[5/8] kvz inspect:")
-    ns = type("A", (), {"file": args.output, "json": False, "verify": True, "sections": False})
-    cmd_inspect(ns)
+    print(inspection_text(api.inspect(args.output, verify_checksums=True), args.output, sections=False))
 
     t = time.perf_counter()
     same_lossless = to_canonical(api.load(lossless_path)).equal(kv)

@@ -29,14 +29,14 @@ import statistics
 
 import torch
 
-from .runtime import write_report
+from .common import missing_corpus, write_report
 
 DEFAULT_TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"]
 
 
 @torch.no_grad()
 def _teacher_forced(model, cache, cont, capture: bool):
-    from .runtime import cache_kwarg
+    from ..tokens.plan import cache_kwarg
 
     outs = {}
     hooks = []
@@ -54,7 +54,7 @@ def _teacher_forced(model, cache, cont, capture: bool):
 
 @torch.no_grad()
 def _greedy(model, ids, cache, n, eos):
-    from .runtime import cache_kwarg
+    from ..tokens.plan import cache_kwarg
 
     out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=n, do_sample=False, pad_token_id=eos)
     return out[0, ids.shape[1]:]
@@ -62,8 +62,8 @@ def _greedy(model, ids, cache, n, eos):
 
 def prefix_case(model, tok, path, prefix: int, continuation: int):
     """(prefix ids, continuation ids, exact prefix cache, stored components) for one corpus text."""
-    from .cache import to_canonical
-    from .runtime import prefill, tokenize
+    from ..cache import to_canonical
+    from ..models import prefill, tokenize
 
     ids = tokenize(tok, path.read_text(encoding="utf-8"), prefix + continuation + 1)
     prefix_ids, cont = ids[:, :prefix], ids[:, prefix:]
@@ -96,13 +96,16 @@ def evaluate_cache(model, tok, exact_cache, compressed_cache, prefix_ids, cont_i
 
 
 def run_eval(args) -> int:
-    from . import api
-    from .models import load_model
-    from .runtime import DTYPE_ALIASES, corpus_files
+    from .. import api
+    from ..models import load_model
+    from .common import corpus_files
+    from .. import dtypes
 
-    dtype = DTYPE_ALIASES[args.dtype]
+    dtype = dtypes.parse(args.dtype).torch
     model, tok = load_model("smollm2", dtype=dtype)
-    files = {f.name: f for f in corpus_files()}
+    files = {f.name: f for f in corpus_files(args.corpus)}
+    if not files:
+        return missing_corpus("kvz eval")
     texts = args.texts or DEFAULT_TEXTS
     configs = [json.loads(c) for c in args.config] if args.config else [{"bits": args.bits}]
     rows = []

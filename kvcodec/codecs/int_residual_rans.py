@@ -27,8 +27,11 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from ..errors import ChecksumMismatch, FormatError
-from . import floatctx
+from ..dtypes import DTYPES, bit_patterns, from_bit_patterns
+from ..errors import FormatError
+from ..registry import register_codec
+from . import float_ctx_rans
+from .base import Codec, Slice
 
 CODEC_ID = "int_residual_rans"
 MODE_ZERO = 0
@@ -36,7 +39,6 @@ MODE_CODED = 1
 MODE_DIRECT = 2
 SYMBOL_BITS = 6
 EXACT_BUCKETS = 16
-_CFG = {"scale_bits": 12, "ways": 8, "max_tables": 32, "context": "prev", "coded_bits": None}
 
 
 def _keys(bits: np.ndarray, width: int) -> np.ndarray:
@@ -111,32 +113,11 @@ def checksum(bits: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(bits).astype(f"<u{width}", copy=False).tobytes())
 
 
-def encode(orig: np.ndarray, regen: np.ndarray, dtype: str, tolerance: float = 0.0) -> tuple[bytes | None, int]:
-    """Code ``orig`` given ``regen`` (both ``[B, H, S, D]`` bit patterns of ``dtype``).
-
-    Returns ``(payload, checksum)``: the residual payload, or None when the
-    decoder's result needs no residual (Mode 0 is then implied by a missing
-    section), and the Tensor_Checksum of what the decoder must produce (the
-    original, or with a tolerance the reconstruction), so a decoder whose
-    regeneration differs from the encoder's fails loudly.
-    """
-    width, _ = floatctx.DTYPES[dtype]
-    body = _encode(orig, regen, dtype, tolerance, width)
-    if body == bytes([MODE_ZERO]):
-        return None, checksum(regen)
-    target = orig if not tolerance else _decode(memoryview(body), regen, dtype, 0, width)
-    return body, checksum(target)
-
-
 def _encode(orig, regen, dtype, tolerance, width) -> bytes:
     z = differences(orig, regen, width)
     if tolerance:
-        import torch
-
-        from ..cache import from_bit_patterns as _tensor
-
-        a = _tensor(orig, getattr(torch, dtype)).double().numpy()
-        b = _tensor(regen, getattr(torch, dtype)).double().numpy()
+        a = from_bit_patterns(orig, DTYPES[dtype].torch).double().numpy()
+        b = from_bit_patterns(regen, DTYPES[dtype].torch).double().numpy()
         with np.errstate(invalid="ignore"):
             z[np.abs(a - b) <= tolerance] = 0
     if not z.any():
@@ -150,27 +131,12 @@ def _encode(orig, regen, dtype, tolerance, width) -> bytes:
     extra_v = (z.ravel() - np.where(big.ravel(), np.uint64(1) << (bl.ravel().astype(np.uint64) - np.uint64(1)), 0)
                ).astype(np.uint64)
     sel = extra_w > 0
-    coded = bytes([MODE_CODED]) + floatctx.encode_symbols(rows, SYMBOL_BITS, _CFG) + _pack_var(extra_v[sel],
+    coded = bytes([MODE_CODED]) + float_ctx_rans.encode_symbols(rows, SYMBOL_BITS, float_ctx_rans.DEFAULTS) + _pack_var(extra_v[sel],
                                                                                                 extra_w[sel])
     direct = None
     if len(coded) > orig.size * width // 2:  # a poor prediction: see whether coding the slice itself is smaller
-        direct = bytes([MODE_DIRECT]) + floatctx.encode(orig, dtype, {})
+        direct = bytes([MODE_DIRECT]) + float_ctx_rans.encode(orig, dtype, {})
     return direct if direct is not None and len(direct) < len(coded) else coded
-
-
-def decode(payload, regen: np.ndarray, dtype: str, expect_checksum: int, *, offset: int = 0,
-           what: str = "slice") -> np.ndarray:
-    """Original bit patterns from a residual payload (None: no residual) and the regenerated bits; the result
-    must match ``expect_checksum`` (Tensor_Checksum) or :class:`ChecksumMismatch` is raised."""
-    width, _ = floatctx.DTYPES[dtype]
-    out = regen if payload is None else _decode(memoryview(payload), regen, dtype, offset, width)
-    if checksum(out) != expect_checksum:
-        raise ChecksumMismatch(f"{what}: the restored tensor's checksum differs from the original's - this "
-                               "decoder regenerates the cache differently from the encoder (another engine, dtype, "
-                               "library version or thread count: see the file's tokens.procedure)"
-                               + ("" if payload is None else ", or the residual is corrupt"),
-                               field="Tensor_Checksums", offset=offset)
-    return out
 
 
 def _decode(mv, regen: np.ndarray, dtype: str, offset: int, width: int) -> np.ndarray:
@@ -183,14 +149,14 @@ def _decode(mv, regen: np.ndarray, dtype: str, offset: int, width: int) -> np.nd
                               offset=offset)
         return regen
     if mode == MODE_DIRECT:
-        return floatctx.decode(mv[1:], regen.shape, dtype, offset=offset + 1)
+        return float_ctx_rans.decode(mv[1:], regen.shape, dtype, offset=offset + 1)
     if mode != MODE_CODED:
         raise FormatError(f"unknown residual mode {mode}", field="Residual.Mode", offset=offset)
     b, h, s, d = regen.shape
     if regen.size == 0:
         raise FormatError("coded residual for an empty tensor", field="Residual.Mode", offset=offset)
     sym = np.empty((b, h, s, d), dtype=np.uint16)
-    used = 1 + floatctx.decode_symbols(mv[1:], sym.reshape(b * h, s, d), SYMBOL_BITS, offset=offset + 1,
+    used = 1 + float_ctx_rans.decode_symbols(mv[1:], sym.reshape(b * h, s, d), SYMBOL_BITS, offset=offset + 1,
                                        exact_payload=False, coded_bits=SYMBOL_BITS)
     max_bucket = EXACT_BUCKETS + 8 * width - 5  # bitlength(z) <= 8W
     if int(sym.max()) > max_bucket:
@@ -213,3 +179,29 @@ def _decode(mv, regen: np.ndarray, dtype: str, offset: int, width: int) -> np.nd
     if width == 2 and int(z.max()) >= 1 << 16:
         raise FormatError("a residual exceeds the word width", field="Residual.Extra_Bits", offset=offset + used)
     return apply(regen, z.reshape(regen.shape), width)
+
+
+@register_codec
+class IntResidualRans(Codec):
+    """The residual channel of the token tiers: ``encode(original, where, prediction=regenerated)``.  No wire
+    parameters; ``tolerance`` (encoder only) zeroes every difference within it."""
+
+    codec_id = CODEC_ID
+
+    def __init__(self, params: dict | None = None, tolerance: float = 0.0):
+        super().__init__(params)
+        self.tolerance = float(tolerance or 0.0)
+
+    def encode(self, t, where: Slice, prediction=None) -> bytes | None:
+        if prediction is None:
+            raise ValueError(f"{CODEC_ID} codes a slice against its prediction: pass prediction=")
+        body = _encode(bit_patterns(t), bit_patterns(prediction), where.dtype, self.tolerance,
+                       DTYPES[where.dtype].itemsize)
+        return None if body == bytes([MODE_ZERO]) else body
+
+    def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
+        if prediction is None:
+            raise ValueError(f"{CODEC_ID} decodes against the prediction: pass prediction=")
+        if payload is None:
+            return prediction
+        return _decode(memoryview(payload), prediction, where.dtype, where.offset, DTYPES[where.dtype].itemsize)

@@ -1,8 +1,19 @@
-"""Shared machinery of the token coders: range coding under a sequence of distributions, chunk checksums."""
+"""The range-coding base of every token coder: constriction's range coder under a sequence of distributions,
+per-chunk checksums of the ids, and the ``token_stream`` payload (``spec/kvz.md``).
+
+A coder supplies the distribution of each token; this module codes a token
+under it (:func:`encode_symbol`, which also accounts its cost in bits), decodes
+one back (:func:`decode_symbol`, turning constriction's rejection of garbage
+into a :class:`~kvcodec.errors.FormatError`) and checks each finished chunk
+(:func:`check_chunk`).  Probabilities go to constriction's
+``Categorical(perfect=False)`` (24-bit fixed point; every symbol keeps a
+probability >= 2**-24, so no token is ever uncodable).
+"""
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +43,20 @@ class TokenStream:
     @property
     def nbytes(self) -> int:
         return 4 * int(self.words.size)
+
+
+def categorical():
+    """constriction's module and the model family every coder uses (``perfect=False`` explicitly: the default
+    changed between constriction releases, and the bytes depend on it)."""
+    import constriction
+
+    return constriction.stream, constriction.stream.model.Categorical(perfect=False)
+
+
+def encode_symbol(enc, family, p: np.ndarray, t: int) -> float:
+    """Code token ``t`` under the (unnormalised, non-negative float64) distribution ``p``; its cost in bits."""
+    enc.encode(np.array([t], dtype=np.int32), family, p[None, :])
+    return -math.log2(max(float(p[t]) / float(p.sum()), 2.0 ** -24))
 
 
 def decode_symbol(dec, family, p: np.ndarray, where: str) -> int:
@@ -67,12 +92,9 @@ class RangeTokenCoder:
     MISMATCH_HINT = "the stream is corrupt"
 
     def __init__(self, vocab: int, chunk_tokens: int):
-        import constriction
-
         self.vocab = int(vocab)
         self.chunk_tokens = int(chunk_tokens)
-        self._stream = constriction.stream
-        self._family = constriction.stream.model.Categorical(perfect=False)
+        self._stream, self._family = categorical()
 
     def _distributions(self):
         raise NotImplementedError
@@ -87,8 +109,7 @@ class RangeTokenCoder:
         p = next(dist)
         bits = np.empty(ids.size)
         for i, t in enumerate(ids.tolist()):
-            enc.encode(np.array([t], dtype=np.int32), self._family, p[None, :])
-            bits[i] = -math.log2(max(float(p[t]) / float(p.sum()), 2.0 ** -24))
+            bits[i] = encode_symbol(enc, self._family, p, t)
             if i + 1 < ids.size:
                 p = dist.send(t)
         return TokenStream(enc.get_compressed().astype(np.uint32), int(ids.size), self.chunk_tokens,
@@ -110,3 +131,34 @@ class RangeTokenCoder:
             if i + 1 < n:
                 p = dist.send(t)
         return torch.from_numpy(out)
+
+
+# --- the token_stream payload (spec/kvz.md) -----------------------------------------------
+_STREAM_HEAD = struct.Struct("<II")  # Num_Tokens, Num_Chunks
+
+
+def pack_stream(s: TokenStream) -> bytes:
+    """The ``token_stream`` section payload of one batch row."""
+    return (_STREAM_HEAD.pack(s.num_tokens, len(s.chunk_checksums))
+            + np.asarray(s.chunk_checksums, dtype="<u8").tobytes() + s.words.astype("<u4").tobytes())
+
+
+def unpack_stream(payload: bytes, *, expect_tokens: int, chunk: int, offset: int) -> TokenStream:
+    """Parse a ``token_stream`` payload whose row must hold ``expect_tokens`` tokens in chunks of ``chunk``."""
+    if len(payload) < _STREAM_HEAD.size:
+        raise FormatError("token_stream payload shorter than its fixed fields", field="Token_Stream.Num_Tokens",
+                          offset=offset)
+    n, nc = _STREAM_HEAD.unpack_from(payload, 0)
+    if n != expect_tokens:
+        raise FormatError(f"Num_Tokens {n}, the header implies {expect_tokens}", field="Token_Stream.Num_Tokens",
+                          offset=offset)
+    if nc != -(-n // chunk):
+        raise FormatError(f"Num_Chunks {nc} for {n} tokens in chunks of {chunk}", field="Token_Stream.Num_Chunks",
+                          offset=offset + 4)
+    rest = len(payload) - _STREAM_HEAD.size - 8 * nc
+    if rest < 0 or rest % 4:
+        raise FormatError(f"token_stream payload of {len(payload)} bytes does not hold {nc} checksums and whole "
+                          "u32 words", field="Token_Stream.Words", offset=offset + 8)
+    sums = np.frombuffer(payload, dtype="<u8", count=nc, offset=8).tolist()
+    words = np.frombuffer(payload, dtype="<u4", offset=8 + 8 * nc).astype(np.uint32)
+    return TokenStream(words, n, chunk, sums)

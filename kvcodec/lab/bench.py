@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .runtime import write_report
+from .common import median_time, missing_corpus, write_report
 
 DEFAULT_GENRES = [
     "prose_en_austen_pride_and_prejudice.txt",
@@ -35,15 +35,6 @@ DEFAULT_GENRES = [
     "data_iso_3166-1.json",
     "nonen_zh_debian_reference_ch1.txt",
 ]
-
-
-def _median_time(fn, repeats: int) -> tuple[float, object]:
-    ts, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
 
 
 def _peak(fn) -> float:
@@ -71,7 +62,7 @@ def _byte_grouped(raw: bytes, width: int) -> bytes:
 
 
 def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
-    from . import api
+    from .. import api
 
     raw = _raw_bytes(kv)
     n = len(raw)
@@ -81,22 +72,22 @@ def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
         bound = int(_entropy0(raw, width) * n / width / 8)
         rows.append({"method": "order-0 entropy of the 16-bit words", "bytes": bound})
     cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
-    te, z = _median_time(lambda: cctx.compress(raw), repeats)
-    td, _ = _median_time(lambda: dctx.decompress(z), repeats)
+    te, z = median_time(lambda: cctx.compress(raw), repeats)
+    td, _ = median_time(lambda: dctx.decompress(z), repeats)
     rows.append({"method": "zstd -3", "bytes": len(z), "enc_s": te, "dec_s": td,
                  "peak_enc_mib": _peak(lambda: cctx.compress(raw)), "peak_dec_mib": _peak(lambda: dctx.decompress(z))})
     if zstd19:
         c19 = zstandard.ZstdCompressor(level=19)
-        te, z19 = _median_time(lambda: c19.compress(raw), 1)
-        td, _ = _median_time(lambda: dctx.decompress(z19), repeats)
+        te, z19 = median_time(lambda: c19.compress(raw), 1)
+        td, _ = median_time(lambda: dctx.decompress(z19), repeats)
         rows.append({"method": "zstd -19", "bytes": len(z19), "enc_s": te, "dec_s": td})
-    te, zg = _median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)
-    td, _ = _median_time(lambda: dctx.decompress(zg), repeats)
+    te, zg = median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)
+    td, _ = median_time(lambda: dctx.decompress(zg), repeats)
     rows.append({"method": "zstd -3, byte-grouped", "bytes": len(zg), "enc_s": te, "dec_s": td})
     for threads in sorted({1, os.cpu_count() or 1}):
         api.decode(api.encode(kv, threads=threads), output="kvcache", threads=threads)  # JIT warm-up
-        te, data = _median_time(lambda: api.encode(kv, threads=threads), repeats)
-        td, back = _median_time(lambda: api.decode(data, output="kvcache", threads=threads), repeats)
+        te, data = median_time(lambda: api.encode(kv, threads=threads), repeats)
+        td, back = median_time(lambda: api.decode(data, output="kvcache", threads=threads), repeats)
         assert back.equal(kv), "lossless round trip failed"
         rows.append({"method": f"kvz lossless, {threads} thread{'s' if threads > 1 else ''}", "bytes": len(data),
                      "enc_s": te, "dec_s": td,
@@ -165,14 +156,14 @@ def summary(results: dict) -> str:
 def run_bench(args) -> int:
     import numba
 
-    from .cache import to_canonical
-    from .models import load_model
-    from .runtime import DTYPE_ALIASES, corpus_dir, prefill, tokenize
+    from .. import dtypes
+    from ..cache import to_canonical
+    from ..models import load_model, prefill, tokenize
+    from .common import corpus_dir
 
-    cdir = corpus_dir()
+    cdir = corpus_dir(args.corpus)
     if cdir is None:
-        print("kvz bench: corpus not found; set KVCODEC_CORPUS to the folder with the corpus texts")
-        return 1
+        return missing_corpus("kvz bench")
     genres = args.genres or DEFAULT_GENRES
     model, tok = load_model("smollm2")
     results = {"command": "kvz bench " + " ".join(f"--{k} {v}" for k, v in (("tokens", args.tokens),
@@ -181,7 +172,7 @@ def run_bench(args) -> int:
                "cpus": os.cpu_count(), "torch": torch.__version__, "numba": numba.__version__,
                "zstandard": zstandard.__version__, "cases": []}
     for dname in args.dtypes:
-        m = model.to(DTYPE_ALIASES[dname])
+        m = model.to(dtypes.parse(dname).torch)
         for g in genres:
             text = (cdir / g).read_text(encoding="utf-8")
             ids = tokenize(tok, text, args.tokens)

@@ -1,0 +1,64 @@
+"""The one table of the floating-point types a cache may hold, and bit-pattern views of tensors.
+
+Codecs work on the raw bit patterns of a tensor (``uint16`` for bf16/fp16,
+``uint32`` for fp32): :func:`bit_patterns` and :func:`from_bit_patterns`
+convert without changing a bit (NaN payloads and ``-0`` included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["DType", "DTYPES", "by_name", "of", "parse", "bit_patterns", "from_bit_patterns"]
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  #: the header's ``cache.dtype``
+    torch: torch.dtype
+    itemsize: int  #: bytes per element
+    exponent_bits: int
+    uint: type  #: NumPy type of a bit pattern
+    int_view: torch.dtype  #: same-size torch integer type, for bitwise comparison
+    aliases: tuple[str, ...] = ()
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", torch.float32, 4, 8, np.uint32, torch.int32, ("fp32",)),
+    DType("float16", torch.float16, 2, 5, np.uint16, torch.int16, ("fp16",)),
+    DType("bfloat16", torch.bfloat16, 2, 8, np.uint16, torch.int16, ("bf16",)),
+)}
+_BY_TORCH = {d.torch: d for d in DTYPES.values()}
+
+
+def by_name(name: str) -> DType:
+    return DTYPES[name]
+
+
+def of(dtype: torch.dtype) -> DType:
+    """The entry of a torch dtype; ``KeyError`` if caches of that type are not supported."""
+    return _BY_TORCH[dtype]
+
+
+def parse(text: str) -> DType:
+    """A dtype from its name or alias (``bf16``, ``float16`` ...), for command-line options."""
+    for d in DTYPES.values():
+        if text == d.name or text in d.aliases:
+            return d
+    raise ValueError(f"unknown dtype {text!r}: one of {sorted(n for d in DTYPES.values() for n in (d.name, *d.aliases))}")
+
+
+def bit_patterns(t: torch.Tensor) -> np.ndarray:
+    """Raw bit patterns of a CPU copy of ``t`` as a uint16/uint32 NumPy array."""
+    d = of(t.dtype)
+    t = t.detach().to("cpu").contiguous()
+    return t.view(d.int_view).numpy().view(d.uint)
+
+
+def from_bit_patterns(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` whose bit patterns are the uint16/uint32 array ``bits`` (no copy if contiguous)."""
+    signed = {2: np.int16, 4: np.int32}[of(dtype).itemsize]  # torch has no uint16/uint32 views to go through
+    return torch.from_numpy(np.ascontiguousarray(bits).view(signed)).view(dtype)

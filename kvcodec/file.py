@@ -1,0 +1,158 @@
+"""An open .kvz file: header-level facts, lazy per-layer decoding, and ``inspect``.
+
+What differs between tiers is the tier's decoder (:meth:`kvcodec.tiers.base.Tier.decoder`); this module only
+opens the bytes, checks the model against the header and assembles caches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import registry
+from .cache import KVCache
+from .container import layout as L
+from .container.reader import KvzReader
+from .dtypes import DTYPES
+from .errors import ConfigError
+from .identity import check_model
+
+__all__ = ["KvzFile", "open_path"]
+
+
+def open_path(path, mode: str):
+    """A binary file object for a local path or an fsspec URL (``s3://``, ``memory://`` ...)."""
+    import fsspec
+
+    return fsspec.open(os.fspath(path) if isinstance(path, os.PathLike) else path, mode).open()
+
+
+def _is_url(source) -> bool:
+    return isinstance(source, (str, os.PathLike)) and "://" in str(source)
+
+
+class KvzFile:
+    """An open .kvz file (bytes, path, fsspec URL or binary file object).
+
+    ``model`` (and ``draft``) are checked against the header at once
+    (:class:`~kvcodec.errors.ModelMismatch`); files of the token tiers need
+    the model to decode.
+
+    >>> # with kvcodec.open_kvz("cache.kvz") as f: k, v = f.layer(3)
+    """
+
+    def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None):
+        self._owned = None
+        self.model, self.draft, self.threads = model, draft, threads
+        if _is_url(source):
+            self._owned = source = open_path(source, "rb")
+        try:
+            self.reader = KvzReader(source, limits=limits)
+            self.header = self.reader.header
+            self.tier = registry.tier(self.header.tier)
+            if model is not None:
+                check_model(self.header.model, model)
+            self._decoder = self.tier.decoder(self)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.header.dtype].torch
+
+    def num_sections(self) -> int:
+        return len(self.reader.sections)
+
+    def tokens(self) -> torch.Tensor | None:
+        """The cache's token ids ``[batch, tokens]`` (token tiers: decoded with the model), or None."""
+        return self._decoder.tokens()
+
+    def regenerated(self) -> KVCache:
+        """Token tiers: the cache the model regenerates from the decoded tokens, before the residuals."""
+        if not hasattr(self._decoder, "regenerated"):
+            raise ConfigError(f"tier {self.header.tier!r} stores the tensors themselves: nothing is regenerated")
+        return self._decoder.regenerated()[1]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode one layer's keys and values, reading only its sections (token tiers regenerate the whole
+        cache once, then apply this layer's residual)."""
+        if not 0 <= i < len(self.header.layers):
+            raise IndexError(f"layer {i} of {len(self.header.layers)}")
+        d = self._decoder.layers([i])
+        return d[i, L.PART_KEYS], d[i, L.PART_VALUES]
+
+    def to_kvcache(self, progress=None, *, regenerated: KVCache | None = None) -> KVCache:
+        """Decode the whole file.  Token tiers: ``regenerated=`` applies the file's residuals to those tensors
+        instead of regenerating the cache with the model (no model needed; no token ids in the result)."""
+        h = self.header
+        n = len(h.layers)
+        if regenerated is None:
+            d, tokens = self._decoder.layers(range(n), progress), self.tokens()
+        elif hasattr(self._decoder, "regenerated"):
+            d, tokens = self._decoder.layers(range(n), progress, regen=regenerated), None
+        else:
+            raise ConfigError(f"regenerated= applies to the token tiers, not to tier {h.tier!r}")
+        return KVCache([d[i, L.PART_KEYS] for i in range(n)], [d[i, L.PART_VALUES] for i in range(n)], tokens,
+                       h.start_position, [lay.sliding_window for lay in h.layers],
+                       [lay.cumulative_length for lay in h.layers])
+
+    def describe(self, verify_checksums: bool = False) -> dict:
+        """``kvz inspect``: the file from its header and index, without decoding payloads (JSON-able)."""
+        r, h = self.reader, self.header
+        sections = []
+        for e in r.sections:
+            d = {"type": e.name, "offset": e.offset, "bytes": e.length}
+            if e.section_type in (L.SECTION_KV, L.SECTION_RESIDUAL):
+                lay = h.layers[e.layer]
+                a, b = lay.chunk_range(e.chunk, h.chunk_tokens)
+                dim = lay.k_dim if e.part == L.PART_KEYS else lay.v_dim
+                comps = h.batch * lay.kv_heads * (b - a) * dim
+                d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
+                         tokens=[a, b], components=comps,
+                         bits_per_component=round(8 * e.length / comps, 4) if comps else None)
+            d.update(self.tier.describe_section(r, e))
+            sections.append(d)
+        status = "header, index and footer checksums ok; payloads not read"
+        if verify_checksums:
+            r.verify_checksums()
+            status = "all checksums ok"
+        raw = h.tensor_bytes()
+        out = {
+            "format_version": f"{r.version[0]}.{r.version[1]}",
+            "file_bytes": r.size,
+            "tier": h.tier,
+            "codec": {"id": h.codec_id, "params": h.codec_params},
+            "model": h.model,
+            "dtype": h.dtype,
+            "batch": h.batch,
+            "num_layers": len(h.layers),
+            "kv_heads": sorted({lay.kv_heads for lay in h.layers}),
+            "head_dims": sorted({lay.k_dim for lay in h.layers} | {lay.v_dim for lay in h.layers}),
+            "tokens": max(lay.seq_len for lay in h.layers),
+            "start_position": h.start_position,
+            "has_token_ids": bool(h.num_tokens),
+            "chunk_tokens": h.chunk_tokens,
+            "raw_tensor_bytes": raw,
+            "ratio": round(raw / r.size, 4) if r.size else None,
+            "bits_per_component": round(8 * r.size / (raw / h.itemsize), 4) if raw else None,
+            "info": h.raw.get("info"),
+            "token_channel": None,
+            "checksums": status,
+            "sections": sections,
+        }
+        out.update(self.tier.describe(r))
+        return out
+
+    def close(self):
+        if getattr(self, "reader", None) is not None:
+            self.reader.close()
+        if self._owned is not None:
+            self._owned.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

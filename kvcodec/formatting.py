@@ -1,0 +1,58 @@
+"""Human-readable text of what the command line prints (``kvz inspect``, sizes)."""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["human", "inspection_text"]
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def inspection_text(info: dict, name: str, sections: bool = True) -> str:
+    """What ``kvz inspect`` prints for ``kvcodec.inspect()``'s result ``info`` of the file ``name``."""
+    lines = []
+    out = lines.append
+    out(f"{name}: .kvz {info['format_version']}, {human(info['file_bytes'])}")
+    m = info["model"]
+    out(f"  model        : {m['fingerprint'] if m else 'none recorded'}"
+          + (f" ({m.get('architecture')})" if m and m.get("architecture") else ""))
+    out(f"  tier / codec : {info['tier']} / {info['codec']['id']} {json.dumps(info['codec']['params'], sort_keys=True)}")
+    out(f"  cache        : {info['dtype']}, batch {info['batch']}, {info['num_layers']} layers, "
+          f"kv heads {info['kv_heads']}, head dims {info['head_dims']}, {info['tokens']} tokens, "
+          f"start position {info['start_position']}, token ids {'stored' if info['has_token_ids'] else 'not stored'}")
+    out(f"  size         : {human(info['raw_tensor_bytes'])} raw -> {human(info['file_bytes'])}: "
+          f"{info['ratio']}x, {info['bits_per_component']} bits/component")
+    tc = info.get("token_channel")
+    if tc:
+        out(f"  token channel: {tc['token_model']}, {tc['coded_tokens']} tokens in {human(tc['token_stream_bytes'])}"
+              f" = {tc['bits_per_token']} bits/token; schedule {tc['schedule']}, padding {tc['padding']}")
+        out(f"  residual     : {human(tc['residual_bytes'])}, tolerance {tc['tolerance']}, max abs deviation of "
+              f"a bare recompute at encode time {tc['max_abs_deviation']}")
+    out(f"  checksums    : {info['checksums']}")
+    out(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
+    if not sections:
+        return "\n".join(lines)
+    lossy = info["tier"] == "lossy"
+    out("    #  type    layer part    chunk tokens         bytes  bits/comp"
+          + ("  coding (quantizer, index bits, step, exact head/tail tokens, fixed-width bits/comp)" if lossy else ""))
+    for i, s in enumerate(info["sections"]):
+        if s["type"] in ("kv", "residual"):
+            c = s.get("coding")
+            extra = ""
+            if c:
+                extra = (f"  {c['quantizer']} k={c['symbol_bits']}" + (f" step={c['step']:.4g}" if c["step"] else "")
+                         + f" head={c['head_tokens']} tail={c['exact_tokens']}"
+                         + (f" fixed-width={c['fixed_width_bits_per_component']}"
+                            if "fixed_width_bits_per_component" in c else ""))
+            out(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
+                  f"{s['bytes']:9d}  {s['bits_per_component']:<9}" + extra)
+        else:
+            out(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
+    return "\n".join(lines)

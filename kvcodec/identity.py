@@ -1,0 +1,81 @@
+"""Model identity: what a file records about the model it needs, and the check that refuses another one.
+
+A file made by a token tier is decoded by recomputing the cache with the model
+that made it, so the header records that model's fingerprint (config and
+weights, :func:`kvcodec.models.model_fingerprint`) and, when a tokenizer was
+given, its vocabulary's (:func:`kvcodec.models.tokenizer_fingerprint`).
+Fingerprints hash every weight, so they are memoised per model object and
+weights version.  ``model`` arguments are a transformers model or a
+``(model, tokenizer)`` pair, as :func:`kvcodec.load_model` returns.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .container import layout as L
+from .errors import ModelMismatch
+from .models import model_fingerprint, tokenizer_fingerprint
+
+__all__ = ["split_model", "vocab_size", "fingerprint", "model_record", "check_model"]
+
+_MODEL_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TOKENIZER_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def split_model(model):
+    """``(model, tokenizer or None)`` of a model argument."""
+    if isinstance(model, tuple):
+        return model[0], model[1]
+    return model, None
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's output embedding: the alphabet of the token channel."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def _memo(table, obj, stamp, compute):
+    try:
+        hit = table.get(obj)
+    except TypeError:  # not weak-referenceable
+        return compute(obj)
+    if hit and hit[0] == stamp:
+        return hit[1]
+    value = compute(obj)
+    table[obj] = (stamp, value)
+    return value
+
+
+def fingerprint(model) -> str:
+    """:func:`kvcodec.models.model_fingerprint`, memoised per model object and weights version."""
+    model, _ = split_model(model)
+    return _memo(_MODEL_FP, model, sum(p._version for p in model.parameters()), model_fingerprint)
+
+
+def model_record(model) -> dict | None:
+    """The header's ``model`` object for ``model`` (None for None)."""
+    if model is None:
+        return None
+    model, tok = split_model(model)
+    rec = {"fingerprint": fingerprint(model)}
+    if tok is not None:
+        rec["tokenizer"] = _memo(_TOKENIZER_FP, tok, len(tok), tokenizer_fingerprint)
+    arch = getattr(getattr(model, "config", None), "model_type", None)
+    if isinstance(arch, str):
+        rec["architecture"] = arch
+    return rec
+
+
+def check_model(recorded: dict | None, model, what: str = "model") -> None:
+    """Raise :class:`ModelMismatch` if ``model`` is not the one ``recorded`` (a header's ``model`` object)."""
+    if recorded is None:
+        return
+    rec = model_record(model)
+    if rec["fingerprint"] != recorded["fingerprint"]:
+        raise ModelMismatch(f"file was made with {what} {recorded['fingerprint'][:16]}…, "
+                            f"the {what} given is {rec['fingerprint'][:16]}… (another model, another dtype or "
+                            "modified weights)", field=f"Header.{what}.fingerprint", offset=L.PREAMBLE.size)
+    if "tokenizer" in rec and "tokenizer" in recorded and rec["tokenizer"] != recorded["tokenizer"]:
+        raise ModelMismatch(f"file was made with a {what} whose tokenizer differs from the one given",
+                            field=f"Header.{what}.tokenizer", offset=L.PREAMBLE.size)

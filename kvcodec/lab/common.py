@@ -1,0 +1,61 @@
+"""What the measurement commands share: the corpus, the demo text, timing, and their report files.
+
+The corpus is never looked up beside the package: ``--corpus DIR`` or
+``$KVCODEC_CORPUS`` names it (in this repository's checkout,
+``../shared/corpus``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+
+DEMO_TEXT = "austen_pride_and_prejudice_ch1-3.txt"
+
+
+def demo_text() -> str:
+    """The public-domain text shipped in the wheel (the demo's)."""
+    return resources.files("kvcodec.data").joinpath(DEMO_TEXT).read_text(encoding="utf-8")
+
+
+def corpus_dir(path=None) -> Path | None:
+    """``path``, else ``$KVCODEC_CORPUS``; None if neither names a folder."""
+    p = path or os.environ.get("KVCODEC_CORPUS")
+    return Path(p) if p and Path(p).is_dir() else None
+
+
+def corpus_files(path=None) -> list[Path]:
+    """The corpus texts (every file of :func:`corpus_dir` but its ``.md`` notes), sorted."""
+    d = corpus_dir(path)
+    if d is None:
+        return []
+    return sorted(p for p in d.iterdir() if p.is_file() and p.suffix != ".md")
+
+
+def missing_corpus(command: str) -> int:
+    print(f"{command}: corpus not found; pass --corpus DIR or set KVCODEC_CORPUS (in a checkout: ../shared/corpus)")
+    return 1
+
+
+def median_time(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of ``repeats`` calls of ``fn``, and the last result."""
+    times, out = [], None
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def write_report(out_dir, stem: str, results: dict, markdown: str) -> Path:
+    """Write ``OUT/stem.json`` and ``OUT/stem.md``, the output of a bench / claims / eval command."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
+    (out / f"{stem}.md").write_text(markdown)
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
+    return out

@@ -1,0 +1,305 @@
+"""The tier contract: everything that differs between ways of storing a cache lives in one tier class.
+
+A tier declares
+
+* ``tier_id`` - the header's ``tier`` - and ``codec_ids``, the codecs its files
+  may name; ``min_minor``, the lowest format revision (1.x) that can express
+  it; ``needs_model``, whether decoding needs the model; ``header_key``, the
+  top-level header object it owns (or None); ``option_names``, the encoder
+  options it takes beyond the common ones;
+
+and implements the hooks
+
+* encoder: :meth:`Tier.check` (option checks, before any work) and
+  :meth:`Tier.write` (header and sections, through a
+  :class:`~kvcodec.container.writer.KvzWriter`);
+* container: :meth:`Tier.parse_header` (validate its header object and rules),
+  :meth:`Tier.sections` (the sections a file must hold, in order);
+* decoder: :meth:`Tier.decoder` (an object with ``layers()`` and ``tokens()``),
+  :meth:`Tier.describe` / :meth:`Tier.describe_section` (``kvz inspect``).
+
+A tier registers with :func:`kvcodec.registry.register_tier`; the container,
+the API and the command line find it there.  Adding a tier is one module, its
+registry entry, its spec section and its golden vectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ..cache import KVCache
+from ..codecs.base import Slice
+from ..container import layout as L
+from ..container.writer import KvzWriter
+from ..errors import ConfigError
+from ..identity import model_record
+from ..parallel import run_ordered
+from ..version import __version__
+
+__all__ = ["UNSET", "Options", "EncodeJob", "Fallback", "Tier", "DirectTier", "build_header", "slice_jobs"]
+
+DEFAULT_CHUNK_TOKENS = 4096
+UNSET = object()  #: an option the caller did not give (``tolerance=None`` means something)
+
+
+class Fallback(Exception):
+    """Raised by a tier's writer when it cannot store this cache; the API then stores it losslessly with a
+    :class:`~kvcodec.errors.FallbackWarning` (the message says why)."""
+
+
+@dataclass
+class Options:
+    """Encoder options (:class:`kvcodec.Encoder` holds one, reusable across caches)."""
+
+    tier: str | None = None
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    threads: int | None = None
+    token_model: str | None = None
+    draft: object = None
+    tolerance: object = UNSET
+    codec: dict = field(default_factory=dict)  #: the tier's codec options (``bits=``, ``ways=`` ...)
+
+    def given(self) -> set[str]:
+        """Names of the tier-specific options that were set."""
+        out = {k for k in ("token_model", "draft") if getattr(self, k) is not None}
+        lossless = self.tolerance is UNSET or (self.tolerance in (0, None) and not isinstance(self.tolerance, bool))
+        return out | (set() if lossless else {"tolerance"}) | set(self.codec)
+
+
+@dataclass
+class EncodeJob:
+    """What :meth:`Tier.write` works on: one cache, and where its file goes."""
+
+    sink: object  #: binary file-like, written sequentially
+    cache: object  #: the caller's cache object (a RecordingCache carries its schedule)
+    kv: KVCache
+    model: object  #: a model, a (model, tokenizer) pair, or None
+    options: Options
+    tokens: torch.Tensor | None = None  #: [batch, tokens] ids given by the caller
+    schedule: object = None
+    attention_mask: object = None
+    info: dict | None = None
+    progress: object = None
+    report: dict = field(default_factory=dict)  #: what the tier tells the caller (not stored in the file)
+
+    def header(self, tier_id: str, codec: dict, **kw) -> dict:
+        return build_header(self.kv, tier_id, codec, self.options.chunk_tokens, self.model, self.info, **kw)
+
+    def slice_jobs(self):
+        return slice_jobs(self.kv, self.options.chunk_tokens)
+
+
+def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, model, info: dict | None,
+                 extra: tuple[str, dict] | None = None, num_tokens: int | None = None) -> dict:
+    """The header object every tier writes; ``extra`` is the tier's own ``(header_key, object)``.  Files with
+    such an object (format 1.1) write runs of identical layers once, with ``repeat``."""
+    h = {
+        "format": "kvz",
+        "tier": tier_id,
+        "codec": codec,
+        "cache": {
+            "dtype": kv.dtype_name,
+            "batch": kv.batch,
+            "chunk_tokens": chunk_tokens,
+            "start_position": int(kv.start_position),
+            "num_tokens": (0 if kv.tokens is None else int(kv.tokens.shape[1])) if num_tokens is None else num_tokens,
+            "layers": [
+                {"kv_heads": int(k.shape[1]), "k_dim": int(k.shape[3]), "v_dim": int(v.shape[3]),
+                 "seq_len": int(k.shape[2]), "sliding_window": kv.sliding_window[i],
+                 "cumulative_length": int(kv.cumulative_length[i])}
+                for i, (k, v) in enumerate(zip(kv.keys, kv.values))
+            ],
+        },
+        "model": model_record(model),
+        "info": {"kvcodec_version": __version__} if info is None else info,
+    }
+    if extra is not None:
+        h[extra[0]] = extra[1]
+        runs = []
+        for lay in h["cache"]["layers"]:
+            if runs and {k: x for k, x in runs[-1].items() if k != "repeat"} == lay:
+                runs[-1]["repeat"] = runs[-1].get("repeat", 1) + 1
+            else:
+                runs.append(dict(lay))
+        h["cache"]["layers"] = runs
+    return h
+
+
+def slice_jobs(kv: KVCache, chunk_tokens: int) -> list[tuple[int, int, int, Slice]]:
+    """``(layer, part, chunk, Slice)`` of every kv / residual section, in canonical order."""
+    out = []
+    for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        for c in range(-(-k.shape[2] // chunk_tokens)):
+            a, b = c * chunk_tokens, min(k.shape[2], (c + 1) * chunk_tokens)
+            for part, t in ((L.PART_KEYS, k), (L.PART_VALUES, v)):
+                out.append((li, part, c, Slice((t.shape[0], t.shape[1], b - a, t.shape[3]), kv.dtype_name, li, part,
+                                               a, int(t.shape[2]), kv.num_layers)))
+    return out
+
+
+class Tier:
+    """Base of the tiers (module docstring); the defaults are those of a tier without a header object."""
+
+    tier_id: ClassVar[str]
+    summary: ClassVar[str] = ""  #: one line for help texts
+    codec_ids: ClassVar[tuple[str, ...]]
+    min_minor: ClassVar[int] = 1
+    needs_model: ClassVar[bool] = False
+    header_key: ClassVar[str | None] = None
+    option_names: ClassVar[frozenset[str]] = frozenset()
+
+    # -- encoder ------------------------------------------------------------------------------------
+    def check(self, opts: Options, model) -> None:
+        """Refuse options this tier does not take (:class:`ConfigError`), before any work."""
+        extra = opts.given() - self.option_names
+        if extra:
+            raise ConfigError(f"unknown options {sorted(extra)} for tier {self.tier_id!r} (it takes "
+                              f"{sorted(self.option_names)})")
+
+    def write(self, job: EncodeJob) -> int:
+        """Write the whole file to ``job.sink``; returns its size.  May raise :class:`Fallback`."""
+        raise NotImplementedError
+
+    # -- container ----------------------------------------------------------------------------------
+    def parse_header(self, v, header, limits: dict):
+        """Validate what this tier adds to the header (``v``: a :class:`~kvcodec.container.header.Validator`);
+        returns the header's ``tier_info``.  Default: a cache's token ids, if stored, cover its longest layer."""
+        if header.num_tokens:
+            longest = max(lay.seq_len for lay in header.layers)
+            if header.num_tokens != longest:
+                v.fail("cache.num_tokens", f"{header.num_tokens} token ids for a cache of {longest} tokens")
+        return None
+
+    def sections(self, header) -> list:
+        """The sections a file must hold, in order: ``[((type, layer, part, chunk), optional), ...]``.
+        Default: the token ids (if any), then one ``kv`` section per slice."""
+        out = [((L.SECTION_TOKEN_IDS, 0, 0, 0), False)] if header.num_tokens else []
+        return out + [((L.SECTION_KV, *s), False) for s in header.slices()]
+
+    # -- decoder ------------------------------------------------------------------------------------
+    def decoder(self, f):
+        """An object with ``layers(indices, progress) -> {(layer, part): tensor}`` and ``tokens()`` for the
+        open file ``f`` (:class:`~kvcodec.file.KvzFile`)."""
+        raise NotImplementedError
+
+    def describe(self, reader) -> dict:
+        """Tier-specific entries of ``kvz inspect`` (header and index only; payloads are not read)."""
+        return {}
+
+    def describe_section(self, reader, entry) -> dict:
+        """Tier-specific entries of one section in ``kvz inspect`` (may read a payload's first bytes)."""
+        return {}
+
+
+class DirectTier(Tier):
+    """A tier that codes the tensors themselves with one codec, one ``kv`` section per slice (no model needed
+    to decode).  Subclasses choose the codec's options and may pre-compute the payloads (rate control)."""
+
+    def codec(self, job: EncodeJob):
+        """The configured codec of this job."""
+        raise NotImplementedError
+
+    def payloads(self, job: EncodeJob, codec, jobs) -> list[bytes] | None:
+        """Every slice's payload computed ahead of writing, or None to code them while writing."""
+        return None
+
+    def write(self, job: EncodeJob) -> int:
+        if job.tokens is not None:  # stored beside the tensors
+            kv = job.kv
+            job.kv = KVCache(kv.keys, kv.values, job.tokens, kv.start_position, kv.sliding_window,
+                             kv.cumulative_length)
+        kv = job.kv
+        codec = self.codec(job)
+        ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
+        if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
+            raise ValueError("token ids must be in [0, 2**32)")
+        jobs = job.slice_jobs()
+        tensors = {L.PART_KEYS: kv.keys, L.PART_VALUES: kv.values}
+
+        def work(j, _):
+            li, part, _c, where = j
+            return codec.encode(tensors[part][li][:, :, where.start:where.start + where.shape[2]], where)
+
+        # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and the jobs
+        # contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
+        threads = 1 if job.options.threads is None else job.options.threads
+        ready = self.payloads(job, codec, jobs)  # before the header: rate control may change the codec's params
+        writer = KvzWriter(job.sink, job.header(self.tier_id, codec.get_config()))
+        if ids is not None:
+            writer.write_section(L.SECTION_TOKEN_IDS, ids.astype("<u4").tobytes())
+
+        def put(j, payload):
+            writer.write_section(L.SECTION_KV, payload, layer=j[0], part=j[1], chunk=j[2])
+
+        if ready is None:
+            run_ordered(jobs, work, threads, put, job.progress)
+        else:
+            for j, payload in zip(jobs, ready):
+                put(j, payload)
+                if job.progress:
+                    job.progress(1)
+        return writer.close()
+
+    def decoder(self, f):
+        return _DirectDecoder(f)
+
+
+class _DirectDecoder:
+    def __init__(self, f):
+        self.f = f
+        from .. import registry
+
+        self.codec = registry.codec(f.header.codec_id).from_config(f.header.raw["codec"])
+
+    def tokens(self):
+        h, r = self.f.header, self.f.reader
+        if not h.num_tokens:
+            return None
+        e = r.entry(L.SECTION_TOKEN_IDS)
+        if e.length != 4 * h.batch * h.num_tokens:
+            from ..errors import FormatError
+
+            raise FormatError(f"token ids section has {e.length} bytes, expected {4 * h.batch * h.num_tokens}",
+                              field="Payload_Length", offset=e.offset + 16)
+        ids = np.frombuffer(r.read_payload(e), dtype="<u4").astype(np.int64)
+        return torch.from_numpy(ids.reshape(h.batch, h.num_tokens))
+
+    def layers(self, layers, progress=None) -> dict:
+        from ..dtypes import DTYPES, from_bit_patterns
+
+        f, h = self.f, self.f.header
+        dt = DTYPES[h.dtype]
+        outs, jobs = {}, []
+        for li in layers:
+            lay = h.layers[li]
+            for p in (L.PART_KEYS, L.PART_VALUES):
+                dim = lay.k_dim if p == L.PART_KEYS else lay.v_dim
+                outs[li, p] = np.empty((h.batch, lay.kv_heads, lay.seq_len, dim), dtype=dt.uint)
+            for c in range(lay.chunks(h.chunk_tokens)):
+                jobs += [(li, L.PART_KEYS, c), (li, L.PART_VALUES, c)]
+
+        def prepare(job):
+            e = f.reader.entry(L.SECTION_KV, *job)
+            return f.reader.read_payload(e), e.payload_offset
+
+        def work(job, prepared):
+            li, p, c = job
+            lay = h.layers[li]
+            a, b = lay.chunk_range(c, h.chunk_tokens)
+            where = Slice((h.batch, lay.kv_heads, b - a, lay.k_dim if p == L.PART_KEYS else lay.v_dim), h.dtype, li,
+                          p, a, lay.seq_len, len(h.layers), prepared[1])
+            whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
+            return self.codec.decode(prepared[0], where, out=outs[li, p] if whole else None)
+
+        def put(job, arr):
+            li, p, c = job
+            if arr is not outs[li, p]:
+                a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
+                outs[li, p][:, :, a:b] = arr
+
+        run_ordered(jobs, work, f.threads, put, progress, prepare)
+        return {key: from_bit_patterns(arr, dt.torch) for key, arr in outs.items()}

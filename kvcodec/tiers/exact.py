@@ -1,0 +1,484 @@
+"""Tier ``exact``: a cache stored as its tokens plus a residual, restored bit-identically by recomputing it.
+
+Encoder: tokens (given, or recovered from layer-0 values and verified) ->
+plan (schedule recorded by :class:`~kvcodec.tokens.RecordingCache`, given, or
+inferred; padding and position-id convention of a padded batch) -> token
+streams (``lm``: coded while replaying the plan, which also yields the
+regenerated cache; ``static`` / ``draft``: coded per row, then the plan is
+replayed) -> per slice, the checksum of what the decoder must produce and the
+residual of original against regenerated (``int_residual_rans``; a section
+only where they differ).
+
+Decoder: the token streams are decoded with the model (``lm``: one pass that
+also regenerates the cache), the plan is replayed, the residuals applied and
+every slice checked against its checksum - a decoder that computes differently
+fails with :class:`~kvcodec.errors.ChecksumMismatch`, never silently.
+
+When the cache cannot be stored this way (a cache that does not start at
+position 0 or has dropped tokens, tokens that cannot be recovered or do not
+regenerate the cache) the writer raises :class:`~kvcodec.tiers.base.Fallback`
+and the API stores it losslessly.  Tier ``tokens`` (:mod:`.tokens`) is this
+tier with a tolerance.  See ``spec/kvz.md`` sections 5.3-5.5, 9, 11, 12.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache import KVCache, to_canonical
+from ..codecs.base import Slice
+from ..codecs.int_residual_rans import IntResidualRans, checksum
+from ..container import layout as L
+from ..container.header import is_hex64
+from ..container.writer import KvzWriter
+from ..dtypes import DTYPES, bit_patterns, from_bit_patterns
+from ..errors import ChecksumMismatch, ConfigError, FormatError, LimitExceeded, ModelMismatch, UnknownId
+from ..identity import check_model, model_record, split_model, vocab_size
+from ..registry import register_tier
+from ..tokens import lm
+from ..tokens.lm import LMTokenCoder
+from ..tokens.plan import Plan, infer_plan, padding_candidates, replay, schedule_arg
+from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
+from ..tokens.recover import recover
+from ..tokens.schedule import runs
+from ..tokens.static import StaticTokenCoder
+from .base import EncodeJob, Fallback, Options, Tier, UNSET
+
+TOKEN_MODELS = ("lm", "static", "draft")
+PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
+POSITIONS = ("mask", "arange")
+MAX_SCHEDULE_RUNS = 1 << 20
+
+
+@dataclass(frozen=True)
+class TokenChannel:
+    """The header's ``tokens`` object, validated."""
+
+    token_model: str
+    draft: dict | None
+    vocab: int
+    checksum_tokens: int  #: tokens per Chunk_Checksums entry (the JSON's ``chunk_tokens``)
+    schedule: tuple[int, ...]  #: expanded call sizes
+    padding: tuple[int, ...]
+    positions: str
+    pad_token: int
+    tolerance: float | None
+    raw: dict
+
+    @property
+    def has_residual(self) -> bool:
+        return self.tolerance is not None
+
+    def plan(self, windows=None) -> Plan:
+        return Plan(list(self.schedule), list(self.padding), self.positions, self.pad_token, windows)
+
+
+@register_tier
+class ExactTier(Tier):
+    tier_id = "exact"
+    summary = "tokens + residual, bit-identical; the model recomputes the cache"
+    codec_ids = (IntResidualRans.codec_id,)
+    min_minor = 1
+    needs_model = True
+    header_key = "tokens"
+    option_names = frozenset({"token_model", "draft", "tolerance"})
+
+    # -- encoder ------------------------------------------------------------------------------------
+    def tolerance(self, opts: Options):
+        """0: a lossless residual.  Tier ``tokens`` overrides."""
+        if opts.tolerance is not UNSET and opts.tolerance != 0:
+            raise ConfigError("tier 'exact' is bit-identical (tolerance 0); use tier='tokens' with tolerance=eps")
+        return 0
+
+    def check(self, opts: Options, model) -> None:
+        super().check(opts, model)
+        if model is None:
+            raise ConfigError(f"tier {self.tier_id!r} stores the cache as its tokens and needs the model: "
+                              "encode(cache, model)")
+        if opts.token_model is not None and opts.token_model not in TOKEN_MODELS:
+            raise ConfigError(f"token_model must be one of {list(TOKEN_MODELS)}, not {opts.token_model!r}")
+        self.tolerance(opts)
+
+    def write(self, job: EncodeJob) -> int:
+        tolerance = self.tolerance(job.options)
+        enc = prepare(job, tolerance)
+        kv = job.kv
+        info = dict(job.info or {"kvcodec_version": _version()})
+        info.setdefault("schedule_source", enc.how)
+        job.info = info
+        job.report.update(cross_entropy_bits=enc.token_bits, schedule_source=enc.how)
+        writer = KvzWriter(job.sink, job.header(self.tier_id, IntResidualRans().get_config(),
+                                                extra=(self.header_key, enc.header_tokens),
+                                                num_tokens=int(enc.tokens.shape[1])))
+        for r, stream in enumerate(enc.streams):
+            writer.write_section(L.SECTION_TOKEN_STREAM, pack_stream(stream), chunk=r)
+        if tolerance is not None:
+            codec = IntResidualRans(tolerance=tolerance)
+            payloads, sums = [], []
+            for li, part, c, where in job.slice_jobs():
+                orig = (kv.keys if part == L.PART_KEYS else kv.values)[li]
+                reg = (enc.regen.keys if part == L.PART_KEYS else enc.regen.values)[li]
+                a, b = where.start, where.start + where.shape[2]
+                payload = codec.encode(orig[:, :, a:b], where, prediction=reg[:, :, a:b])
+                # what the decoder must produce: the original, or with a tolerance the reconstruction
+                target = (bit_patterns(reg[:, :, a:b]) if payload is None else bit_patterns(orig[:, :, a:b])
+                          if not tolerance else codec.decode(payload, where, bit_patterns(reg[:, :, a:b])))
+                sums.append(checksum(target))
+                payloads.append(((li, part, c), payload))
+                if job.progress:
+                    job.progress(1)
+            writer.write_section(L.SECTION_TENSOR_CHECKSUMS, np.asarray(sums, dtype="<u8").tobytes())
+            for (li, part, c), payload in payloads:
+                if payload is not None:
+                    writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
+        return writer.close()
+
+    # -- container ----------------------------------------------------------------------------------
+    def parse_header(self, v, header, limits: dict) -> TokenChannel:
+        tier, p = self.tier_id, "tokens"
+        t, ntok, lim = header.raw["tokens"], header.num_tokens, limits
+        if header.model is None:
+            v.fail("model", f"tier {tier!r} needs the model's fingerprint")
+        v.obj(t, p, {"token_model", "draft", "vocab", "chunk_tokens", "procedure", "schedule", "padding",
+                     "positions", "pad_token", "tolerance", "max_abs_deviation"})
+        tm = v.str(t, "token_model", p)
+        if tm not in TOKEN_MODELS:
+            v.fail(f"{p}.token_model", f"unknown token model {tm!r}", UnknownId)
+        draft = t["draft"]
+        if (draft is None) != (tm != "draft"):
+            v.fail(f"{p}.draft", "must be an object exactly when token_model is 'draft'")
+        if draft is not None:
+            v.obj(draft, f"{p}.draft", {"fingerprint"}, {"name", "architecture", "tokenizer"})
+            if not is_hex64(v.str(draft, "fingerprint", f"{p}.draft")):
+                v.fail(f"{p}.draft.fingerprint", "must be 64 lowercase hex digits")
+        vocab = v.int(t, "vocab", p, 1, 1 << 31, LimitExceeded)
+        chunk = v.int(t, "chunk_tokens", p, 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
+        if not isinstance(t["procedure"], dict) or "id" not in t["procedure"]:
+            v.fail(f"{p}.procedure", "must be an object with an id")
+        if t["procedure"]["id"] != PROCEDURES[tm]:
+            v.fail(f"{p}.procedure.id", f"{t['procedure']['id']!r} is not a procedure of token model {tm!r}",
+                   UnknownId)
+        if ntok < 1:
+            v.fail("cache.num_tokens", f"tier {tier!r} needs num_tokens >= 1")
+        if header.start_position != 0:
+            v.fail("cache.start_position", f"tier {tier!r} regenerates from position 0; start_position must be 0")
+        for i, lay in enumerate(header.layers):
+            if lay.cumulative_length != ntok or (lay.sliding_window is None and lay.seq_len != ntok):
+                v.fail(f"cache.layers[{i}]", f"tier {tier!r}: every layer must have seen all {ntok} tokens")
+        schedule_runs = t["schedule"]
+        if not isinstance(schedule_runs, list) or not 1 <= len(schedule_runs) <= MAX_SCHEDULE_RUNS:
+            v.fail(f"{p}.schedule", f"must be a list of 1 to {MAX_SCHEDULE_RUNS} [size, count] pairs")
+        total = 0
+        for i, r in enumerate(schedule_runs):
+            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                and x >= 1 for x in r)):
+                v.fail(f"{p}.schedule[{i}]", "must be a [size, count] pair of positive integers")
+            total += r[0] * r[1]
+            if total > ntok:
+                break
+        if total != ntok:
+            v.fail(f"{p}.schedule", f"calls add up to {total} tokens, num_tokens is {ntok}")
+        pad = t["padding"]
+        if not (isinstance(pad, list) and len(pad) == header.batch and all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < ntok for x in pad)):
+            v.fail(f"{p}.padding", f"must be {header.batch} integers in [0, {ntok})")
+        positions = v.str(t, "positions", p)
+        if positions not in POSITIONS:
+            v.fail(f"{p}.positions", f"must be one of {list(POSITIONS)}", UnknownId)
+        pad_token = v.int(t, "pad_token", p, 0, vocab - 1)
+        tol = v.num(t, "tolerance", p)
+        if tier == "exact" and tol != 0:
+            v.fail(f"{p}.tolerance", "must be 0 in tier 'exact'")
+        v.num(t, "max_abs_deviation", p)
+        schedule = tuple(size for size, count in schedule_runs for _ in range(count))
+        return TokenChannel(tm, draft, vocab, chunk, schedule, tuple(pad), positions, pad_token, tol, t)
+
+    def sections(self, header) -> list:
+        out = [((L.SECTION_TOKEN_STREAM, 0, 0, r), False) for r in range(header.batch)]
+        if header.tier_info.has_residual:  # checksums of every slice; residuals only where non-zero
+            out.append(((L.SECTION_TENSOR_CHECKSUMS, 0, 0, 0), False))
+            out += [((L.SECTION_RESIDUAL, *s), True) for s in header.slices()]
+        return out
+
+    # -- decoder ------------------------------------------------------------------------------------
+    def decoder(self, f):
+        return _TokenDecoder(f)
+
+    def describe(self, reader) -> dict:
+        h = reader.header
+        t = h.tier_info
+        coded = sum(h.num_tokens - p for p in t.padding)
+        stream_bytes = sum(e.length for e in reader.sections if e.section_type == L.SECTION_TOKEN_STREAM)
+        return {"token_channel": {
+            "token_model": t.token_model, "draft": t.draft, "schedule": t.raw["schedule"],
+            "padding": list(t.padding), "positions": t.positions, "tolerance": t.tolerance,
+            "max_abs_deviation": t.raw["max_abs_deviation"],
+            "coded_tokens": coded, "token_stream_bytes": stream_bytes,
+            "bits_per_token": round(8 * stream_bytes / coded, 4) if coded else None,
+            "residual_bytes": sum(e.length for e in reader.sections if e.section_type == L.SECTION_RESIDUAL),
+            "procedure": t.raw["procedure"],
+        }}
+
+    def describe_section(self, reader, entry) -> dict:
+        return {"batch_row": entry.chunk} if entry.section_type == L.SECTION_TOKEN_STREAM else {}
+
+
+def _version() -> str:
+    from ..version import __version__
+
+    return __version__
+
+
+# --- encoding ---------------------------------------------------------------------------------------
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
+    a, b = a.double(), b.double()
+    scale = a.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    return bool(((a - b).abs() / scale).max() <= rel) if a.numel() else True
+
+
+@dataclass
+class TokenEncoding:
+    header_tokens: dict
+    streams: list[TokenStream]
+    regen: KVCache
+    tokens: torch.Tensor
+    how: str
+    token_bits: float
+
+
+def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
+    """Everything of a token-tier file but the residual sections; raises :class:`Fallback`."""
+    kv, opts = job.kv, job.options
+    mdl, tok = split_model(job.model)
+    token_model = opts.token_model or ("draft" if opts.draft is not None else "lm")
+    p = next(mdl.parameters())
+    if p.dtype != kv.dtype:
+        raise ConfigError(f"the cache is {kv.dtype_name}, the model computes in {str(p.dtype)[6:]}: pass the model "
+                          "the cache was made with (same dtype)")
+    if kv.start_position != 0:
+        raise Fallback(f"the cache starts at position {kv.start_position}; regeneration needs every token from 0")
+    n = max(kv.cumulative_length)
+    if any(c != n for c in kv.cumulative_length) or any(
+            sw is None and k.shape[2] != n for k, sw in zip(kv.keys, kv.sliding_window)):
+        raise Fallback("layers have seen different numbers of tokens")
+    tokens = job.tokens
+    if tokens is None and kv.tokens is not None and kv.tokens.shape[1] == n:
+        tokens = kv.tokens
+    if tokens is None:
+        if kv.keys[0].shape[2] != n:
+            raise Fallback("layer 0 no longer holds every token (sliding window); pass tokens=")
+        try:
+            rec = recover(kv.values[0], mdl)
+        except ConfigError as e:
+            raise Fallback(f"token recovery: {e}") from None
+        if not rec.ok:
+            raise Fallback(f"token recovery failed: {rec.reason}")
+        tokens = rec.tokens
+    tokens = torch.as_tensor(tokens).to("cpu", torch.int64)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if tokens.shape != (kv.batch, n):
+        raise ConfigError(f"tokens must be [batch={kv.batch}, {n}], not {tuple(tokens.shape)}")
+    vocab = vocab_size(mdl)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ConfigError(f"token ids must be in [0, {vocab})")
+    given = schedule_arg(job.schedule, job.cache, n)
+    plan, how, verified = infer_plan(mdl, kv, tokens, padding_candidates(tokens, job.attention_mask, mdl, tok), given)
+    draft_rec = None
+    if token_model == "lm":
+        coder = LMTokenCoder(mdl, lm.CHUNK_TOKENS)
+        streams, regen = coder.encode_replay(tokens, plan)
+        procedure, regen = coder.procedure(lm.SCHEDULE), to_canonical(regen)
+    else:
+        if token_model == "static":
+            coder = StaticTokenCoder(vocab, lm.CHUNK_TOKENS)
+            procedure = dict(StaticTokenCoder.PROCEDURE)
+        else:
+            if opts.draft is None:
+                raise ConfigError("token_model='draft' needs draft=<a smaller model with the same tokenizer>")
+            dm, dtok = split_model(opts.draft)
+            if tok is not None and dtok is not None and tok.get_vocab() != dtok.get_vocab():
+                raise ConfigError("the draft model's tokenizer differs from the model's")
+            if vocab_size(dm) < vocab and int(tokens.max()) >= vocab_size(dm):
+                raise ConfigError("the draft model's vocabulary is smaller than the tokens need")
+            coder = LMTokenCoder(dm, lm.CHUNK_TOKENS)
+            vocab = coder.vocab
+            procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
+        streams = [coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:]) for r in range(kv.batch)]
+        regen = verified if verified is not None else to_canonical(replay(mdl, tokens, plan))
+    if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
+                                                                                   kv.keys + kv.values)):
+        raise Fallback("the regenerated cache has another shape (another model layout?)")
+    # verify the tokens: layer-0 values depend on the token only, whatever the schedule or the engine
+    if not _close(regen.values[0], kv.values[0]):
+        raise Fallback("the tokens do not regenerate the cache's layer-0 values: the cache was modified "
+                       "(quantized, pruned) or was made with another model")
+    dev = 0.0
+    for a, b in zip(kv.keys + kv.values, regen.keys + regen.values):
+        if a.numel():
+            d = float((a.double() - b.double()).abs().max())
+            dev = max(dev, d) if d == d else float("inf")
+    header_tokens = {
+        "token_model": token_model, "draft": draft_rec, "vocab": vocab, "chunk_tokens": lm.CHUNK_TOKENS,
+        "procedure": procedure, "schedule": runs(plan.schedule), "padding": list(plan.padding or [0] * kv.batch),
+        "positions": plan.positions, "pad_token": int(plan.pad_token),
+        "tolerance": None if tolerance is None else float(tolerance) if tolerance else 0,
+        "max_abs_deviation": dev if dev != float("inf") else None,
+    }
+    return TokenEncoding(header_tokens, streams, regen, tokens, how, float(sum(s.cross_entropy_bits for s in streams)))
+
+
+# --- decoding ---------------------------------------------------------------------------------------
+def procedure_differences(recorded: dict, current: dict) -> str:
+    """What differs between the recorded procedure and this decoder's (for error messages)."""
+    diffs = []
+    for key in ("dtype", "device", "threads"):
+        if key in recorded and recorded.get(key) != current.get(key):
+            diffs.append(f"{key} {recorded.get(key)} (file) vs {current.get(key)} (here)")
+    rv, cv = recorded.get("versions", {}), current.get("versions", {})
+    diffs += [f"{k} {rv[k]} (file) vs {cv.get(k)} (here)" for k in rv if rv[k] != cv.get(k)]
+    if not diffs:
+        return "the recorded procedure matches this decoder's, so the stream is most likely corrupt"
+    hint = "; e.g. torch.set_num_threads(...)" if any(d.startswith("threads") for d in diffs) else ""
+    return "decode where these match: " + ", ".join(diffs) + hint
+
+
+class _TokenDecoder:
+    """Decoding of one open token-tier file: tokens and regeneration once, residuals per layer."""
+
+    def __init__(self, f):
+        self.f = f
+        self._regen = None
+        t = f.header.tier_info
+        if f.draft is not None and t.draft is not None:
+            check_model(t.draft, f.draft, "draft")
+
+    def _streams(self) -> list[TokenStream]:
+        h, r = self.f.header, self.f.reader
+        out = []
+        for row in range(h.batch):
+            e = r.entry(L.SECTION_TOKEN_STREAM, 0, 0, row)
+            out.append(unpack_stream(r.read_payload(e), expect_tokens=h.num_tokens - h.tier_info.padding[row],
+                                     chunk=h.tier_info.checksum_tokens, offset=e.payload_offset))
+        return out
+
+    def regenerated(self) -> tuple[torch.Tensor, KVCache]:
+        """(tokens, the regenerated cache before residuals), decoded once."""
+        if self._regen is None:
+            f, h = self.f, self.f.header
+            if f.model is None:
+                raise ConfigError(f"this file's tier {h.tier!r} is restored by recomputing the cache with the model "
+                                  "it was made with: decode(data, model)")
+            if h.tier_info.draft is not None and f.draft is None:
+                raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
+            tokens, regen = regenerate(h, self._streams(), f.model, f.draft)
+            for i, lay in enumerate(h.layers):
+                if (regen.keys[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.k_dim)
+                        or regen.values[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.v_dim)
+                        or regen.dtype != DTYPES[h.dtype].torch):
+                    raise ModelMismatch(f"layer {i}: the model regenerates {tuple(regen.keys[i].shape)} "
+                                        f"{regen.dtype}, the header says {(h.batch, lay.kv_heads, lay.seq_len)} "
+                                        f"{h.dtype}", field=f"Header.cache.layers[{i}]", offset=L.PREAMBLE.size)
+            self._regen = (tokens, regen)
+        return self._regen
+
+    def tokens(self) -> torch.Tensor:
+        return self.regenerated()[0]
+
+    def _checksums(self) -> dict:
+        h, r = self.f.header, self.f.reader
+        e = r.entry(L.SECTION_TENSOR_CHECKSUMS)
+        slices = h.slices()
+        if e.length != 8 * len(slices):
+            raise FormatError(f"tensor_checksums has {e.length} bytes, the header implies {8 * len(slices)}",
+                              field="Payload_Length", offset=e.offset + 16)
+        sums = np.frombuffer(r.read_payload(e), dtype="<u8").tolist()
+        return {s: (x, e.payload_offset + 8 * i) for i, (s, x) in enumerate(zip(slices, sums))}
+
+    def layers(self, layers, progress=None, regen: KVCache | None = None) -> dict:
+        """Keys and values of ``layers``: the regenerated tensors (``regen``, else the model's) with the residuals
+        applied, each slice checked against its Tensor_Checksum."""
+        h, r = self.f.header, self.f.reader
+        regen = self.regenerated()[1] if regen is None else regen
+        sums = self._checksums() if h.tier_info.has_residual else None
+        codec = IntResidualRans()
+        outs = {}
+        for li in layers:
+            lay = h.layers[li]
+            for p, t in ((L.PART_KEYS, regen.keys[li]), (L.PART_VALUES, regen.values[li])):
+                if sums is None:
+                    outs[li, p] = t
+                    continue
+                bits = bit_patterns(t).copy()
+                for c in range(lay.chunks(h.chunk_tokens)):
+                    a, b = lay.chunk_range(c, h.chunk_tokens)
+                    digest, at = sums[li, p, c]
+                    payload = None
+                    if r.has(L.SECTION_RESIDUAL, li, p, c):
+                        e = r.entry(L.SECTION_RESIDUAL, li, p, c)
+                        payload, at = r.read_payload(e), e.payload_offset
+                    where = Slice((h.batch, lay.kv_heads, b - a, bits.shape[3]), h.dtype, li, p, a, lay.seq_len,
+                                  len(h.layers), at)
+                    out = codec.decode(payload, where, prediction=np.ascontiguousarray(bits[:, :, a:b]))
+                    if checksum(out) != digest:
+                        raise ChecksumMismatch(
+                            f"layer {li} {('keys', 'values')[p]} chunk {c}: the restored tensor's checksum differs "
+                            "from the original's - this decoder regenerates the cache differently from the encoder "
+                            "(another engine, dtype, library version or thread count: see the file's "
+                            "tokens.procedure)" + ("" if payload is None else ", or the residual is corrupt"),
+                            field="Tensor_Checksums", offset=at)
+                    bits[:, :, a:b] = out
+                    if progress:
+                        progress(1)
+                outs[li, p] = from_bit_patterns(bits, DTYPES[h.dtype].torch)
+        return outs
+
+
+def regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
+    """Decode the token streams and regenerate the cache (before residuals)."""
+    try:
+        return _regenerate(header, streams, model, draft)
+    except ChecksumMismatch as e:
+        t = header.tier_info
+        if t.token_model == "static":
+            raise
+        coder_model = split_model(draft if t.token_model == "draft" else model)[0]
+        current = LMTokenCoder(coder_model).procedure(PROCEDURES[t.token_model])
+        raise ChecksumMismatch(f"{e.message}. {procedure_differences(t.raw['procedure'], current)}",
+                               field=e.field, offset=e.offset) from None
+
+
+def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
+    t = header.tier_info
+    mdl, _ = split_model(model)
+    n_layers = getattr(getattr(mdl, "config", None), "num_hidden_layers", None)
+    if n_layers is not None and n_layers != len(header.layers):
+        raise ModelMismatch(f"the header describes {len(header.layers)} layers, the model has {n_layers}",
+                            field="Header.cache.layers")
+    plan = t.plan([lay.sliding_window for lay in header.layers])
+    if t.token_model in ("lm", "static") and vocab_size(mdl) != t.vocab:
+        raise FormatError(f"tokens.vocab {t.vocab} differs from the model's {vocab_size(mdl)}",
+                          field="Header.tokens.vocab")
+    if t.token_model == "lm":
+        tokens, regen = LMTokenCoder(mdl, t.checksum_tokens).decode_replay(streams, plan)
+        return tokens, to_canonical(regen)
+    if t.token_model == "static":
+        coder = StaticTokenCoder(t.vocab, t.checksum_tokens)
+    else:
+        if draft is None:
+            raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
+        coder = LMTokenCoder(split_model(draft)[0], t.checksum_tokens)
+        if coder.vocab != t.vocab:
+            raise FormatError(f"tokens.vocab {t.vocab} differs from the draft model's {coder.vocab}",
+                              field="Header.tokens.vocab")
+    tokens = torch.full((header.batch, header.num_tokens), t.pad_token, dtype=torch.int64)
+    for r, s in enumerate(streams):
+        ids = coder.decode(s)
+        if ids.numel() and int(ids.max()) >= vocab_size(mdl):
+            raise FormatError(f"batch row {r}: a decoded token id is outside the model's vocabulary",
+                              field="Token_Stream.Words")
+        tokens[r, t.padding[r]:] = ids
+    return tokens, to_canonical(replay(mdl, tokens, plan))

@@ -1,0 +1,153 @@
+"""Tier ``lossy``: per-vector quantization, ``vq_rans``; no model needed to decode, deterministic.
+
+Options are the codec's (:mod:`kvcodec.codecs.vq_rans`: ``bits``, ``quantizer``,
+``window``, ``sink`` ...) plus ``max_kl``.  The rate is met here, not in the
+codec: ``bits=`` (average bits per component, side information included) by a
+closed loop on the uniform quantizer's step, or ``max_kl=`` by calibrating the
+step with the model on the cache's own last tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..cache import KVCache
+from ..codecs.vq_rans import DEFAULTS, VqRans, describe, global_step
+from ..container import layout as L
+from ..dtypes import from_bit_patterns
+from ..errors import ConfigError, warn
+from ..identity import split_model
+from ..parallel import run_ordered
+from ..registry import register_tier
+from ..tokens.plan import cache_kwarg
+from ..tokens.recover import recover
+from .base import DirectTier, EncodeJob
+
+
+@register_tier
+class LossyTier(DirectTier):
+    tier_id = "lossy"
+    summary = "quantized tensors (--bits or --max-kl); no model needed to decode"
+    codec_ids = (VqRans.codec_id,)
+    option_names = frozenset(DEFAULTS) | {"max_kl"}
+
+    def codec(self, job: EncodeJob) -> VqRans:
+        options = dict(job.options.codec)
+        max_kl = options.pop("max_kl", None)
+        codec = VqRans.configure(options, job.kv.dtype_name)
+        params, kv = codec.params, job.kv
+        for t in kv.keys + kv.values:
+            if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd"):
+                raise ConfigError(f"{VqRans.codec_id}: head dimension {t.shape[-1]} is not a power of two (the "
+                                  "Hadamard rotation needs one)")
+        if max_kl is not None:
+            if params["quantizer"] != "uniform" or options.get("step") is not None:
+                raise ConfigError("max_kl= picks the step of the uniform quantizer; do not give step=")
+            params["step"], params["calibrated_kl"] = step_for_kl(kv, job.model, float(max_kl), codec)
+            params["max_kl"] = float(max_kl)
+        elif params["quantizer"] == "uniform" and params["step"] is None:
+            params["step"] = global_step(kv.keys + kv.values, params)
+        return codec
+
+    def payloads(self, job: EncodeJob, codec: VqRans, jobs) -> list[bytes] | None:
+        """Closed loop on the rate: code every slice, measure, rescale the step and repeat until indices + norms
+        + tables fit in ``bits=`` per component (rate ~ -log2 step); the payloads of the chosen step.
+        Two-sided: the order-0 estimate the first step came from overshoots what the context coder achieves by
+        ~0.5 bit."""
+        given = job.options.codec
+        params, kv = codec.params, job.kv
+        if params["quantizer"] != "uniform" or given.get("step") is not None or given.get("max_kl") is not None:
+            return None  # a fixed step
+        threads = 1 if job.options.threads is None else job.options.threads
+        tensors = {L.PART_KEYS: kv.keys, L.PART_VALUES: kv.values}
+
+        def work(j, _):
+            li, part, _c, where = j
+            return codec.encode(tensors[part][li][:, :, where.start:where.start + where.shape[2]], where)
+
+        comps = sum(t.numel() for t in kv.keys + kv.values)
+        best, lowest = None, None
+        for _ in range(8):
+            payloads = []
+            run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
+            rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
+            if rate <= params["bits"] and (best is None or rate > best[0]):
+                best = (rate, params["step"], payloads)
+            if lowest is None or rate < lowest[0]:
+                lowest = (rate, params["step"], payloads)
+            if rate <= params["bits"] and params["bits"] - rate < 0.02:
+                break
+            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.005)))
+        if best is None:  # side information alone exceeds the budget (tiny caches): the lowest rate reached
+            warn(f"{VqRans.codec_id}: bits={params['bits']} not reachable for this cache (norms and tables alone "
+                 f"cost more); stored at {lowest[0]:.2f} bits per component")
+            best = lowest
+        _, params["step"], payloads = best
+        return payloads
+
+    def describe_section(self, reader, entry) -> dict:
+        """The quantizer, index bits, step and exact tokens a kv section's payload starts with."""
+        h = reader.header
+        if entry.section_type != L.SECTION_KV:
+            return {}
+        lay = h.layers[entry.layer]
+        a, b = lay.chunk_range(entry.chunk, h.chunk_tokens)
+        dim = lay.k_dim if entry.part == L.PART_KEYS else lay.v_dim
+        return {"coding": describe(reader.read_payload_prefix(entry, 64), (h.batch, lay.kv_heads, b - a, dim),
+                                   8 * h.itemsize)}
+
+
+def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: int = 32) -> tuple[float, float]:
+    """The coarsest uniform step whose cache keeps the model's next-token distributions within ``max_kl``
+    (mean KL, bits) on the cache's own last ``calib_tokens`` tokens: those are fed teacher-forced on top of the
+    rest of the cache, exact and quantized.  Needs the model and the tokens (given or recovered)."""
+    from .base import slice_jobs
+
+    if model is None:
+        raise ConfigError("max_kl= needs the model: encode(cache, model, tier='lossy', max_kl=...)")
+    mdl, _ = split_model(model)
+    s = kv.seq_len
+    n = min(calib_tokens, s // 4)
+    if n < 1 or kv.start_position or any(k.shape[2] != s for k in kv.keys):
+        raise ConfigError("max_kl= needs a cache of at least 4 tokens from position 0 with every layer complete")
+    tokens = kv.tokens
+    if tokens is None:
+        rec = recover(kv.values[0], mdl)
+        if not rec.ok:
+            raise ConfigError(f"max_kl= needs the cache's tokens: pass tokens= ({rec.reason})")
+        tokens = rec.tokens
+
+    def logp(cache_kv: KVCache):
+        prefix = KVCache([k[:, :, :s - n] for k in cache_kv.keys], [v[:, :, :s - n] for v in cache_kv.values])
+        with torch.no_grad():
+            out = mdl(tokens[:, s - n:].to(next(mdl.parameters()).device), use_cache=True,
+                      **{cache_kwarg(mdl): prefix.to_dynamic_cache()})
+        return torch.log_softmax(out.logits.double(), dim=-1)
+
+    ref = logp(kv)
+    whole = slice_jobs(kv, max(s, 1))  # one slice per layer and part
+
+    def kl_at(step: float) -> float:
+        parts = {L.PART_KEYS: [], L.PART_VALUES: []}
+        for li, part, _c, where in whole:
+            t = (kv.keys if part == L.PART_KEYS else kv.values)[li]
+            bits = codec.decode(codec.encode(t, where, step=step), where)
+            parts[part].append(from_bit_patterns(bits, kv.dtype))
+        lq = logp(KVCache(parts[L.PART_KEYS], parts[L.PART_VALUES]))
+        return float(((ref.exp() * (ref - lq)).sum(-1) / np.log(2)).mean())
+
+    lo, hi = -5.0, 2.0  # log2 step: lo (about 7 bits per component) meets the target (checked), hi is coarse
+    best = (2.0 ** lo, kl_at(2.0 ** lo))
+    if best[1] > max_kl:
+        raise ConfigError(f"max_kl={max_kl} is not reachable by the lossy tier on this cache (the finest step "
+                          f"gives {best[1]:.3g} bits); use tier='exact' or 'lossless'")
+    for _ in range(7):
+        mid = (lo + hi) / 2
+        d = kl_at(2.0 ** mid)
+        if d <= max_kl:
+            lo, best = mid, (2.0 ** mid, d)
+        else:
+            hi = mid
+    return float(np.float32(best[0])), best[1]
+

@@ -1,0 +1,204 @@
+"""How a cache was filled, and replaying it: the plan a bit-exact regeneration follows.
+
+A cache is regenerated bit for bit only by the same sequence of forward calls
+(same chunk boundaries, same batch, same attention mask and position ids) on
+the same engine.  A :class:`Plan` holds everything that decides those calls:
+
+* ``schedule``: the number of new tokens of each forward call (sums to N);
+* ``padding``: left-padding length of each batch row (0 for an unpadded batch);
+* ``positions``: how position ids of a padded batch were made - ``"mask"`` as
+  ``generate()`` does (``cumsum(mask) - 1``, padding at 0) or ``"arange"`` as a
+  plain forward call does (0..N-1 whatever the mask);
+* ``pad_token``: the id at padded positions;
+* ``windows``: the kind of each cache layer to fill.
+
+:func:`replay` runs a plan; :func:`infer_plan` finds the plan that regenerates
+a given cache (one prefill, the given schedule, or ``generate()``'s "prefill P,
+then single steps" located by a binary search on single-step probes).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import KVCache, to_canonical
+from ..errors import ConfigError
+from .schedule import expand
+
+__all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg",
+           "padding_candidates", "infer_plan"]
+
+
+@dataclass
+class Plan:
+    schedule: list[int]
+    padding: list[int] = field(default_factory=list)
+    positions: str = "mask"
+    pad_token: int = 0
+    #: per layer: the sliding window of the cache layer to fill (None = full attention), as in the original
+    #: cache (a cache built without the model's config holds full layers even for sliding-window attention);
+    #: None: the layers the model's config asks for; []: plain layers created as the model fills them
+    windows: list | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.schedule)
+
+    def padded(self) -> bool:
+        return any(self.padding)
+
+
+def cache_kwarg(model) -> str:
+    """Name of the forward / ``generate`` cache argument: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def call_kwargs(plan: Plan, a: int, b: int, device) -> dict:
+    """attention_mask / position_ids of the forward call over positions [a, b)."""
+    if not plan.padded():
+        return {}
+    pad = torch.tensor(plan.padding, device=device)[:, None]
+    mask = (torch.arange(b, device=device)[None, :] >= pad).long()
+    if plan.positions == "mask":
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, a:b]
+    else:
+        pos = torch.arange(a, b, device=device)[None, :].expand(len(plan.padding), -1)
+    return {"attention_mask": mask, "position_ids": pos}
+
+
+def new_cache(model, plan: Plan):
+    """An empty DynamicCache whose layers are of the kinds ``plan.windows`` names."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    if plan.windows is None:
+        return DynamicCache(config=model.config)
+    cache = DynamicCache()
+    if plan.windows:
+        cache.layers = [DynamicSlidingWindowLayer(sliding_window=w) if w else DynamicLayer() for w in plan.windows]
+    return cache
+
+
+def forward(model, ids, cache, kw):
+    """One forward call that appends ``ids`` to ``cache``; returns the logits."""
+    out = model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw)
+    return out.logits
+
+
+@torch.no_grad()
+def replay(model, tokens: torch.Tensor, plan: Plan):
+    """Run ``plan``'s forward calls over ``tokens [B, N]``; returns the DynamicCache."""
+    dev = next(model.parameters()).device
+    tokens = tokens.to(dev)
+    cache = new_cache(model, plan)
+    pos = 0
+    for n in plan.schedule:
+        forward(model, tokens[:, pos:pos + n], cache, call_kwargs(plan, pos, pos + n, dev))
+        pos += n
+    return cache
+
+
+# --- finding the plan of a cache ------------------------------------------------------------
+def schedule_arg(schedule, cache, n: int) -> list[int] | None:
+    """The call sizes ``schedule=`` names (or a :class:`~kvcodec.tokens.RecordingCache` recorded); None: infer."""
+    if schedule is None:
+        rec = getattr(cache, "schedule", None)  # a RecordingCache
+        if isinstance(rec, list) and rec and sum(rec) == n:
+            return list(rec)
+        return None
+    if schedule == "prefill":
+        return [n]
+    if schedule == "infer":
+        return None
+    if isinstance(schedule, (list, tuple)) and schedule and all(isinstance(x, (list, tuple)) for x in schedule):
+        sched = expand([[int(size), int(count)] for size, count in schedule])
+    elif isinstance(schedule, (list, tuple)):
+        sched = [int(x) for x in schedule]
+    else:
+        raise ConfigError("schedule must be None, 'infer', 'prefill', a list of call sizes or of [size, count] runs")
+    if not sched or min(sched) < 1 or sum(sched) != n:
+        raise ConfigError(f"schedule's calls add up to {sum(sched)} tokens, the cache holds {n}")
+    return sched
+
+
+def padding_candidates(tokens: torch.Tensor, attention_mask, model, tokenizer) -> list[tuple[list[int], int]]:
+    """(padding per row, pad token) candidates, most likely first."""
+    b, n = tokens.shape
+    if attention_mask is not None:
+        m = torch.as_tensor(attention_mask).to("cpu").long()
+        if m.shape != (b, n):
+            raise ConfigError(f"attention_mask must be [batch={b}, tokens={n}], not {tuple(m.shape)}")
+        pads = []
+        for r in range(b):
+            row = m[r]
+            p = int((row.cumsum(0) == 0).sum())
+            if not bool((row[p:] == 1).all()) or bool((row[:p] != 0).any()) or p >= n:
+                raise ConfigError(f"attention_mask row {r}: only left padding (zeros, then ones) is supported")
+            pads.append(p)
+        pad_tok = int(tokens[[r for r in range(b) if pads[r]][0], 0]) if any(pads) else 0
+        return [(pads, pad_tok)]
+    cands = [([0] * b, 0)]
+    if b > 1:
+        ids = {getattr(model.config, "pad_token_id", None),
+               getattr(tokenizer, "pad_token_id", None) if tokenizer else None}
+        ids |= {int(tokens[r, 0]) for r in range(b)}
+        for pid in sorted(i for i in ids if isinstance(i, int)):
+            pads = []
+            for r in range(b):
+                row = tokens[r] == pid
+                pads.append(min(int((row.long().cumprod(0)).sum()), n - 1))
+            if any(pads) and min(pads) == 0 and (pads, pid) not in cands:
+                cands.append((pads, pid))
+    return cands
+
+
+@torch.no_grad()
+def _probe_single_step(model, kv: KVCache, tokens, plan: Plan, j: int) -> bool:
+    """Was position j computed as one single-token call on top of the original cache [0, j)?  (Every layer of
+    ``kv`` holds all positions: the caller checks.)"""
+    dev = next(model.parameters()).device
+    prefix = KVCache([k[:, :, :j].clone() for k in kv.keys], [v[:, :, :j].clone() for v in kv.values],
+                     sliding_window=kv.sliding_window, cumulative_length=[j] * kv.num_layers).to_dynamic_cache()
+    forward(model, tokens[:, j:j + 1].to(dev), prefix, call_kwargs(plan, j, j + 1, dev))
+    got = to_canonical(prefix)
+    return all(torch.equal(a[:, :, j:j + 1], ga[:, :, -1:])
+               for a, ga in zip(kv.keys + kv.values, got.keys + got.values))
+
+
+def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str, KVCache | None]:
+    """Find the plan that regenerates ``kv`` bit for bit; returns (plan, how it was found, its regeneration
+    when it was verified by one)."""
+    n = tokens.shape[1]
+    pos_modes = ["mask", "arange"]
+    plans = [Plan(given_schedule or [n], pads, mode, pid, list(kv.sliding_window)) for pads, pid in candidates
+             for mode in (pos_modes if any(pads) else ["mask"])]
+    if given_schedule is not None and len(plans) == 1:
+        return plans[0], "given", None
+    first = None
+    for plan in plans:  # one prefill (or the given schedule): cheap, and the commonest
+        regen = to_canonical(replay(model, tokens, plan))
+        first = regen if first is None else first
+        if regen.equal(kv):
+            return plan, "given" if given_schedule else "verified: one prefill", regen
+    if given_schedule is not None:
+        return plans[0], "given (not verified)", first
+    if n < 3 or any(lay.shape[2] != n for lay in kv.keys):
+        return plans[0], "unknown: one prefill assumed", first
+    # "one prefill of P tokens, then single steps" (generate()): positions >= P pass the single-step probe
+    for plan in plans:
+        if not _probe_single_step(model, kv, tokens, plan, n - 1):
+            continue
+        lo, hi = 1, n - 1  # smallest j whose probe passes
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _probe_single_step(model, kv, tokens, plan, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return Plan([lo] + [1] * (n - lo), plan.padding, plan.positions, plan.pad_token, plan.windows), \
+            f"inferred: prefill {lo}, then {n - lo} single steps", None
+    return plans[0], "unknown: one prefill assumed", first
