@@ -59,7 +59,7 @@ def _check(x: torch.Tensor, name: str) -> int:
 
 
 def _signs(seed: int, d: int, device) -> torch.Tensor:
-    from kvcodec.codecs.vq_rans import signs
+    from kvcodec.codecs.hadamard import signs
 
     return torch.from_numpy(signs(seed, d)).to(device)
 

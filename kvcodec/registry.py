@@ -41,6 +41,11 @@ def unregister_tier(tier_id: str) -> None:
     _TIERS.pop(tier_id, None)
 
 
+def unregister_codec(codec_id: str) -> None:
+    """Remove a codec (tests that register one of their own)."""
+    _CODECS.pop(codec_id, None)
+
+
 def tier(tier_id: str):
     """The registered tier of that id; :class:`ConfigError` if there is none."""
     try:

@@ -76,3 +76,68 @@ def patch(data: bytes, offset: int, new: bytes) -> bytes:
     b = bytearray(data)
     b[offset:offset + len(new)] = new
     return bytes(b)
+
+
+# --- checkers (numcodecs-style): the tests are mostly calls to these ------------------------------------------
+def check_roundtrip(cache, model=None, *, draft=None, **encode_kwargs) -> bytes:
+    """Encode ``cache`` (with ``model`` / options), decode it back and require bit-identical tensors, the same
+    layer layout and, where the file stores token ids, the same ids; also through a file object.  Returns the
+    file's bytes."""
+    import io
+
+    import kvcodec
+
+    data = kvcodec.encode(cache, model, **({"draft": draft} if draft is not None else {}), **encode_kwargs)
+    want = kvcodec.to_canonical(cache)
+    for source in (data, io.BytesIO(data)):
+        got = kvcodec.decode(source, model, draft=draft, output="kvcache")
+        assert got.equal(want), "decoded tensors differ from the input"
+        assert got.sliding_window == want.sliding_window and got.cumulative_length == want.cumulative_length
+        assert got.start_position == want.start_position
+        tokens = encode_kwargs.get("tokens")
+        if tokens is not None and got.tokens is not None:
+            assert got.tokens.tolist() == torch.as_tensor(tokens).reshape(got.tokens.shape).tolist()
+    return data
+
+
+def check_rejects(error, source, *args, match=None, **kwargs):
+    """``source`` bytes: decoding them must raise ``error`` (a KvzError names its field); anything else is a
+    cache, and encoding it with ``args`` / ``kwargs`` must raise ``error``.  Returns the exception."""
+    import pytest
+
+    import kvcodec
+
+    with pytest.raises(error, match=match) as ei:
+        if isinstance(source, (bytes, bytearray)):
+            kvcodec.decode(bytes(source), *args, **kwargs)
+        else:
+            kvcodec.encode(source, *args, **kwargs)
+    if isinstance(ei.value, kvcodec.FormatError):
+        assert ei.value.field, "a format error names the field at fault"
+    return ei.value
+
+
+def check_vector(case: str, model=None):
+    """Decode golden vector ``case`` (spec/vectors) and compare with the SHA-256 of its recorded tensors, token ids
+    and start position; returns the decoded KVCache."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import kvcodec
+
+    vectors = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+    meta = json.loads((vectors / f"{case}.json").read_text())
+    data = (vectors / f"{case}.kvz").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == meta["file_sha256"], "the vector's bytes changed"
+    kv = kvcodec.decode(data, model, output="kvcache")
+
+    def sha(t):
+        return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    assert kv.dtype_name == meta["dtype"]
+    assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
+    assert [sha(t) for t in kv.values] == meta["values_sha256"]
+    assert (kv.tokens.tolist() if kv.tokens is not None else None) == meta["tokens"]
+    assert kv.start_position == meta["start_position"]
+    return kv

@@ -8,7 +8,7 @@ import torch
 
 import kvcodec
 
-from .common import VOCAB, greedy_from, model_cache, random_cache, tiny_model
+from .common import VOCAB, check_rejects, check_roundtrip, greedy_from, model_cache, random_cache, tiny_model
 
 LAYOUTS = ["llama", "qwen2", "qwen2_mixed", "mistral_sw", "gpt2"]
 
@@ -19,13 +19,8 @@ def test_model_cache_round_trip_bit_identical(kind, dtype):
     model = tiny_model(kind, dtype)
     ids = torch.randint(0, VOCAB, (2, 21))  # batch 2; longer than the sliding windows
     cache = model_cache(model, ids)
-    data = kvcodec.encode(cache, model)
+    data = check_roundtrip(cache, model)  # sliding-window layers keep their window and cumulative length too
     back = kvcodec.decode(data, model, output="kvcache")
-    assert back.equal(kvcodec.to_canonical(cache))
-    # sliding-window layers keep their window and their cumulative length
-    orig = kvcodec.to_canonical(cache)
-    assert back.sliding_window == orig.sliding_window
-    assert back.cumulative_length == orig.cumulative_length
     assert kvcodec.encode(back, model) == data  # canonical: re-encoding gives the same bytes
 
 
@@ -46,9 +41,7 @@ def test_different_lengths_per_layer_are_kept():
     cache = model_cache(model, torch.randint(0, VOCAB, (1, 30)))
     kv = kvcodec.to_canonical(cache)
     assert kv.keys[0].shape[2] == 30 and kv.keys[1].shape[2] < 30
-    back = kvcodec.decode(kvcodec.encode(cache, chunk_tokens=7), output="kvcache")
-    assert [k.shape for k in back.keys] == [k.shape for k in kv.keys]
-    assert back.equal(kv)
+    check_roundtrip(cache, chunk_tokens=7)
 
 
 def test_legacy_tuple_and_kvcache_inputs():
@@ -64,8 +57,7 @@ def test_legacy_tuple_and_kvcache_inputs():
 
 
 def test_different_v_head_dim():
-    cache = [(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 3))]
-    assert kvcodec.decode(kvcodec.encode(cache), output="kvcache").equal(kvcodec.to_canonical(cache))
+    check_roundtrip([(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 3))])
 
 
 def test_tokens_and_start_position_stored():
@@ -87,8 +79,7 @@ def test_tokens_and_start_position_stored():
     ([], ValueError),
 ])
 def test_unsupported_caches_raise_clear_errors(bad, err):
-    with pytest.raises(err):
-        kvcodec.encode(bad)
+    check_rejects(err, bad)
 
 
 def test_quantized_cache_layers_are_refused():
@@ -100,11 +91,9 @@ def test_quantized_cache_layers_are_refused():
 
     c = DynamicCache()
     c.layers = [FakeQuantizedLayer()]
-    with pytest.raises(kvcodec.UnsupportedCache, match="not supported"):
-        kvcodec.encode(c)
+    check_rejects(kvcodec.UnsupportedCache, c, match="not supported")
     c.layers = [DynamicLayer()]  # never filled
-    with pytest.raises(ValueError, match="uninitialised"):
-        kvcodec.encode(c)
+    check_rejects(ValueError, c, match="uninitialised")
 
 
 def test_transformers_quantized_cache_is_refused_not_truncated():
@@ -123,8 +112,7 @@ def test_transformers_quantized_cache_is_refused_not_truncated():
         for j in range(24, 31):
             m(ids[:, j:j + 1], use_cache=True, **{cache_kwarg(m): qc})
     assert qc.get_seq_length() == 31
-    with pytest.raises(kvcodec.UnsupportedCache, match="Fp8QuantizedLayer"):
-        kvcodec.encode(qc)
+    check_rejects(kvcodec.UnsupportedCache, qc, match="Fp8QuantizedLayer")
     with pytest.raises(kvcodec.UnsupportedCache):
         kvcodec.encode(qc, m)  # the token tiers read the cache through the same adapter
 
@@ -150,10 +138,9 @@ def test_layers_with_extra_state_are_refused(layer_class):
     c.layers = [DynamicLayer(), layer]
     c.layers[0].lazy_initialization(k, k)
     c.layers[0].keys, c.layers[0].values = k, k
-    with pytest.raises(kvcodec.UnsupportedCache, match="layer 1: .*(Layer|MyLayer)"):
-        kvcodec.encode(c)
+    check_rejects(kvcodec.UnsupportedCache, c, match="layer 1: .*(Layer|MyLayer)")
     c.layers = c.layers[:1]  # the known class alone is stored
-    assert kvcodec.decode(kvcodec.encode(c), output="kvcache").equal(kvcodec.KVCache([k], [k]))
+    check_roundtrip(c)
 
 
 def test_model_fingerprint_and_mismatch():
@@ -171,12 +158,9 @@ def test_model_fingerprint_and_mismatch():
         if tier == "lossless":
             kvcodec.decode(data)  # the lossless tier does not need the model
         else:
-            with pytest.raises(kvcodec.ConfigError, match="decode\\(data, model\\)"):
-                kvcodec.decode(data)
-        with pytest.raises(kvcodec.ModelMismatch):
-            kvcodec.decode(data, m2)
-        with pytest.raises(kvcodec.ModelMismatch):
-            kvcodec.decode(data, m3)
+            check_rejects(kvcodec.ConfigError, data, match="decode\\(data, model\\)")
+        check_rejects(kvcodec.ModelMismatch, data, m2)
+        check_rejects(kvcodec.ModelMismatch, data, m3)
 
 
 def test_save_load_paths_and_fsspec(tmp_path):
@@ -220,18 +204,25 @@ def test_threads_do_not_change_bytes():
 
 
 def test_bad_options():
-    with pytest.raises(kvcodec.ConfigError):
-        kvcodec.encode(random_cache(), tier="exact")
-    with pytest.raises(kvcodec.ConfigError):
-        kvcodec.encode(random_cache(), chunk_tokens=0)
-    with pytest.raises(kvcodec.ConfigError):
-        kvcodec.encode(random_cache(), colour="red")
+    check_rejects(kvcodec.ConfigError, random_cache(), tier="exact", match="needs the model")
+    check_rejects(kvcodec.ConfigError, random_cache(), chunk_tokens=0, match="chunk_tokens")
+    check_rejects(kvcodec.ConfigError, random_cache(), colour="red", match="unknown options")
+    check_rejects(kvcodec.ConfigError, random_cache(), tier="nonesuch", match="unknown tier")
+    check_rejects(kvcodec.ConfigError, random_cache(), tolerance=1e-3, match="unknown options")
+
+
+def test_encoder_is_reusable_and_equals_encode():
+    enc = kvcodec.Encoder(tier="lossless", chunk_tokens=4, ways=4)
+    a, b = random_cache(seed=1), random_cache(seed=2)
+    assert enc.encode(a) == kvcodec.encode(a, tier="lossless", chunk_tokens=4, ways=4)
+    assert enc.encode(b) == kvcodec.encode(b, tier="lossless", chunk_tokens=4, ways=4)
+    assert enc.tier_for(None) == "lossless" and kvcodec.Encoder().tier_for(object()) == "exact"
+    assert kvcodec.Encoder(tolerance=1e-3).tier_for(object()) == "tokens"
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
-@settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_round_trip_property(data):
     """Any shapes, dtypes, chunkings and codec options round-trip bit-exactly and re-encode identically."""
@@ -251,8 +242,6 @@ def test_round_trip_property(data):
     opts = {"chunk_tokens": data.draw(st.sampled_from([1, 4, 7, 4096])),
             "ways": data.draw(st.sampled_from([1, 3, 4, 8])),
             "context": data.draw(st.sampled_from(["prev", "none"]))}
-    blob = kvcodec.encode(kv, **opts)
-    back = kvcodec.decode(blob, output="kvcache")
-    assert back.equal(kv)
-    assert kvcodec.encode(back, **opts) == blob
+    blob = check_roundtrip(kv, **opts)
+    assert kvcodec.encode(kvcodec.decode(blob, output="kvcache"), **opts) == blob
     assert kvcodec.inspect(blob)["num_layers"] == nl

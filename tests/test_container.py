@@ -15,7 +15,7 @@ from kvcodec.container.writer import KvzWriter
 from kvcodec.errors import (BadMagic, ChecksumMismatch, FormatError, KvzError, LimitExceeded, OffsetError,
                             ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion)
 
-from .common import flip_bit, patch, random_cache
+from .common import check_rejects, flip_bit, patch, random_cache
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,7 @@ def test_checksum_mismatch_payload(small):
     with pytest.raises(ChecksumMismatch) as ei:
         r2.read_payload(r2.sections[-1])
     assert ei.value.field == "Payload_Checksum" and ei.value.offset == e.offset + 24
-    with pytest.raises(ChecksumMismatch):
-        kvcodec.decode(bad)
+    check_rejects(ChecksumMismatch, bad)
 
 
 def test_limit_exceeded_header_length(small):
@@ -102,8 +101,7 @@ def test_limit_exceeded_header_length(small):
 
 
 def test_limit_exceeded_output_bytes(small):
-    with pytest.raises(LimitExceeded):
-        kvcodec.decode(small, limits={"max_output_bytes": 100})
+    check_rejects(LimitExceeded, small, limits={"max_output_bytes": 100})
     def grow(h):
         h["cache"]["layers"][0].update(seq_len=2**31, cumulative_length=2**31)
         h["cache"]["num_tokens"] = 2**31

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.codecs import vq_rans as quant
 from kvcodec.container import layout as L
 from kvcodec.container.reader import KvzReader
-from kvcodec.codecs import vq_rans as quant
+
+from .common import check_rejects
 
 
 def structured_cache(layers=2, heads=2, seq=96, dim=64, dtype=torch.bfloat16, seed=0):
@@ -111,10 +113,8 @@ def test_window_lloyd_and_inspect():
 
 
 def test_bad_options_and_payloads():
-    with pytest.raises(kvcodec.ConfigError, match="power of two"):
-        kvcodec.encode(structured_cache(dim=48), tier="lossy")
-    with pytest.raises(kvcodec.ConfigError, match="unknown options"):
-        kvcodec.encode(structured_cache(), tier="lossy", bitz=3)
+    check_rejects(kvcodec.ConfigError, structured_cache(dim=48), tier="lossy", match="power of two")
+    check_rejects(kvcodec.ConfigError, structured_cache(), tier="lossy", bitz=3, match="unknown options")
     data = kvcodec.encode(structured_cache(layers=1, seq=20), tier="lossy", bits=3.0)
     with KvzReader(data) as r:
         e = r.entry(L.SECTION_KV, 0, L.PART_KEYS, 0)
@@ -150,8 +150,7 @@ def test_sink_tokens_are_exact_in_mode_2():
         with pytest.raises(kvcodec.FormatError) as ei:
             quant.decode(bad, shape, "bfloat16")
         assert ei.value.field == field
-    with pytest.raises(kvcodec.ConfigError, match="sink"):
-        kvcodec.encode(cache, tier="lossy", sink=-1)
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", sink=-1, match="sink")
 
 
 def test_kivi_keys_per_channel_values_per_token():
@@ -183,14 +182,13 @@ def test_cachegen_per_token_max_abs_with_layer_bins():
             mx = y.float().abs().amax(dim=(1, 3), keepdim=True)  # per token, over heads and channels
             err = (x.float() - y.float()).abs()
             assert bool((err <= mx / half / 2 * 1.01 + 1e-3).all()), (li, part)
-    with pytest.raises(kvcodec.ConfigError):
-        kvcodec.encode(cache, tier="lossy", quantizer="cachegen", cachegen_bins=[2, 16])
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", quantizer="cachegen", cachegen_bins=[2, 16])
 
 
 def test_max_kl_calibrates_the_step_with_the_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .common import model_cache
+    from .common import check_rejects, model_cache
 
     torch.manual_seed(3)  # sharp next-token distributions (large init), so that KL reacts to the step
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -205,7 +203,5 @@ def test_max_kl_calibrates_the_step_with_the_model():
         rates[mk] = 8 * sum(s["bytes"] for s in kvcodec.inspect(data)["sections"]) / comps
         kvcodec.decode(data)  # decodes without the model
     assert rates[0.003] > rates[0.05] + 0.5
-    with pytest.raises(kvcodec.ConfigError, match="not reachable"):
-        kvcodec.encode(cache, model, tier="lossy", max_kl=1e-9)
-    with pytest.raises(kvcodec.ConfigError, match="needs the model"):
-        kvcodec.encode(cache, tier="lossy", max_kl=0.01)
+    check_rejects(kvcodec.ConfigError, cache, model, tier="lossy", max_kl=1e-9, match="not reachable")
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", max_kl=0.01, match="needs the model")

@@ -9,7 +9,7 @@ import kvcodec
 from kvcodec.lab.common import demo_text
 from kvcodec.models import prefill, tokenize
 
-from .common import greedy_from, recorded_generate
+from .common import check_rejects, greedy_from, recorded_generate
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,7 @@ def test_model_mismatch_on_real_model(smollm2):
     ids = tokenize(tok, demo_text(), 8)
     data = kvcodec.encode(prefill(model, ids), (model, tok))
     other = copy.deepcopy(model).to(torch.bfloat16)
-    with pytest.raises(kvcodec.ModelMismatch):
-        kvcodec.decode(data, other)
+    check_rejects(kvcodec.ModelMismatch, data, other)
 
 
 def test_demo_command(tmp_path, monkeypatch, smollm2):
@@ -144,9 +143,7 @@ def test_token_tier_wrong_model_and_tokenizer(smollm2):
     model, tok = smollm2
     cache = prefill(model, tokenize(tok, demo_text(), 8))
     data = kvcodec.encode(cache, (model, tok), token_model="static")
-    with pytest.raises(kvcodec.ModelMismatch, match="fingerprint|model"):
-        kvcodec.decode(data, copy.deepcopy(model).to(torch.bfloat16))
+    check_rejects(kvcodec.ModelMismatch, data, copy.deepcopy(model).to(torch.bfloat16), match="fingerprint|model")
     other = copy.deepcopy(tok)
     other.add_tokens(["<kvcodec-test-token>"])
-    with pytest.raises(kvcodec.ModelMismatch, match="tokenizer"):
-        kvcodec.decode(data, (model, other))
+    check_rejects(kvcodec.ModelMismatch, data, (model, other), match="tokenizer")

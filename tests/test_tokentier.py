@@ -13,7 +13,7 @@ from kvcodec.container.reader import KvzReader
 from kvcodec.container.writer import KvzWriter
 from kvcodec.errors import FallbackWarning
 
-from .common import VOCAB, greedy_from, model_cache, recorded_generate, tiny_model
+from .common import VOCAB, check_rejects, greedy_from, model_cache, recorded_generate, tiny_model
 
 
 def _generate(model, ids, new=6, **kw):
@@ -67,8 +67,7 @@ def test_schedule_is_recorded_given_or_inferred():
     assert info["token_channel"]["schedule"] in ([[23, 1], [1, 8]], [[31, 1]])  # inferred, or a verified equivalent
     data = kvcodec.encode(plain, model, schedule=[[23, 1], [1, 8]])
     assert kvcodec.inspect(data)["token_channel"]["schedule"] == [[23, 1], [1, 8]]
-    with pytest.raises(kvcodec.ConfigError, match="add up"):
-        kvcodec.encode(plain, model, schedule=[23, 1])
+    check_rejects(kvcodec.ConfigError, plain, model, schedule=[23, 1], match="add up")
 
 
 def test_wrong_schedule_still_decodes_exactly_through_the_residual():
@@ -135,8 +134,7 @@ def test_tokens_tier_with_and_without_tolerance():
     assert max(float((a.double() - b.double()).abs().max()) for a, b in zip(back.keys + back.values,
                                                                           kv.keys + kv.values)) <= eps
     assert kvcodec.decode(exact, model, output="kvcache").equal(kv)
-    with pytest.raises(kvcodec.ConfigError):
-        kvcodec.encode(plain, model, tier="exact", tolerance=0.1)
+    check_rejects(kvcodec.ConfigError, plain, model, tier="exact", tolerance=0.1)
 
 
 def test_draft_model_codes_tokens_and_is_checked():
@@ -153,10 +151,8 @@ def test_draft_model_codes_tokens_and_is_checked():
     assert info["token_channel"]["token_model"] == "draft"
     assert info["token_channel"]["draft"]["fingerprint"] == kvcodec.model_fingerprint(draft)
     assert kvcodec.decode(data, model, draft=draft, output="kvcache").equal(kvcodec.to_canonical(cache))
-    with pytest.raises(kvcodec.ConfigError, match="draft"):
-        kvcodec.decode(data, model)
-    with pytest.raises(kvcodec.ModelMismatch):
-        kvcodec.decode(data, model, draft=tiny_model("qwen2"))
+    check_rejects(kvcodec.ConfigError, data, model, match="draft")
+    check_rejects(kvcodec.ModelMismatch, data, model, draft=tiny_model("qwen2"))
 
 
 def test_wrong_tokenizer_is_a_model_mismatch():
@@ -174,8 +170,7 @@ def test_wrong_tokenizer_is_a_model_mismatch():
     data = kvcodec.encode(cache, (model, a))
     assert kvcodec.decode(data, (model, a), output="kvcache").equal(kvcodec.to_canonical(cache))
     assert kvcodec.decode(data, model, output="kvcache").equal(kvcodec.to_canonical(cache))  # no tokenizer: not checked
-    with pytest.raises(kvcodec.ModelMismatch, match="tokenizer"):
-        kvcodec.decode(data, (model, b))
+    check_rejects(kvcodec.ModelMismatch, data, (model, b), match="tokenizer")
 
 
 def test_fallbacks_are_announced_and_lossless():
@@ -238,8 +233,7 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
         b[-1] ^= 0x55
         return bytes(b)
 
-    with pytest.raises(kvcodec.ChecksumMismatch, match="token chunk"):
-        kvcodec.decode(_rewrite(data, flip_words), model)
+    check_rejects(kvcodec.ChecksumMismatch, _rewrite(data, flip_words), model, match="token chunk")
 
     def corrupt_residual(e, p):
         if e.section_type != L.SECTION_RESIDUAL or p[0] != 1 or e.layer != 1:
@@ -256,20 +250,17 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     with torch.no_grad():
         other.lm_head.weight.mul_(1.5)
     monkeypatch.setattr(kvcodec.file, "check_model", lambda *a, **k: None)
-    with pytest.raises(kvcodec.ChecksumMismatch, match="chunk 0.*most likely corrupt"):
-        kvcodec.decode(data, other)
+    check_rejects(kvcodec.ChecksumMismatch, data, other, match="chunk 0.*most likely corrupt")
     torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
     try:  # a recorded thread count that differs from the decoder's is named
-        with pytest.raises(kvcodec.ChecksumMismatch, match="threads"):
-            kvcodec.decode(data, other)
+        check_rejects(kvcodec.ChecksumMismatch, data, other, match="threads")
     finally:
         torch.set_num_threads(threads)
     static = kvcodec.encode(rec, model, token_model="static")
     other2 = copy.deepcopy(model)
     with torch.no_grad():
         other2.model.layers[0].mlp.down_proj.weight.mul_(1.01)  # changes layer-1 K/V
-    with pytest.raises(kvcodec.ChecksumMismatch, match="regenerates the cache differently"):
-        kvcodec.decode(static, other2)
+    check_rejects(kvcodec.ChecksumMismatch, static, other2, match="regenerates the cache differently")
 
 
 def test_header_validation_of_the_tokens_object():

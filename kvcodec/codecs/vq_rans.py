@@ -44,6 +44,7 @@ from ..errors import ConfigError, FormatError
 from ..registry import register_codec
 from . import float_ctx_rans as floatctx
 from .base import Codec, Slice
+from .hadamard import fwht, signs  # noqa: F401  (part of this codec's reference arithmetic)
 
 CODEC_ID = "vq_rans"
 METHOD_UNIFORM = 1
@@ -97,26 +98,6 @@ def check_config(cfg: dict) -> dict:
     if not (isinstance(out["seed"], int) and 0 <= out["seed"] < 2 ** 64):
         raise ConfigError(f"{CODEC_ID}: seed must be an int in [0, 2**64)")
     return out
-
-
-# --- the rotation -------------------------------------------------------------------
-def signs(seed: int, d: int) -> np.ndarray:
-    """The random signs (float32 +-1) of the randomized Hadamard transform: PCG64(seed), d fair bits."""
-    bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=d, dtype=np.uint8)
-    return np.where(bits == 1, np.float32(-1.0), np.float32(1.0))
-
-
-def fwht(x: np.ndarray) -> np.ndarray:
-    """Unnormalised Walsh-Hadamard transform along the last axis (length a power of two), float32."""
-    n, d = x.shape
-    h = 1
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    while h < d:
-        y = x.reshape(n, d // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        x = np.concatenate([a + b, a - b], axis=2).reshape(n, d)
-        h *= 2
-    return x
 
 
 def lloyd_max_gaussian(levels: int, iters: int = 200) -> np.ndarray:

@@ -1,0 +1,138 @@
+"""The shape of the code base: the tier and codec contracts hold, imports form no cycle, no private name
+crosses modules, and the generated lane decoders are what their generator writes."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcodec
+from kvcodec import registry
+
+from .common import check_rejects, check_roundtrip, random_cache
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvcodec"
+
+
+def test_a_new_tier_is_one_class_and_a_registry_entry():
+    """A tier and its codec registered in a few lines: encode, inspect, decode and the container's checks work
+    without touching anything else; once unregistered, its files are refused by name."""
+    from kvcodec.codecs.base import Codec
+    from kvcodec.dtypes import DTYPES, bit_patterns
+    from kvcodec.tiers.base import DirectTier
+
+    @registry.register_codec
+    class RawCodec(Codec):
+        codec_id = "x-test-raw"
+
+        def encode(self, t, where, prediction=None):
+            return bit_patterns(t).astype(f"<u{DTYPES[where.dtype].itemsize}").tobytes()
+
+        def decode(self, payload, where, prediction=None, out=None):
+            dt = DTYPES[where.dtype]
+            return np.frombuffer(payload, f"<u{dt.itemsize}").astype(dt.uint).reshape(where.shape)
+
+    @registry.register_tier
+    class RawTier(DirectTier):
+        tier_id, codec_ids, summary = "x-test-raw", ("x-test-raw",), "raw little-endian tensors"
+
+        def codec(self, job):
+            return RawCodec()
+
+    try:
+        data = check_roundtrip(random_cache(layers=3, seq=9), tier="x-test-raw", chunk_tokens=4)
+        assert kvcodec.inspect(data)["codec"]["id"] == "x-test-raw"
+        check_rejects(kvcodec.ConfigError, random_cache(), tier="x-test-raw", bits=2)  # options it does not take
+    finally:
+        registry.unregister_tier("x-test-raw")
+        registry.unregister_codec("x-test-raw")
+    check_rejects(kvcodec.UnknownId, data, match="x-test-raw")
+
+
+def test_every_tier_declares_the_contract():
+    for tid in registry.tier_ids():
+        t = registry.tier(tid)
+        assert t.tier_id == tid and t.summary and t.codec_ids and t.min_minor in (0, 1)
+        assert all(c in registry.codec_ids() for c in t.codec_ids)
+        assert isinstance(t.needs_model, bool) and isinstance(t.option_names, frozenset)
+
+
+def _modules():
+    """kvcodec module name -> (path, is package)."""
+    out = {}
+    for p in PACKAGE.rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        pkg = parts[-1] == "__init__"
+        if pkg:
+            parts = parts[:-1]
+        out[".".join(parts)] = (p, pkg)
+    kernels = ROOT / "kernels"  # shipped as kvcodec._kernels
+    for p in kernels.glob("*.py"):
+        name = "kvcodec._kernels" + ("" if p.stem == "__init__" else "." + p.stem)
+        out[name] = (p, p.stem == "__init__")
+    return out
+
+
+def _imports(mods):
+    """(importer, imported module, imported name or None, line) for every import statement, lazy ones too."""
+    for name, (path, is_pkg) in mods.items():
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("kvcodec"):
+                        yield name, a.name, None, node.lineno
+            elif isinstance(node, ast.ImportFrom):
+                target = (".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                          if node.level else node.module or "")
+                if not target.startswith("kvcodec"):
+                    continue
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    yield (name, sub, None, node.lineno) if sub in mods else (name, target, a.name, node.lineno)
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph = {m: set() for m in mods}
+    for src, dst, _, _ in _imports(mods):
+        if dst in mods and dst != src and not src.startswith(dst + "."):  # a package's own submodules: not a cycle
+            graph[src].add(dst)
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_private_name_crosses_modules():
+    mods = _modules()
+    bad = [f"{src}:{line} imports {dst}.{name}" for src, dst, name, line in _imports(mods)
+           if name and name.startswith("_") and not name.startswith("__") and dst != src]
+    assert not bad, bad
+
+
+def test_api_is_a_thin_surface():
+    assert len((PACKAGE / "api.py").read_text().splitlines()) <= 250
+
+
+def test_generated_lane_decoders_match_their_generator(tmp_path):
+    """kvcodec/entropy/_lanes_unrolled.py is generated by scripts/gen_lanes.py: it must be exactly its output."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_lanes.py"), "--stdout"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out == (PACKAGE / "entropy" / "_lanes_unrolled.py").read_text()
