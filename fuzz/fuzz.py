@@ -32,8 +32,8 @@ import random
 import struct
 import sys
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 from pathlib import Path
 
 import torch

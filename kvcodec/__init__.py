@@ -11,16 +11,29 @@ Public API::
     model, tokenizer = kvcodec.load_model("smollm2")  # the embedded default, offline
 """
 
-from .version import __version__
-from .errors import (  # noqa: E402
-    BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FormatError, KvzError, LimitExceeded,
-    ModelMismatch, OffsetError, ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedCache,
-    UnsupportedVersion, FallbackWarning,
-)
-from .cache import KVCache, to_canonical  # noqa: E402
 from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
-from .api import Encoder, decode, encode, inspect, load, open_kvz, save, KvzFile  # noqa: E402
+from .api import Encoder, KvzFile, decode, encode, inspect, load, open_kvz, save  # noqa: E402
+from .cache import KVCache, to_canonical  # noqa: E402
+from .errors import (  # noqa: E402
+    BackendUnavailable,
+    BadMagic,
+    ChecksumMismatch,
+    ConfigError,
+    FallbackWarning,
+    FormatError,
+    KvzError,
+    LimitExceeded,
+    ModelMismatch,
+    OffsetError,
+    ReservedBitSet,
+    TrailingData,
+    TruncatedFile,
+    UnknownId,
+    UnsupportedCache,
+    UnsupportedVersion,
+)
 from .models import load_model, model_fingerprint, tokenizer_fingerprint  # noqa: E402
+from .version import __version__
 
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",

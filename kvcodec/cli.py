@@ -21,7 +21,8 @@ from pathlib import Path
 
 from . import registry
 from .errors import ConfigError, KvzError
-from .formatting import human as _human, inspection_text
+from .formatting import human as _human
+from .formatting import inspection_text
 
 
 def _progress(total: int, desc: str):

@@ -48,7 +48,8 @@ def parse(text: str) -> DType:
     for d in DTYPES.values():
         if text == d.name or text in d.aliases:
             return d
-    raise ValueError(f"unknown dtype {text!r}: one of {sorted(n for d in DTYPES.values() for n in (d.name, *d.aliases))}")
+    names = sorted(n for d in DTYPES.values() for n in (d.name, *d.aliases))
+    raise ValueError(f"unknown dtype {text!r}: one of {names}")
 
 
 def bit_patterns(t: torch.Tensor) -> np.ndarray:

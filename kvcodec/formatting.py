@@ -23,7 +23,8 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
     m = info["model"]
     out(f"  model        : {m['fingerprint'] if m else 'none recorded'}"
           + (f" ({m.get('architecture')})" if m and m.get("architecture") else ""))
-    out(f"  tier / codec : {info['tier']} / {info['codec']['id']} {json.dumps(info['codec']['params'], sort_keys=True)}")
+    params = json.dumps(info["codec"]["params"], sort_keys=True)
+    out(f"  tier / codec : {info['tier']} / {info['codec']['id']} {params}")
     out(f"  cache        : {info['dtype']}, batch {info['batch']}, {info['num_layers']} layers, "
           f"kv heads {info['kv_heads']}, head dims {info['head_dims']}, {info['tokens']} tokens, "
           f"start position {info['start_position']}, token ids {'stored' if info['has_token_ids'] else 'not stored'}")

@@ -51,6 +51,7 @@ def main(argv=None):
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvcodec._kernels import vq
+
     from kvcodec.codecs import vq_rans as quant
 
     name = torch.cuda.get_device_name()

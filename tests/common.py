@@ -9,8 +9,16 @@ VOCAB = 128
 
 def tiny_model(kind: str, dtype=torch.float32):
     """A tiny randomly initialised causal LM of the given layout (seconds to build and run)."""
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(1234)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -40,8 +48,8 @@ def model_cache(model, ids):
 
 def recorded_generate(model, ids, new, pad_token_id=0, **kw):
     """Greedy generation into a :class:`kvcodec.tokens.RecordingCache`: (the cache, the output ids)."""
-    from kvcodec.tokens.plan import cache_kwarg
     from kvcodec.tokens import RecordingCache
+    from kvcodec.tokens.plan import cache_kwarg
 
     rec = RecordingCache(config=model.config)
     out = model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,

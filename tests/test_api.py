@@ -220,7 +220,8 @@ def test_encoder_is_reusable_and_equals_encode():
     assert kvcodec.Encoder(tolerance=1e-3).tier_for(object()) == "tokens"
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st
 
 
 @given(st.data())

@@ -12,8 +12,19 @@ from kvcodec.container import layout as L
 from kvcodec.container.header import dumps
 from kvcodec.container.reader import KvzReader
 from kvcodec.container.writer import KvzWriter
-from kvcodec.errors import (BadMagic, ChecksumMismatch, FormatError, KvzError, LimitExceeded, OffsetError,
-                            ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion)
+from kvcodec.errors import (
+    BadMagic,
+    ChecksumMismatch,
+    FormatError,
+    KvzError,
+    LimitExceeded,
+    OffsetError,
+    ReservedBitSet,
+    TrailingData,
+    TruncatedFile,
+    UnknownId,
+    UnsupportedVersion,
+)
 
 from .common import check_rejects, flip_bit, patch, random_cache
 

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvcodec.errors import ConfigError, FormatError, LimitExceeded
 from kvcodec.codecs import float_ctx_rans as fc
+from kvcodec.errors import ConfigError, FormatError, LimitExceeded
 
 DTYPES = {"bfloat16": (torch.bfloat16, np.uint16, torch.int16), "float16": (torch.float16, np.uint16, torch.int16),
           "float32": (torch.float32, np.uint32, torch.int32)}

@@ -138,8 +138,8 @@ def test_static_coder_frequencies_are_integers():
 
 
 def test_recording_cache_records_generate_schedule_and_replay_is_bit_exact():
-    from kvcodec.tokens.plan import cache_kwarg
     from kvcodec.tokens import RecordingCache
+    from kvcodec.tokens.plan import cache_kwarg
     from kvcodec.tokens.schedule import expand, runs
 
     model = tiny_model("llama")

@@ -141,8 +141,8 @@ def test_token_tier_vector_container(case):
 @pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if "static" in c or "padded" in c])
 def test_token_tier_vector_static_stream(case):
     """Portable: the static coder is integer arithmetic, so its streams decode to the same ids anywhere."""
-    from kvcodec.tokens.static import StaticTokenCoder
     from kvcodec.tokens.rangecoder import unpack_stream
+    from kvcodec.tokens.static import StaticTokenCoder
 
     meta, data = _load(case)
     with KvzReader(data) as r:

@@ -13,8 +13,18 @@ import io
 import os
 from dataclasses import dataclass
 
-from ..errors import (BadMagic, ChecksumMismatch, FormatError, LimitExceeded, OffsetError,
-                      ReservedBitSet, TrailingData, TruncatedFile, UnknownId, UnsupportedVersion)
+from ..errors import (
+    BadMagic,
+    ChecksumMismatch,
+    FormatError,
+    LimitExceeded,
+    OffsetError,
+    ReservedBitSet,
+    TrailingData,
+    TruncatedFile,
+    UnknownId,
+    UnsupportedVersion,
+)
 from . import layout as L
 from .header import Header, parse
 

@@ -56,9 +56,9 @@ def _minmax_token(kv, bits=4):
 def run_lossy_bench(args) -> int:
     from .. import api
     from ..cache import to_canonical
-    from .evaluate import evaluate_cache, prefix_case
     from ..models import load_model
     from .common import corpus_files
+    from .evaluate import evaluate_cache, prefix_case
 
     model, tok = load_model("smollm2", dtype=torch.float32)
     files = {f.name: f for f in corpus_files(args.corpus)}

@@ -62,8 +62,8 @@ def _incremental(model, ids):
 
 
 def _gen(model, tok, ids, new):
-    from ..tokens.plan import cache_kwarg
     from ..tokens import RecordingCache
+    from ..tokens.plan import cache_kwarg
 
     rec = RecordingCache(config=model.config)
     model.generate(ids, **{cache_kwarg(model): rec}, max_new_tokens=new, do_sample=False,
@@ -80,8 +80,7 @@ def _residual_bytes(data):
 def run(args) -> dict:
     from .. import api
     from ..cache import to_canonical
-    from ..models import load_model
-    from ..models import prefill, tokenize
+    from ..models import load_model, prefill, tokenize
     from ..tokens import LMTokenCoder, Plan, StaticTokenCoder
 
     files = corpus_files(args.corpus)

@@ -33,12 +33,11 @@ def _bucket_table(bits: np.ndarray) -> list[dict]:
 
 def run_claims(args) -> int:
     from ..cache import to_canonical
-    from ..models import load_model
-    from .common import corpus_files
-    from ..models import prefill, tokenize
+    from ..models import load_model, prefill, tokenize
     from ..tokens import LMTokenCoder, layer0_value_table, recover_tokens
-    from ..tokens.static import StaticTokenCoder
     from ..tokens.recover import min_pairwise_distance
+    from ..tokens.static import StaticTokenCoder
+    from .common import corpus_files
 
     files = corpus_files(args.corpus)
     if not files:

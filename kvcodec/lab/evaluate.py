@@ -96,10 +96,9 @@ def evaluate_cache(model, tok, exact_cache, compressed_cache, prefix_ids, cont_i
 
 
 def run_eval(args) -> int:
-    from .. import api
+    from .. import api, dtypes
     from ..models import load_model
     from .common import corpus_files
-    from .. import dtypes
 
     dtype = dtypes.parse(args.dtype).torch
     model, tok = load_model("smollm2", dtype=dtype)

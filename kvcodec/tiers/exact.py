@@ -45,7 +45,7 @@ from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import runs
 from ..tokens.static import StaticTokenCoder
-from .base import EncodeJob, Fallback, Options, Tier, UNSET
+from .base import UNSET, EncodeJob, Fallback, Options, Tier
 
 TOKEN_MODELS = ("lm", "static", "draft")
 PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
@@ -139,7 +139,7 @@ class ExactTier(Tier):
     # -- container ----------------------------------------------------------------------------------
     def parse_header(self, v, header, limits: dict) -> TokenChannel:
         tier, p = self.tier_id, "tokens"
-        t, ntok, lim = header.raw["tokens"], header.num_tokens, limits
+        t, ntok = header.raw["tokens"], header.num_tokens
         if header.model is None:
             v.fail("model", f"tier {tier!r} needs the model's fingerprint")
         v.obj(t, p, {"token_model", "draft", "vocab", "chunk_tokens", "procedure", "schedule", "padding",

@@ -26,6 +26,7 @@ import numpy as np
 
 from .rangecoder import RangeTokenCoder
 
+
 class StaticTokenCoder(RangeTokenCoder):
     """Adaptive context-model coder for token ids in ``[0, vocab)``."""
 

@@ -14,14 +14,13 @@ import sys
 
 import numpy as np
 import torch
-
 from allocation import setup  # the same prefix, continuation and KL measure (scripts/studies/allocation.py)
 
 from kvcodec import api
 from kvcodec.cache import KVCache, to_canonical
-from kvcodec.models import load_model
 from kvcodec.codecs import float_ctx_rans as floatctx
 from kvcodec.codecs import vq_rans as quant
+from kvcodec.models import load_model
 
 
 def absolute(x, step, part):

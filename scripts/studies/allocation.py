@@ -21,11 +21,11 @@ import torch
 
 from kvcodec import api
 from kvcodec.cache import KVCache, to_canonical
+from kvcodec.codecs import vq_rans as quant
+from kvcodec.lab.common import corpus_files
 from kvcodec.lab.evaluate import prefix_case
 from kvcodec.models import load_model
-from kvcodec.lab.common import corpus_files
 from kvcodec.tokens.plan import cache_kwarg
-from kvcodec.codecs import vq_rans as quant
 
 
 def setup(name, model, tok):

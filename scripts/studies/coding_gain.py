@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from kvcodec.cache import to_canonical
+from kvcodec.codecs import vq_rans as quant
+from kvcodec.lab.common import corpus_files
 from kvcodec.lab.evaluate import prefix_case
 from kvcodec.models import load_model
-from kvcodec.lab.common import corpus_files
-from kvcodec.codecs import vq_rans as quant
 
 
 def entropy(q):

@@ -19,11 +19,10 @@ import torch
 import zstandard
 
 from kvcodec.cache import to_canonical
-from kvcodec.entropy import rans
-from kvcodec.models import load_model
-from kvcodec.lab.common import corpus_dir, demo_text
-from kvcodec.models import prefill, tokenize
 from kvcodec.codecs import float_ctx_rans as fc
+from kvcodec.entropy import rans
+from kvcodec.lab.common import corpus_dir, demo_text
+from kvcodec.models import load_model, prefill, tokenize
 
 
 def cond_entropy(ctx: np.ndarray, x: np.ndarray) -> float:
