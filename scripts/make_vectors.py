@@ -35,14 +35,10 @@ import numpy as np
 import torch
 
 import kvcodec
+from kvcodec.dtypes import from_bit_patterns
 
 OUT = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 INFO = {"kvcodec_version": "golden-vector"}
-
-
-def _tensor(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    view = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}[dtype]
-    return torch.from_numpy(np.ascontiguousarray(bits).view(view)).view(dtype)
 
 
 def structured(rng, shape, dtype):
@@ -71,7 +67,7 @@ def cases():
     # 3: fp16 with special values (inf, nan payloads, -0, subnormals) and one incompressible layer (raw mode)
     k = structured(rng, (1, 2, 16, 8), torch.float16)
     k.view(torch.int16).view(-1)[:6] = torch.tensor([0x7C00, -1024, 0x7E01, -32768, 1, 0x7C01], dtype=torch.int16)
-    noise = _tensor(rng.integers(0, 2**16, size=(1, 2, 16, 8), dtype=np.uint16), torch.float16)
+    noise = from_bit_patterns(rng.integers(0, 2**16, size=(1, 2, 16, 8), dtype=np.uint16), torch.float16)
     yield "fp16_special_raw", kvcodec.KVCache([k, noise], [noise.clone(), k.clone()]), {"coded_bits": 6}
     # 4: sliding-window layer beside a full layer (different lengths), bf16
     full = (structured(rng, (1, 1, 12, 4), torch.bfloat16), structured(rng, (1, 1, 12, 4), torch.bfloat16))

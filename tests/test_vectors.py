@@ -109,11 +109,10 @@ def _numerics_match(case) -> bool:
     regenerated tensors were computed on the machine that wrote them; float results of a model differ between
     CPUs (instruction set, BLAS kernels), so decoding the LM-coded streams and re-encoding are numerics-bound."""
     if case not in _NUMERICS:
-        from kvcodec.tokens.plan import Plan, replay
+        from kvcodec.tokens.plan import replay
 
         meta, data = _load(case)
-        t = KvzReader(data).header.tier_info
-        plan = Plan(list(t.schedule), list(t.padding), t.positions, t.pad_token)
+        plan = KvzReader(data).header.tier_info.plan()
         here = kvcodec.to_canonical(replay(_vector_model(), torch.tensor(meta["tokens"]), plan))
         _NUMERICS[case] = here.equal(_tensors(VECTORS / f"{case}.regen.safetensors"))
     return _NUMERICS[case]

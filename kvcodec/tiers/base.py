@@ -31,11 +31,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from .. import registry
 from ..cache import KVCache
 from ..codecs.base import Slice
 from ..container import layout as L
 from ..container.writer import KvzWriter
-from ..errors import ConfigError
+from ..dtypes import DTYPES, from_bit_patterns
+from ..errors import ConfigError, FormatError
 from ..identity import model_record
 from ..parallel import run_ordered
 from ..version import __version__
@@ -251,8 +253,6 @@ class DirectTier(Tier):
 class _DirectDecoder:
     def __init__(self, f):
         self.f = f
-        from .. import registry
-
         self.codec = registry.codec(f.header.codec_id).from_config(f.header.raw["codec"])
 
     def tokens(self):
@@ -261,16 +261,12 @@ class _DirectDecoder:
             return None
         e = r.entry(L.SECTION_TOKEN_IDS)
         if e.length != 4 * h.batch * h.num_tokens:
-            from ..errors import FormatError
-
             raise FormatError(f"token ids section has {e.length} bytes, expected {4 * h.batch * h.num_tokens}",
                               field="Payload_Length", offset=e.offset + 16)
         ids = np.frombuffer(r.read_payload(e), dtype="<u4").astype(np.int64)
         return torch.from_numpy(ids.reshape(h.batch, h.num_tokens))
 
     def layers(self, layers, progress=None) -> dict:
-        from ..dtypes import DTYPES, from_bit_patterns
-
         f, h = self.f, self.f.header
         dt = DTYPES[h.dtype]
         outs, jobs = {}, []

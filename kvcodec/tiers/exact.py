@@ -43,7 +43,7 @@ from ..tokens.lm import LMTokenCoder
 from ..tokens.plan import Plan, infer_plan, padding_candidates, replay, schedule_arg
 from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
-from ..tokens.schedule import runs
+from ..tokens.schedule import expand, runs
 from ..tokens.static import StaticTokenCoder
 from .base import UNSET, EncodeJob, Fallback, Options, Tier
 
@@ -61,7 +61,7 @@ class TokenChannel:
     draft: dict | None
     vocab: int
     checksum_tokens: int  #: tokens per Chunk_Checksums entry (the JSON's ``chunk_tokens``)
-    schedule: tuple[int, ...]  #: expanded call sizes
+    schedule_runs: tuple[tuple[int, int], ...]  #: [size, count] runs (expanded only to replay them)
     padding: tuple[int, ...]
     positions: str
     pad_token: int
@@ -73,7 +73,7 @@ class TokenChannel:
         return self.tolerance is not None
 
     def plan(self, windows=None) -> Plan:
-        return Plan(list(self.schedule), list(self.padding), self.positions, self.pad_token, windows)
+        return Plan(expand(self.schedule_runs), list(self.padding), self.positions, self.pad_token, windows)
 
 
 @register_tier
@@ -193,8 +193,8 @@ class ExactTier(Tier):
         if tier == "exact" and tol != 0:
             v.fail(f"{p}.tolerance", "must be 0 in tier 'exact'")
         v.num(t, "max_abs_deviation", p)
-        schedule = tuple(size for size, count in schedule_runs for _ in range(count))
-        return TokenChannel(tm, draft, vocab, chunk, schedule, tuple(pad), positions, pad_token, tol, t)
+        return TokenChannel(tm, draft, vocab, chunk, tuple(map(tuple, schedule_runs)), tuple(pad), positions,
+                            pad_token, tol, t)
 
     def sections(self, header) -> list:
         out = [((L.SECTION_TOKEN_STREAM, 0, 0, r), False) for r in range(header.batch)]
