@@ -19,7 +19,6 @@ from .container import layout as L
 from .errors import ConfigError, FallbackWarning, warn
 from .file import KvzFile, open_path
 from .tiers.base import DEFAULT_CHUNK_TOKENS, UNSET, EncodeJob, Fallback, Options
-from .version import __version__
 
 __all__ = ["Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile"]
 
@@ -104,7 +103,7 @@ class Encoder:
         except Fallback as e:
             job.report["fallback"] = str(e)
             warn(f"tier {tier.tier_id!r} cannot store this cache ({e}); stored losslessly instead", FallbackWarning)
-            job.info = {**({"kvcodec_version": __version__} if info is None else info), "fallback": str(e)}
+            job.info = {**job.base_info(), "fallback": str(e)}
             job.options = dataclasses.replace(opts, tier="lossless", token_model=None, draft=None, tolerance=UNSET,
                                               codec={})
             return registry.tier("lossless").write(job)

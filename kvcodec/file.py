@@ -107,8 +107,7 @@ class KvzFile:
             if e.section_type in (L.SECTION_KV, L.SECTION_RESIDUAL):
                 lay = h.layers[e.layer]
                 a, b = lay.chunk_range(e.chunk, h.chunk_tokens)
-                dim = lay.k_dim if e.part == L.PART_KEYS else lay.v_dim
-                comps = h.batch * lay.kv_heads * (b - a) * dim
+                comps = h.batch * lay.kv_heads * (b - a) * lay.dim(e.part)
                 d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
                          tokens=[a, b], components=comps,
                          bits_per_component=round(8 * e.length / comps, 4) if comps else None)

@@ -45,6 +45,10 @@ class LayerInfo:
     sliding_window: int | None
     cumulative_length: int
 
+    def dim(self, part: int) -> int:
+        """Head dimension of the keys (``part`` 0) or the values (1)."""
+        return self.k_dim if part == L.PART_KEYS else self.v_dim
+
     def chunks(self, chunk_tokens: int) -> int:
         return -(-self.seq_len // chunk_tokens)
 

@@ -88,6 +88,10 @@ class EncodeJob:
     progress: object = None
     report: dict = field(default_factory=dict)  #: what the tier tells the caller (not stored in the file)
 
+    def base_info(self) -> dict:
+        """The header's ``info``: the caller's, else this version's."""
+        return {"kvcodec_version": __version__} if self.info is None else dict(self.info)
+
     def header(self, tier_id: str, codec: dict, **kw) -> dict:
         return build_header(self.kv, tier_id, codec, self.options.chunk_tokens, self.model, self.info, **kw)
 
@@ -129,6 +133,12 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                 runs.append(dict(lay))
         h["cache"]["layers"] = runs
     return h
+
+
+def tensor_slice(kv: KVCache, li: int, part: int, where: Slice) -> torch.Tensor:
+    """The tokens of ``kv`` that ``where`` (layer ``li``, keys or values ``part``) covers."""
+    t = (kv.keys if part == L.PART_KEYS else kv.values)[li]
+    return t[:, :, where.start:where.start + where.shape[2]]
 
 
 def slice_jobs(kv: KVCache, chunk_tokens: int) -> list[tuple[int, int, int, Slice]]:
@@ -209,6 +219,15 @@ class DirectTier(Tier):
         """Every slice's payload computed ahead of writing, or None to code them while writing."""
         return None
 
+    @staticmethod
+    def encode_slice(job: EncodeJob, codec):
+        """``work(slice job, _) -> payload`` for :func:`~kvcodec.parallel.run_ordered`."""
+        def work(j, _):
+            li, part, _c, where = j
+            return codec.encode(tensor_slice(job.kv, li, part, where), where)
+
+        return work
+
     def write(self, job: EncodeJob) -> int:
         if job.tokens is not None:  # stored beside the tensors
             kv = job.kv
@@ -220,12 +239,6 @@ class DirectTier(Tier):
         if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
             raise ValueError("token ids must be in [0, 2**32)")
         jobs = job.slice_jobs()
-        tensors = {L.PART_KEYS: kv.keys, L.PART_VALUES: kv.values}
-
-        def work(j, _):
-            li, part, _c, where = j
-            return codec.encode(tensors[part][li][:, :, where.start:where.start + where.shape[2]], where)
-
         # Encoding defaults to one thread: with two, NumPy/BLAS inside each job already use the cores and the jobs
         # contend (kvz bench, bf16: 41 MB/s with 1 thread, 29-35 MB/s with 2).
         threads = 1 if job.options.threads is None else job.options.threads
@@ -238,7 +251,7 @@ class DirectTier(Tier):
             writer.write_section(L.SECTION_KV, payload, layer=j[0], part=j[1], chunk=j[2])
 
         if ready is None:
-            run_ordered(jobs, work, threads, put, job.progress)
+            run_ordered(jobs, self.encode_slice(job, codec), threads, put, job.progress)
         else:
             for j, payload in zip(jobs, ready):
                 put(j, payload)
@@ -273,8 +286,7 @@ class _DirectDecoder:
         for li in layers:
             lay = h.layers[li]
             for p in (L.PART_KEYS, L.PART_VALUES):
-                dim = lay.k_dim if p == L.PART_KEYS else lay.v_dim
-                outs[li, p] = np.empty((h.batch, lay.kv_heads, lay.seq_len, dim), dtype=dt.uint)
+                outs[li, p] = np.empty((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dt.uint)
             for c in range(lay.chunks(h.chunk_tokens)):
                 jobs += [(li, L.PART_KEYS, c), (li, L.PART_VALUES, c)]
 
@@ -286,8 +298,8 @@ class _DirectDecoder:
             li, p, c = job
             lay = h.layers[li]
             a, b = lay.chunk_range(c, h.chunk_tokens)
-            where = Slice((h.batch, lay.kv_heads, b - a, lay.k_dim if p == L.PART_KEYS else lay.v_dim), h.dtype, li,
-                          p, a, lay.seq_len, len(h.layers), prepared[1])
+            where = Slice((h.batch, lay.kv_heads, b - a, lay.dim(p)), h.dtype, li, p, a, lay.seq_len, len(h.layers),
+                          prepared[1])
             whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
             return self.codec.decode(prepared[0], where, out=outs[li, p] if whole else None)
 

@@ -45,7 +45,7 @@ from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import expand, runs
 from ..tokens.static import StaticTokenCoder
-from .base import UNSET, EncodeJob, Fallback, Options, Tier
+from .base import UNSET, EncodeJob, Fallback, Options, Tier, tensor_slice
 
 TOKEN_MODELS = ("lm", "static", "draft")
 PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
@@ -106,9 +106,8 @@ class ExactTier(Tier):
         tolerance = self.tolerance(job.options)
         enc = prepare(job, tolerance)
         kv = job.kv
-        info = dict(job.info or {"kvcodec_version": _version()})
-        info.setdefault("schedule_source", enc.how)
-        job.info = info
+        job.info = job.base_info()
+        job.info.setdefault("schedule_source", enc.how)
         job.report.update(cross_entropy_bits=enc.token_bits, schedule_source=enc.how)
         writer = KvzWriter(job.sink, job.header(self.tier_id, IntResidualRans().get_config(),
                                                 extra=(self.header_key, enc.header_tokens),
@@ -119,13 +118,13 @@ class ExactTier(Tier):
             codec = IntResidualRans(tolerance=tolerance)
             payloads, sums = [], []
             for li, part, c, where in job.slice_jobs():
-                orig = (kv.keys if part == L.PART_KEYS else kv.values)[li]
-                reg = (enc.regen.keys if part == L.PART_KEYS else enc.regen.values)[li]
-                a, b = where.start, where.start + where.shape[2]
-                payload = codec.encode(orig[:, :, a:b], where, prediction=reg[:, :, a:b])
+                orig, reg = tensor_slice(kv, li, part, where), tensor_slice(enc.regen, li, part, where)
+                payload = codec.encode(orig, where, prediction=reg)
                 # what the decoder must produce: the original, or with a tolerance the reconstruction
-                target = (bit_patterns(reg[:, :, a:b]) if payload is None else bit_patterns(orig[:, :, a:b])
-                          if not tolerance else codec.decode(payload, where, bit_patterns(reg[:, :, a:b])))
+                if tolerance:
+                    target = codec.decode(payload, where, prediction=bit_patterns(reg))
+                else:
+                    target = bit_patterns(orig)
                 sums.append(checksum(target))
                 payloads.append(((li, part, c), payload))
                 if job.progress:
@@ -224,12 +223,6 @@ class ExactTier(Tier):
 
     def describe_section(self, reader, entry) -> dict:
         return {"batch_row": entry.chunk} if entry.section_type == L.SECTION_TOKEN_STREAM else {}
-
-
-def _version() -> str:
-    from ..version import __version__
-
-    return __version__
 
 
 # --- encoding ---------------------------------------------------------------------------------------

@@ -60,12 +60,7 @@ class LossyTier(DirectTier):
         if params["quantizer"] != "uniform" or given.get("step") is not None or given.get("max_kl") is not None:
             return None  # a fixed step
         threads = 1 if job.options.threads is None else job.options.threads
-        tensors = {L.PART_KEYS: kv.keys, L.PART_VALUES: kv.values}
-
-        def work(j, _):
-            li, part, _c, where = j
-            return codec.encode(tensors[part][li][:, :, where.start:where.start + where.shape[2]], where)
-
+        work = self.encode_slice(job, codec)
         comps = sum(t.numel() for t in kv.keys + kv.values)
         best, lowest = None, None
         for _ in range(8):
@@ -93,16 +88,15 @@ class LossyTier(DirectTier):
             return {}
         lay = h.layers[entry.layer]
         a, b = lay.chunk_range(entry.chunk, h.chunk_tokens)
-        dim = lay.k_dim if entry.part == L.PART_KEYS else lay.v_dim
-        return {"coding": describe(reader.read_payload_prefix(entry, 64), (h.batch, lay.kv_heads, b - a, dim),
-                                   8 * h.itemsize)}
+        return {"coding": describe(reader.read_payload_prefix(entry, 64),
+                                   (h.batch, lay.kv_heads, b - a, lay.dim(entry.part)), 8 * h.itemsize)}
 
 
 def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: int = 32) -> tuple[float, float]:
     """The coarsest uniform step whose cache keeps the model's next-token distributions within ``max_kl``
     (mean KL, bits) on the cache's own last ``calib_tokens`` tokens: those are fed teacher-forced on top of the
     rest of the cache, exact and quantized.  Needs the model and the tokens (given or recovered)."""
-    from .base import slice_jobs
+    from .base import slice_jobs, tensor_slice
 
     if model is None:
         raise ConfigError("max_kl= needs the model: encode(cache, model, tier='lossy', max_kl=...)")
@@ -131,8 +125,7 @@ def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: 
     def kl_at(step: float) -> float:
         parts = {L.PART_KEYS: [], L.PART_VALUES: []}
         for li, part, _c, where in whole:
-            t = (kv.keys if part == L.PART_KEYS else kv.values)[li]
-            bits = codec.decode(codec.encode(t, where, step=step), where)
+            bits = codec.decode(codec.encode(tensor_slice(kv, li, part, where), where, step=step), where)
             parts[part].append(from_bit_patterns(bits, kv.dtype))
         lq = logp(KVCache(parts[L.PART_KEYS], parts[L.PART_VALUES]))
         return float(((ref.exp() * (ref - lq)).sum(-1) / np.log(2)).mean())
