@@ -85,6 +85,38 @@ def reseal(data: bytes) -> bytes:
     return bytes(b)
 
 
+def header_of(data: bytes):
+    """The JSON header of a file (None if it does not parse as JSON)."""
+    import json
+
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    try:
+        return json.loads(data[16:16 + hlen])
+    except ValueError:
+        return None
+
+
+def with_header(data: bytes, header, *, raw: bytes | None = None) -> bytes:
+    """``data`` with its header replaced by ``header`` (canonical JSON) or by the bytes ``raw``: every offset
+    after it (index entries, Index_Offset, File_Length) shifted and every checksum resealed."""
+    import json
+
+    new = raw if raw is not None else json.dumps(header, sort_keys=True, separators=(",", ":"),
+                                                 ensure_ascii=False).encode()
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    delta = len(new) - hlen
+    b = bytearray(data[:12] + struct.pack("<I", len(new)) + new + data[16 + hlen:])
+    fo = len(b) - 32
+    io_, fl = struct.unpack_from("<QQ", b, fo)
+    io_ += delta
+    struct.pack_into("<QQ", b, fo, io_, fl + delta)
+    count = struct.unpack_from("<I", b, io_ + 40)[0]
+    for i in range(count):
+        at = io_ + 48 + 32 * i
+        struct.pack_into("<Q", b, at, struct.unpack_from("<Q", b, at)[0] + delta)
+    return reseal(bytes(b))
+
+
 def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
     b = bytearray(data)
     for _ in range(rng.choice([1, 1, 1, 2, 3, 8])):

@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import registry
+from .atomic import atomic_output
 from .cache import to_canonical
 from .container import layout as L
 from .errors import ConfigError, FallbackWarning, warn
@@ -117,24 +118,15 @@ class Encoder:
     def save(self, path, cache, model=None, **per_cache) -> int:
         """Encode ``cache`` to ``path`` (local path or fsspec URL), streaming; returns bytes written.
 
-        Local paths are written to ``path + '.tmp'`` first and renamed on success, so a crash never leaves a
-        half-written file under the final name.
+        A local file appears complete or not at all (:func:`kvcodec.atomic.atomic_output`: a temporary file
+        unique to this writer, fsynced, renamed over the target), so a crash or a concurrent writer never
+        leaves a half-written file; the last writer wins.
         """
-        is_local = isinstance(path, os.PathLike) or "://" not in str(path)
-        target = os.fspath(path) if is_local else path
-        tmp = f"{target}.tmp" if is_local else target
-        f = open_path(tmp, "wb")
-        try:
-            n = self.write(f, cache, model, **per_cache)
-        except BaseException:
-            f.close()
-            if is_local and os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        f.close()
-        if is_local:
-            os.replace(tmp, target)
-        return n
+        if isinstance(path, os.PathLike) or "://" not in str(path):
+            with atomic_output(path) as f:
+                return self.write(f, cache, model, **per_cache)
+        with open_path(path, "wb") as f:
+            return self.write(f, cache, model, **per_cache)
 
 
 def _split(kwargs: dict) -> tuple[Encoder, dict]:

@@ -108,15 +108,18 @@ def check_roundtrip(cache, model=None, *, draft=None, **encode_kwargs) -> bytes:
     return data
 
 
-def check_rejects(error, source, *args, match=None, **kwargs):
-    """``source`` bytes: decoding them must raise ``error`` (a KvzError names its field); anything else is a
-    cache, and encoding it with ``args`` / ``kwargs`` must raise ``error``.  Returns the exception."""
+def check_rejects(error, source, *args, match=None, fn=None, **kwargs):
+    """``source`` bytes: decoding them (or ``fn(source, ...)``: ``inspect``, ``open_kvz``) must raise ``error``
+    (a KvzError names its field); anything else is a cache, and encoding it with ``args`` / ``kwargs`` must
+    raise ``error``.  Returns the exception."""
     import pytest
 
     import kvcodec
 
     with pytest.raises(error, match=match) as ei:
-        if isinstance(source, (bytes, bytearray)):
+        if fn is not None:
+            fn(source, *args, **kwargs)
+        elif isinstance(source, (bytes, bytearray)):
             kvcodec.decode(bytes(source), *args, **kwargs)
         else:
             kvcodec.encode(source, *args, **kwargs)

@@ -276,7 +276,7 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
     if len(side) != side_raw_len:
         raise FormatError(f"side information is {len(side)} bytes, Side_Raw_Length says {side_raw_len}",
                           field="Side", offset=offset + p)
-    refs = np.frombuffer(side, dtype="<u2", count=rows).astype(np.int64)
+    refs = np.frombuffer(side, dtype="<u2", count=rows)
     if refs.size and int(refs.max()) >= 1 << (k - 1):
         raise FormatError("a reference symbol has its sign bit set or exceeds the alphabet", field="Side", offset=offset + p)
     ctx_map = np.frombuffer(side, dtype=np.uint8, count=rows * nclass, offset=2 * rows).reshape(rows, nclass)

@@ -15,6 +15,7 @@ This module knows the parts every tier shares (``format``, ``tier``,
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -91,6 +92,10 @@ class Header:
         """The lowest format minor version that can express this file (the tier's)."""
         return registry.tier(self.tier).min_minor
 
+    def output_bytes(self) -> int:
+        """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors plus 4 bytes per token id."""
+        return self.tensor_bytes() + 4 * self.batch * self.num_tokens
+
     def tensor_bytes(self) -> int:
         return sum(self.batch * lay.kv_heads * lay.seq_len * (lay.k_dim + lay.v_dim) * self.itemsize
                    for lay in self.layers)
@@ -139,6 +144,79 @@ class Validator:
         return v
 
 
+#: JSON limits of spec section 4, checked everywhere in the header (``info`` included)
+MAX_JSON_DEPTH = 32
+MAX_NUMBER_CHARS = 40
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of objects and arrays, strings skipped (a bounded scan, no recursion)."""
+    import numpy as np
+
+    bare = _STRING.sub("", text).encode("utf-8", "surrogatepass")
+    b = np.frombuffer(bare, dtype=np.uint8)
+    step = np.isin(b, (0x5B, 0x7B)).astype(np.int32) - np.isin(b, (0x5D, 0x7D)).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _loads(text: str, offset: int):
+    """Strict JSON: no duplicate keys, no NaN/Infinity, nesting <= MAX_JSON_DEPTH, numbers of at most
+    MAX_NUMBER_CHARS characters that are finite binary64 values, no lone surrogate in any string."""
+    def fail(msg, pos=0):
+        raise FormatError(f"header {msg}", field="Header", offset=offset + pos)
+
+    if _depth(text) > MAX_JSON_DEPTH:
+        fail(f"nests deeper than {MAX_JSON_DEPTH} levels")
+
+    def no_dupes(pairs):
+        keys = [k for k, _ in pairs]
+        if len(keys) != len(set(keys)):
+            fail(f"has a duplicate key {sorted(k for k in keys if keys.count(k) > 1)[0]!r}")
+        for k in keys:
+            _no_surrogate(k, fail)
+        return dict(pairs)
+
+    def bad_const(c):
+        fail(f"contains {c}")
+
+    def number(s):
+        if len(s) > MAX_NUMBER_CHARS:
+            fail(f"has a number of {len(s)} characters (at most {MAX_NUMBER_CHARS})")
+        if "." in s or "e" in s or "E" in s:
+            x = float(s)
+            if not math.isfinite(x):
+                fail(f"has the number {s[:20]}, which is not a finite binary64 value")
+            return x
+        return int(s)
+
+    try:
+        obj = json.loads(text, object_pairs_hook=no_dupes, parse_constant=bad_const, parse_int=number,
+                         parse_float=number)
+    except json.JSONDecodeError as e:
+        fail(f"is not JSON: {e.msg}", e.pos)
+    except RecursionError:  # unreachable after the depth scan; kept so no RecursionError can escape
+        fail("nests too deeply")
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            _no_surrogate(x, fail)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return obj
+
+
+def _no_surrogate(s: str, fail) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        fail(f"has a string with a lone surrogate escape ({s[:20]!r})")
+
+
 def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     """Parse and validate header bytes located at ``offset`` in the file."""
     lim = {"max_layers": L.MAX_LAYERS, "max_batch": L.MAX_BATCH, "max_heads": L.MAX_HEADS,
@@ -151,21 +229,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         raise FormatError(f"header is not UTF-8: {e.reason} at byte {e.start}", field="Header",
                           offset=offset + e.start) from None
 
-    def no_dupes(pairs):
-        keys = [k for k, _ in pairs]
-        if len(keys) != len(set(keys)):
-            raise FormatError("header has a duplicate key", field="Header", offset=offset)
-        return dict(pairs)
-
-    def bad_const(c):
-        raise FormatError(f"header contains {c}", field="Header", offset=offset)
-
-    try:
-        obj = json.loads(text, object_pairs_hook=no_dupes, parse_constant=bad_const)
-    except json.JSONDecodeError as e:
-        raise FormatError(f"header is not JSON: {e.msg}", field="Header", offset=offset + e.pos) from None
-    except RecursionError:
-        raise FormatError("header nests too deeply", field="Header", offset=offset) from None
+    obj = _loads(text, offset)
     tier_keys = registry.tier_header_keys()
     v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info"} | tier_keys)
     if obj["format"] != "kvz":
@@ -227,7 +291,8 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     hdr = replace(hdr, tier_info=tier.parse_header(v, hdr, lim))
     if 2 * sum(lay.chunks(chunk) for lay in layers) + 2 + batch > L.MAX_SECTIONS:
         v.fail("cache.chunk_tokens", f"the cache would need more than {L.MAX_SECTIONS} sections", LimitExceeded)
-    if hdr.tensor_bytes() > lim["max_output_bytes"]:
-        v.fail("cache.layers", f"decoded tensors would take {hdr.tensor_bytes()} bytes, over the limit of "
+    if hdr.output_bytes() > lim["max_output_bytes"]:
+        v.fail("cache.layers", f"decoded tensors and token ids would take {hdr.output_bytes()} bytes, over the "
+               f"limit of "
                f"{lim['max_output_bytes']} (pass limits={{'max_output_bytes': ...}} to allow)", LimitExceeded)
     return hdr

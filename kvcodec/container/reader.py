@@ -131,10 +131,26 @@ class KvzReader:
         self.data_start = hend + 8
         self._read_footer_and_index()
 
+    def _find_earlier_footer(self, window: int = 64 << 10):
+        """No End_Magic at the end: a valid footer that ends earlier (within ``window`` bytes of the end) means
+        bytes were appended to a complete file: TrailingData, not TruncatedFile."""
+        start = max(self.data_start, self.size - window)
+        tail = self._read_at(start, self.size - start, "End_Magic")
+        at = tail.rfind(L.END_MAGIC)
+        while at >= L.FOOTER.size - 8:
+            fo = start + at + 8 - L.FOOTER.size
+            index_offset, file_length, fsum, _ = L.FOOTER.unpack_from(tail, at + 8 - L.FOOTER.size)
+            if file_length == fo + L.FOOTER.size and fsum == L.footer_checksum(index_offset, file_length,
+                                                                                 self.header_checksum):
+                raise TrailingData(f"{self.size - file_length} bytes follow the end of the file",
+                                   field="File_Length", offset=fo + 8)
+            at = tail.rfind(L.END_MAGIC, 0, at)
+
     def _read_footer_and_index(self):
         fo = self.size - L.FOOTER.size
         index_offset, file_length, fsum, end = L.FOOTER.unpack(self._read_at(fo, L.FOOTER.size, "End_Magic"))
         if end != L.END_MAGIC:
+            self._find_earlier_footer()
             raise TruncatedFile("the file does not end with End_Magic (truncated, or not closed by its writer)",
                                 field="End_Magic", offset=self.size - 8)
         if fsum != L.footer_checksum(index_offset, file_length, self.header_checksum):

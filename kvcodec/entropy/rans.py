@@ -190,8 +190,9 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     build_decode_tables(freq, cumulative(freq), entry, symt)
     padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
     rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
-    refs = np.ascontiguousarray(refs, dtype=np.int64)
-    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.int64)
+    # compact dtypes, as on the wire: per-row side information is bounded by the output (spec section 9)
+    refs = np.ascontiguousarray(refs, dtype=np.uint16)
+    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
     args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, rawp, out)
     if ways in (4, 8):
         from . import _lanes_unrolled as U

@@ -1,0 +1,118 @@
+"""Crash- and race-safe file replacement for local paths.
+
+:func:`atomic_output` writes to a temporary file in the target's directory whose
+name is unique to the writer (``.<name>.<pid>-<random>.kvz-tmp``), flushes and
+fsyncs it, renames it over the target (``os.replace``: atomic on POSIX and
+Windows) and fsyncs the directory, so that:
+
+* a reader sees either the old file or the complete new one, never a prefix;
+* two writers of the same path never share a temporary file: the last rename
+  wins and leaves a complete, valid file;
+* a failed write removes its temporary file; a writer killed outright
+  (``kill -9``, power loss) can leave one behind, which the next write to the
+  same target removes once the process that made it is gone.
+
+URLs (fsspec) are written directly: object stores publish an object only when
+its upload completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+
+from .errors import ConfigError
+
+SUFFIX = ".kvz-tmp"
+
+
+def _temp_name(target: str) -> str:
+    d, base = os.path.split(target)
+    return os.path.join(d, f".{base}.{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def sweep_stale(target: str) -> list[str]:
+    """Remove the temporary files that dead writers left for ``target``; returns their paths."""
+    d, base = os.path.split(os.path.abspath(target))
+    prefix = f".{base}."
+    gone = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return gone
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(SUFFIX)):
+            continue
+        pid = name[len(prefix):-len(SUFFIX)].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, name))
+                gone.append(os.path.join(d, name))
+    return gone
+
+
+def _fsync_dir(d: str) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(d or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(target, *, overwrite: bool = True):
+    """``with atomic_output(path) as f: f.write(...)``: ``path`` appears complete or not at all.
+
+    With ``overwrite=False`` an existing target is refused before anything is
+    written (:class:`~kvcodec.errors.ConfigError`), and a target created by
+    someone else meanwhile is not replaced (``FileExistsError``).  The parent
+    directory must exist (``FileNotFoundError`` otherwise: it is not created).
+    """
+    target = os.fspath(target)
+    if not overwrite and os.path.lexists(target):
+        raise ConfigError(f"{target} exists (pass overwrite=True, or -f on the command line, to replace it)")
+    d = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"directory {d} does not exist")
+    sweep_stale(target)
+    tmp = _temp_name(target)
+    f = open(tmp, "xb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            try:
+                os.link(tmp, target)  # fails if the target appeared meanwhile
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system: check, then rename
+                if os.path.lexists(target):
+                    raise FileExistsError(target) from None
+                os.replace(tmp, target)
+            else:
+                os.remove(tmp)
+        _fsync_dir(d)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
