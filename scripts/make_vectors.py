@@ -75,18 +75,33 @@ def cases():
     yield "bf16_sliding_window", kvcodec.KVCache([full[0], win[0]], [full[1], win[1]],
                                                  sliding_window=[None, 6], cumulative_length=[12, 12]), \
         {"chunk_tokens": 5}
+    # 5: enough symbols per slice for two tables (the class rule and Ctx_Map matter), k = 6, 5 ways over 32
+    #    rows (a partial lane group), float16 in Mode 1
+    kv = [(structured(rng, (1, 2, 256, 16), torch.float16), structured(rng, (1, 2, 256, 16), torch.float16))]
+    yield "fp16_tables_k6", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), {"coded_bits": 6, "ways": 5}
+    # 6: float32 in Mode 1, one class (Q = 1) and two tables, 4 ways (full groups), Scale_Bits 14
+    kv = [(structured(rng, (1, 2, 256, 16), torch.float32), structured(rng, (1, 2, 256, 16), torch.float32))]
+    yield "fp32_tables_q1", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"context": "none", "ways": 4, "scale_bits": 14}
 
 
 def lossy_cases():
     """Lossy tier: the decoded tensors are defined by spec section 13; their hashes are recorded from the
     decoder and checked against an independent reimplementation in tests/test_lossy.py."""
     rng = np.random.default_rng(5)
-    kv = [(structured(rng, (1, 2, 12, 8), torch.bfloat16), structured(rng, (1, 2, 12, 8), torch.bfloat16))]
+    kv = [(structured(rng, (1, 2, 36, 16), torch.bfloat16), structured(rng, (1, 2, 36, 16), torch.bfloat16))]
+    # chunks of 16: chunk 0 in Mode 2 (the sink token exact), chunk 1 in Mode 1, chunk 2 (4 tokens) all exact
     yield "lossy_uniform_window", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
-        {"tier": "lossy", "bits": 3.0, "window": 4, "chunk_tokens": 8}
+        {"tier": "lossy", "bits": 5.0, "window": 4, "chunk_tokens": 16}
     kv = [(structured(rng, (1, 1, 10, 6), torch.float16), structured(rng, (1, 1, 10, 6), torch.float16))]
     yield "lossy_kivi", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
         {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3, "group": 4, "sink": 0}
+    kv = [(structured(rng, (1, 2, 12, 8), torch.float32), structured(rng, (1, 2, 12, 8), torch.float32))]
+    yield "lossy_lloyd", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "lloyd", "lloyd_bits": 2, "sink": 0}
+    kv = [(structured(rng, (1, 2, 9, 6), torch.bfloat16), structured(rng, (1, 2, 9, 6), torch.bfloat16))]
+    yield "lossy_cachegen", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "cachegen", "sink": 0, "window": 2}
 
 
 def tiny():
@@ -131,6 +146,11 @@ def token_cases():
     cache = run_schedule(model, ids, sched)
     yield "exact_lm_steps", model, cache, {"token_model": "lm", "schedule": [[12, 1], [1, 5]]}
     yield "exact_lm_residual", model, cache, {"token_model": "lm", "schedule": [[17, 1]]}  # wrong on purpose
+    # residual Mode 2: layer 1's keys are noise the model does not reproduce (stored as floats, not as residuals)
+    noisy = kvcodec.to_canonical(cache)
+    g = torch.Generator().manual_seed(7)
+    noisy.keys[1] = torch.randn(noisy.keys[1].shape, generator=g) * 1e3
+    yield "exact_lm_noise", model, noisy, {"token_model": "lm", "schedule": [[12, 1], [1, 5]]}
     ids = torch.from_numpy(rng.integers(1, 64, size=(2, 15)))
     ids[1, :3] = 0
     cache = run_schedule(model, ids, [11] + [1] * 4, padding=[0, 3])

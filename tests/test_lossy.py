@@ -64,24 +64,55 @@ def test_rate_and_distortion_follow_bits(dtype):
     assert ratio[16.0] < ratio[1.0] / 8
 
 
-def test_decoding_is_deterministic_and_matches_the_spec_reconstruction():
+def _splitmix_sign_bits(seed: int, d: int) -> list[int]:
+    """Spec section 13, Sign_Rule 1, in plain integers."""
+    m = (1 << 64) - 1
+    out = []
+    for i in range(d):
+        z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append((z ^ (z >> 31)) >> 63)
+    return out
+
+
+@pytest.mark.parametrize("rule", [1, 0])
+def test_decoding_is_deterministic_and_matches_the_spec_reconstruction(rule):
+    """Rule 1 (SplitMix64 signs, format 1.2) as written; rule 0 (NumPy PCG64, files of format 1.1) by
+    rewriting the payloads' Sign_Rule byte and the file's minor version, as a 1.1 writer stamped them."""
     cache = structured_cache(layers=1, heads=1, seq=10, dim=8, dtype=torch.float32)
     data = kvcodec.encode(cache, tier="lossy", bits=3.0, sink=0)
+    if rule == 0:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
+        from fuzz import reseal
+
+        b = bytearray(data)
+        with KvzReader(data) as r:
+            for e in r.sections:
+                b[e.payload_offset + 3] = 0
+        struct.pack_into("<H", b, 10, 1)
+        data = reseal(bytes(b))
     a = kvcodec.decode(data, output="kvcache")
     b = kvcodec.decode(data, output="kvcache")
     assert a.equal(b)
     # an independent, scalar reimplementation of spec section 13 for the keys slice
     with KvzReader(data) as r:
         p = r.read_payload(r.entry(L.SECTION_KV, 0, L.PART_KEYS, 0))
-    mode, method, k, _, exact, seed, step, norms_len = struct.unpack_from("<BBBBIQfI", p, 0)
+    mode, method, k, sign_rule, exact, seed, step, norms_len = struct.unpack_from("<BBBBIQfI", p, 0)
     (off,) = struct.unpack_from("<i", p, 24)
-    assert (mode, method, exact) == (1, 1, 0)
+    assert (mode, method, exact, sign_rule) == (1, 1, 0, rule)
     from kvcodec.codecs import float_ctx_rans as floatctx
 
     norms = floatctx.decode(memoryview(p)[28:28 + norms_len], (1, 1, 10, 1), "float16").view(np.float16)
     syms = np.empty((1, 10, 8), dtype=np.uint16)
     floatctx.decode_symbols(memoryview(p)[28 + norms_len:], syms, k, exact_payload=False, coded_bits=k)
-    draws = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=8, dtype=np.uint8)
+    if rule == 1:
+        draws = _splitmix_sign_bits(seed, 8)
+    else:
+        draws = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=8, dtype=np.uint8)
     f32 = np.float32
     for t in range(10):
         z = [f32(int(syms[0, t, i]) + off) * f32(step) for i in range(8)]
@@ -96,6 +127,24 @@ def test_decoding_is_deterministic_and_matches_the_spec_reconstruction():
         assert a.keys[0][0, 0, t].tolist() == [float(w) for w in want]
 
 
+def test_sign_rules_differ_and_unknown_rule_is_refused():
+    from kvcodec.codecs.hadamard import signs
+
+    assert signs(7, 64, 1).tolist() != signs(7, 64, 0).tolist()
+    assert [int(x < 0) for x in signs(0x6B767A, 32)] == _splitmix_sign_bits(0x6B767A, 32)
+    data = bytearray(kvcodec.encode(structured_cache(layers=1, heads=1, seq=6, dim=8), tier="lossy", sink=0))
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
+    from fuzz import reseal
+
+    with KvzReader(bytes(data)) as r:
+        at = r.sections[0].payload_offset
+    data[at + 3] = 2
+    check_rejects(kvcodec.FormatError, reseal(bytes(data)), match="Sign_Rule")
+
+
 def test_window_lloyd_and_inspect():
     cache = structured_cache(seq=50)
     kv = kvcodec.to_canonical(cache)
@@ -105,7 +154,7 @@ def test_window_lloyd_and_inspect():
         assert torch.equal(x[:, :, -16:], y[:, :, -16:])  # the recent window is exact
         assert not torch.equal(x[:, :, :8], y[:, :, :8])
     info = kvcodec.inspect(data)
-    assert info["tier"] == "lossy" and info["codec"]["id"] == "vq_rans" and info["format_version"] == "1.1"
+    assert info["tier"] == "lossy" and info["codec"]["id"] == "vq_rans" and info["format_version"] == "1.2"
     assert info["codec"]["params"]["window"] == 16
     lloyd = kvcodec.encode(cache, tier="lossy", quantizer="lloyd", lloyd_bits=3)
     err = _rel_mse(kvcodec.decode(lloyd, output="kvcache").keys, kv.keys)

@@ -18,9 +18,11 @@ from kvcodec.container.reader import KvzReader
 from .common import check_vector
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny"]
-TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "tokens_tolerance_padded"]
-LOSSY = ["lossy_uniform_window", "lossy_kivi"]
+LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
+            "fp16_tables_k6", "fp32_tables_q1"]
+TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
+               "tokens_tolerance_padded"]
+LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
 

@@ -9,10 +9,28 @@ from __future__ import annotations
 import numpy as np
 
 
-def signs(seed: int, d: int) -> np.ndarray:
-    """The random signs (float32 +-1) of the randomized Hadamard transform: PCG64(seed), d fair bits."""
-    bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=d, dtype=np.uint8)
-    return np.where(bits == 1, np.float32(-1.0), np.float32(1.0))
+#: ``Sign_Rule`` of a vq_rans payload: 1 = SplitMix64 (format 1.2), 0 = NumPy's PCG64 (format 1.1 files only)
+SIGN_RULE = 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def signs(seed: int, d: int, rule: int = SIGN_RULE) -> np.ndarray:
+    """The random signs (float32 +-1) of the randomized Hadamard transform (spec section 13).
+
+    Rule 1: sign i is -1 when the top bit of SplitMix64's output for counter ``i + 1`` is set, i.e. of
+    ``mix(seed + (i + 1) * 0x9E3779B97F4A7C15 mod 2**64)``.  Rule 0 (files of format 1.1): the i-th of d
+    integers drawn by NumPy's ``Generator(PCG64(seed)).integers(0, 2, size=d, dtype=uint8)`` is 1."""
+    if rule == 0:
+        bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=d, dtype=np.uint8)
+        return np.where(bits == 1, np.float32(-1.0), np.float32(1.0))
+    if rule != 1:
+        raise ValueError(f"unknown sign rule {rule}")
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.arange(1, d + 1, dtype=np.uint64) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return np.where(z >> np.uint64(63), np.float32(-1.0), np.float32(1.0))
 
 
 def fwht(x: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from ..errors import ConfigError, FormatError
 from ..registry import register_codec
 from . import float_ctx_rans as floatctx
 from .base import Codec, Slice
-from .hadamard import fwht, signs  # noqa: F401  (part of this codec's reference arithmetic)
+from .hadamard import SIGN_RULE, fwht, signs  # noqa: F401  (part of this codec's reference arithmetic)
 
 CODEC_ID = "vq_rans"
 METHOD_UNIFORM = 1
@@ -54,7 +54,7 @@ METHOD_CACHEGEN = 4
 METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI, "cachegen": METHOD_CACHEGEN}
 _KIVI = struct.Struct("<BBH")  # Axis (0: per channel over token groups, 1: per token over channel groups), Bits, Group
 MAX_SYMBOL_BITS = 12
-_FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Reserved, Exact_Tokens, Seed, Step, Norms_Length
+_FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Sign_Rule, Exact_Tokens, Seed, Step, Norms_Length
 _HEAD = struct.Struct("<II")  # Mode 2: Head_Tokens, Head_Length
 DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, "window": 0, "sink": 1,
             "seed": 0x6B767A,
@@ -277,7 +277,7 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         elif tq > 0:
             body, k = _encode_cachegen(xq, cachegen_bins(cfg, part, layer, num_layers))
         tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {}) if exact_tokens else b""
-        return b"".join([_FIXED.pack(1, METHODS[cfg["quantizer"]], k, 0, exact_tokens, 0, 0.0, 0),
+        return b"".join([_FIXED.pack(1, METHODS[cfg["quantizer"]], k, SIGN_RULE, exact_tokens, 0, 0.0, 0),
                          struct.pack("<i", 0), *body, struct.pack("<I", len(tail)), tail])
     if d & (d - 1):
         raise ConfigError(f"{CODEC_ID}: head dimension {d} is not a power of two (the Hadamard rotation needs one)")
@@ -314,10 +314,10 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, tq)
         idx = floatctx.encode_symbols(rows, k, _CTX)
         nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
-        parts = [_FIXED.pack(1, method, k, 0, exact_tokens, seed, float(st), len(nbytes)), struct.pack("<i", lo),
+        parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)), struct.pack("<i", lo),
                  codebook, nbytes, idx]
     else:
-        parts = [_FIXED.pack(1, method, 2, 0, exact_tokens, seed, 0.0, 0), struct.pack("<i", 0)]
+        parts = [_FIXED.pack(1, method, 2, SIGN_RULE, exact_tokens, seed, 0.0, 0), struct.pack("<i", 0)]
     tail = b""
     if exact_tokens:
         tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {})
@@ -365,7 +365,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     b, h, t, d = shape
     if len(mv) < _FIXED.size + 4:
         raise FormatError("vq_rans payload shorter than its fixed fields", field="VQ.Mode", offset=offset)
-    mode, method, k, reserved, exact, seed, st, norms_len = _FIXED.unpack_from(mv, 0)
+    mode, method, k, rule, exact, seed, st, norms_len = _FIXED.unpack_from(mv, 0)
     (lo,) = struct.unpack_from("<i", mv, _FIXED.size)
     if mode not in (1, 2):
         raise FormatError(f"unknown vq_rans mode {mode}", field="VQ.Mode", offset=offset)
@@ -388,8 +388,9 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError(f"unknown quantizer method {method}", field="VQ.Method", offset=offset + 1)
     if not 2 <= k <= MAX_SYMBOL_BITS:
         raise FormatError(f"Symbol_Bits {k} outside [2, {MAX_SYMBOL_BITS}]", field="VQ.Symbol_Bits", offset=offset + 2)
-    if reserved:
-        raise FormatError("reserved byte is not zero", field="VQ.Reserved", offset=offset + 3)
+    if rule > 1:
+        raise FormatError(f"unknown Sign_Rule {rule} (0: format 1.1, 1: format 1.2)", field="VQ.Sign_Rule",
+                          offset=offset + 3)
     if exact > t:
         raise FormatError(f"Exact_Tokens {exact} > {t} tokens in the slice", field="VQ.Exact_Tokens", offset=offset + 4)
     if d & (d - 1) and method in (METHOD_UNIFORM, METHOD_LLOYD):
@@ -429,7 +430,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
             if int(s.max()) >= levels or lo != 0:
                 raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
             zq = cb[s]
-        u = fwht(zq) * signs(seed, d)[None, :] * np.float32(1.0 / d)
+        u = fwht(zq) * signs(seed, d, rule)[None, :] * np.float32(1.0 / d)
         out = (u * n32[:, None]).reshape(b, h, tq, d)
     if len(mv) < p + 4:
         raise FormatError("payload ends before Tail_Length", field="VQ.Tail_Length", offset=offset + p)
@@ -528,12 +529,24 @@ class VqRans(Codec):
     def configure(cls, options: dict, dtype: str) -> "VqRans":
         return cls(check_config(dict(options)))
 
+    def exact_split(self, where: Slice) -> tuple[int, int]:
+        """(head, tail): how many of the slice's first and last tokens are stored exactly (sink, window)."""
+        p = self.params
+        n, start = where.shape[2], where.start
+        exact = max(0, start + n - max(start, where.layer_tokens - p["window"])) if p["window"] else 0
+        return min(max(0, p["sink"] - start), n - exact), exact
+
+    def exact_bytes(self, t, where: Slice) -> int:
+        """Bytes of the slice's exactly stored tokens (their lossless payloads): independent of the step."""
+        head, exact = self.exact_split(where)
+        n = t.shape[2]
+        return sum(len(floatctx.encode(np.ascontiguousarray(bit_patterns(x)), where.dtype, {}))
+                   for x, m in ((t[:, :, :head], head), (t[:, :, n - exact:], exact)) if m)
+
     def encode(self, t, where: Slice, prediction=None, step: float | None = None) -> bytes:
         p = self.params
-        n, start = t.shape[2], where.start
-        end = start + n
-        exact = max(0, end - max(start, where.layer_tokens - p["window"])) if p["window"] else 0
-        head = min(max(0, p["sink"] - start), n - exact)
+        n = t.shape[2]
+        head, exact = self.exact_split(where)
         return encode(t.float().cpu().numpy(), p, exact_tokens=exact, dtype=where.dtype,
                       exact_bits=bit_patterns(t[:, :, n - exact:]) if exact else None, head_tokens=head,
                       head_bits=bit_patterns(t[:, :, :head]) if head else None, step=step, part=where.part,

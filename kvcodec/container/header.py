@@ -92,6 +92,12 @@ class Header:
         """The lowest format minor version that can express this file (the tier's)."""
         return registry.tier(self.tier).min_minor
 
+    @property
+    def read_minor(self) -> int:
+        """The lowest minor version a file of this tier may state (older revisions this decoder still reads)."""
+        t = registry.tier(self.tier)
+        return t.min_minor if t.read_minor is None else t.read_minor
+
     def output_bytes(self) -> int:
         """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors plus 4 bytes per token id."""
         return self.tensor_bytes() + 4 * self.batch * self.num_tokens

@@ -109,6 +109,10 @@ class KvzReader:
         if major != L.FORMAT_VERSION_MAJOR:
             raise UnsupportedVersion(f"format version {major}.{minor}; this decoder reads {L.FORMAT_VERSION_MAJOR}.x",
                                      field="Version_Major", offset=8)
+        if minor > L.FORMAT_VERSION_MINOR:
+            raise UnsupportedVersion(f"format version {major}.{minor}; this decoder reads 1.0 to "
+                                     f"1.{L.FORMAT_VERSION_MINOR} (a newer kvcodec reads it)",
+                                     field="Version_Minor", offset=10)
         self.version = (major, minor)
         max_header = self.limits.get("max_header_bytes", L.MAX_HEADER_BYTES)
         if hlen > max_header:
@@ -125,8 +129,8 @@ class KvzReader:
             raise ChecksumMismatch(f"header checksum {hsum:016x} != computed {self.header_checksum:016x}",
                                    field="Header_Checksum", offset=hend)
         self.header: Header = parse(body, offset=L.PREAMBLE.size, limits=self.limits)
-        if minor < self.header.min_minor:
-            raise FormatError(f"tier {self.header.tier!r} needs format 1.{self.header.min_minor}, "
+        if minor < self.header.read_minor:
+            raise FormatError(f"tier {self.header.tier!r} needs format 1.{self.header.read_minor} or later, "
                               f"the file says 1.{minor}", field="Version_Minor", offset=10)
         self.data_start = hend + 8
         self._read_footer_and_index()

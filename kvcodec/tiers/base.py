@@ -160,6 +160,8 @@ class Tier:
     summary: ClassVar[str] = ""  #: one line for help texts
     codec_ids: ClassVar[tuple[str, ...]]
     min_minor: ClassVar[int] = 1
+    #: the lowest minor version a file of this tier may state when read (files written before a revision)
+    read_minor: ClassVar[int | None] = None
     needs_model: ClassVar[bool] = False
     header_key: ClassVar[str | None] = None
     option_names: ClassVar[frozenset[str]] = frozenset()

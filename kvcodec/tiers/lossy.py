@@ -9,6 +9,8 @@ step with the model on the cache's own last tokens.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -22,12 +24,14 @@ from ..parallel import run_ordered
 from ..registry import register_tier
 from ..tokens.plan import cache_kwarg
 from ..tokens.recover import recover
-from .base import DirectTier, EncodeJob
+from .base import DirectTier, EncodeJob, tensor_slice
 
 
 @register_tier
 class LossyTier(DirectTier):
     tier_id = "lossy"
+    min_minor = 2  # Sign_Rule 1 (SplitMix64 signs); files stamped 1.1 hold Sign_Rule 0 payloads
+    read_minor = 1
     summary = "quantized tensors (--bits or --max-kl); no model needed to decode"
     codec_ids = (VqRans.codec_id,)
     option_names = frozenset(DEFAULTS) | {"max_kl"}
@@ -61,23 +65,42 @@ class LossyTier(DirectTier):
             return None  # a fixed step
         threads = 1 if job.options.threads is None else job.options.threads
         work = self.encode_slice(job, codec)
-        comps = sum(t.numel() for t in kv.keys + kv.values)
-        best, lowest = None, None
+        # The rate is that of the quantized tokens: the exactly stored ones (sink, window) are stored at their
+        # own, step-independent cost.  (Counting them made the budget of small caches unreachable, and the loop
+        # then raised the step until every index was 0.)
+        comps, exact_bytes = 0, 0
+        for li, part, _c, where in jobs:
+            head, tail = codec.exact_split(where)
+            b, h, n, d = where.shape
+            comps += b * h * (n - head - tail) * d
+            exact_bytes += codec.exact_bytes(tensor_slice(kv, li, part, where), where)
+        if comps == 0:
+            return None  # every token is stored exactly: no step to choose
+        best, first = None, params["step"]
         for _ in range(8):
             payloads = []
             run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
-            rate = 8 * sum(len(pl) for pl in payloads) / max(comps, 1)
+            rate = 8 * (sum(len(pl) for pl in payloads) - exact_bytes) / comps
             if rate <= params["bits"] and (best is None or rate > best[0]):
                 best = (rate, params["step"], payloads)
-            if lowest is None or rate < lowest[0]:
-                lowest = (rate, params["step"], payloads)
             if rate <= params["bits"] and params["bits"] - rate < 0.02:
                 break
-            params["step"] = float(np.float32(params["step"] * 2.0 ** (rate - params["bits"] + 0.005)))
-        if best is None:  # side information alone exceeds the budget (tiny caches): the lowest rate reached
-            warn(f"{VqRans.codec_id}: bits={params['bits']} not reachable for this cache (norms and tables alone "
-                 f"cost more); stored at {lowest[0]:.2f} bits per component")
-            best = lowest
+            with np.errstate(over="ignore"):
+                nxt = float(np.float32(params["step"] * 2.0 ** min(rate - params["bits"] + 0.005, 64.0)))
+            if not (math.isfinite(nxt) and nxt > 0):
+                break  # the budget is out of reach (tiny caches): no finite step meets it
+            params["step"] = nxt
+        if best is None:
+            # Side information alone exceeds the budget (tiny caches): keep the first step (the order-0 estimate
+            # for the requested rate), not the lowest rate reached - that is a step so large that every index
+            # is 0 and the quantized tokens decode to zero vectors.
+            payloads = []
+            params["step"] = first
+            run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
+            rate = 8 * (sum(len(pl) for pl in payloads) - exact_bytes) / comps
+            warn(f"{VqRans.codec_id}: bits={params['bits']} not reachable for this cache (norms, tables and fixed "
+                 f"fields alone cost more); its quantized tokens take {rate:.2f} bits per component")
+            best = (rate, first, payloads)
         _, params["step"], payloads = best
         return payloads
 

@@ -230,6 +230,10 @@ def worker(cfg: dict, outdir: Path, models: list[str], n_tiny: int, n_smol: int)
         for which in ("prefill", "inc"):
             p = probs_of(torch.from_numpy(res[f"{which}_logits"]))
             res[f"{which}_probs"] = p
+        ref = cfg.get("ref_dir")
+        if ref and (Path(ref) / f"{name}.npz").is_file():  # this config's softmax over the baseline's logits
+            with np.load(Path(ref) / f"{name}.npz") as z:
+                res["ref_inc_probs"] = probs_of(torch.from_numpy(z["inc_logits"]))
         res["ids"] = ids[0].numpy()
         info[f"{name}_attn"] = getattr(model.config, "_attn_implementation", None)
         info[f"{name}_seconds"] = {"prefill": round(t1 - t0, 2), "incremental": round(t2 - t1, 2)}
@@ -321,7 +325,7 @@ def ops_probe(torch, smol, dtype, outdir: Path, info: dict) -> None:
         w = w + torch.triu(torch.full((128, 128), float("-inf")), 1)
         res["eager attention 128 q"] = torch.matmul(torch.softmax(w.float(), -1).to(dtype), vr)
         res["bmm q@k^T 1 q"] = torch.matmul(q[:, :, -1:], kr.transpose(2, 3))
-    np.savez(outdir / "ops.npz", **{k: v.float().numpy() for k, v in res.items()})
+    np.savez(outdir / "ops.npz", **{k: (v if v.dtype == torch.float64 else v.float()).numpy() for k, v in res.items()})
     # which library / kernel a Linear runs: MKL and oneDNN verbose around one call each (printed by the C code)
     sys.stdout.flush()
     with torch.no_grad():
@@ -333,14 +337,15 @@ def ops_probe(torch, smol, dtype, outdir: Path, info: dict) -> None:
             gate(x128)
 
 
-def run_config(name: str, cfg: dict, workdir: Path, models: list[str], n_tiny: int, n_smol: int) -> tuple[Path, str]:
+def run_config(name: str, cfg: dict, workdir: Path, models: list[str], n_tiny: int, n_smol: int,
+               ref_dir: Path | None = None) -> tuple[Path, str]:
     out = workdir / re.sub(r"[^A-Za-z0-9=.+_-]+", "_", name)
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in KNOB_ENV}
     env.update(cfg.get("env", {}))
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_VERBOSITY"] = "error"
-    cmd = [sys.executable, __file__, "--worker", json.dumps(cfg), "--workdir", str(out),
+    cmd = [sys.executable, __file__, "--worker", json.dumps(dict(cfg, ref_dir=str(ref_dir) if ref_dir else None)), "--workdir", str(out),
            "--models", ",".join(models), "--tiny-tokens", str(n_tiny), "--smol-tokens", str(n_smol)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
@@ -422,6 +427,13 @@ def compare_model(base: dict, other: dict, cdf_base: dict, cdf_other: dict) -> d
         bad = np.flatnonzero(da != t)
         r[f"{which}_first_bad_decode"] = int(bad[0]) if bad.size else None
         r[f"{which}_predicted_ok"] = not interval.any()
+    if "ref_inc_probs" in other:  # the same (baseline) logits through this configuration's softmax
+        cr = quantize_cdf(other["ref_inc_probs"])[:-1]
+        t = ids[1:]
+        rows = np.arange(t.size)
+        ca = cdf_base["inc"][:-1]
+        r["softmax_probs_frac"] = float(_rows_differ(base["inc_probs"], other["ref_inc_probs"]).mean())
+        r["softmax_interval_frac"] = float(((ca[rows, t] != cr[rows, t]) | (ca[rows, t + 1] != cr[rows, t + 1])).mean())
     return r
 
 
@@ -430,7 +442,7 @@ def compare_ops(a: dict, b: dict) -> dict:
     for k in a:
         if k not in b or a[k].shape != b[k].shape:
             out[k] = "n/a"
-        elif np.array_equal(a[k].view("u4"), b[k].view("u4")):
+        elif a[k].dtype == b[k].dtype and np.array_equal(a[k].view(f"u{a[k].itemsize}"), b[k].view(f"u{b[k].itemsize}")):
             out[k] = "="
         else:
             out[k] = f"{np.abs(a[k].astype(np.float64) - b[k]).max():.1e}"
@@ -478,11 +490,14 @@ def main(argv=None) -> int:
     t_start = time.time()
 
     rows, infos, opsdiff = [], {}, {}
-    base, base_cdf, base_ops = {}, {}, None
+    base, base_cdf, base_ops, base_dir = {}, {}, None, None
     selftest = spec_check = None
     for name in names:
         t0 = time.time()
-        out, stdout = run_config(name, CONFIGS[name], workdir, models, a.tiny_tokens, a.smol_tokens)
+        out, stdout = run_config(name, CONFIGS[name], workdir, models, a.tiny_tokens, a.smol_tokens,
+                                 None if name == "baseline" else base_dir)
+        if name == "baseline":
+            base_dir = out
         info = json.loads((out / "info.json").read_text())
         info["verbose"] = verbose_summary(stdout)
         infos[name] = info
@@ -545,7 +560,9 @@ def render(rows, infos, opsdiff, names, models, selftest, spec_check, seconds) -
          "i+1.  *freq differs* = positions whose coded token's 24-bit (cumulative, frequency) interval differs "
          "from the baseline's (decoding breaks at the first); *table* = positions where any of the V+1 CDF "
          "entries differs; *decodes* = tokens coded with the baseline's distributions decode with this "
-         "configuration's and vice versa (constriction).", ""]
+         "configuration's and vice versa (constriction); *softmax only* = the baseline's float32 logits put "
+         "through this configuration's float64 softmax (lm._probs): positions whose probabilities / coded-token "
+         "interval differ from the baseline's.", ""]
     if selftest:
         L += [f"Quantizer port checked against constriction: {selftest['agree']}/{selftest['trials']} perturbation "
               f"trials agree ({selftest['interval_changed']} changed the interval)."
@@ -557,9 +574,9 @@ def render(rows, infos, opsdiff, names, models, selftest, spec_check, seconds) -
         n = rs[0]["n"]
         L += [f"## {m} ({n + 1} tokens)", "",
               "| config | inc logits differ (frac, max) | inc KV identical? (first layer, max) | inc probs differ "
-              "| **inc freq differs** | inc table differs | inc decodes? | prefill logits differ | prefill KV "
-              "identical? | prefill freq differs | prefill decodes? |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| **inc freq differs** | inc table differs | inc decodes? | softmax only: probs / freq differ "
+              "| prefill logits differ | prefill KV identical? | prefill freq differs | prefill decodes? |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rs:
             def kv(w):
                 if r[f"{w}_kv_first_layer"] is None:
@@ -577,7 +594,8 @@ def render(rows, infos, opsdiff, names, models, selftest, spec_check, seconds) -
 
             L.append(f"| {r['config']} | {lg('inc')} | {kv('inc')} | {fmt_frac(r['inc_probs_frac'], n)} | "
                      f"**{fmt_frac(r['inc_interval_frac'], n)}** | {fmt_frac(r['inc_cdf_table_frac'], n)} | "
-                     f"{dec('inc')} | {lg('prefill')} | {kv('prefill')} | "
+                     f"{dec('inc')} | {fmt_frac(r.get('softmax_probs_frac', float('nan')), n)} / "
+                     f"{fmt_frac(r.get('softmax_interval_frac', float('nan')), n)} | {lg('prefill')} | {kv('prefill')} | "
                      f"{fmt_frac(r['prefill_interval_frac'], n)} | {dec('prefill')} |")
         s = infos.get("_schedule", {}).get(m)
         if s:
