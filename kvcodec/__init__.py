@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
     KvzError,
     LimitExceeded,
     ModelMismatch,
+    NumericsMismatch,
     OffsetError,
     ReservedBitSet,
     TrailingData,
@@ -39,7 +40,8 @@ __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
     "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
-    "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache",
+    "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
+    "UnsupportedCache",
     "ConfigError",
     "BackendUnavailable", "FallbackWarning",
 ]

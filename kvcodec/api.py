@@ -169,9 +169,10 @@ def save(path, cache, model=None, **kwargs) -> int:
     return enc.save(path, cache, model, **per_cache)
 
 
-def open_kvz(source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None) -> KvzFile:
+def open_kvz(source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,
+             numerics: str = "strict") -> KvzFile:
     """Open a .kvz file (bytes, path, fsspec URL or file object) for lazy reading."""
-    return KvzFile(source, model, draft=draft, limits=limits, threads=threads)
+    return KvzFile(source, model, draft=draft, limits=limits, threads=threads, numerics=numerics)
 
 
 def _convert(kv, output: str):
@@ -182,7 +183,7 @@ def _convert(kv, output: str):
 
 
 def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dict | None = None,
-           threads: int | None = None, progress=None):
+           threads: int | None = None, progress=None, numerics: str = "strict"):
     """Decode .kvz bytes (or a path, URL or file object) into a cache, a ``DynamicCache`` by default.
 
     ``model`` is required for the token tiers (``exact``, ``tokens``): the cache
@@ -191,8 +192,11 @@ def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dic
     files whose tokens were coded with a draft model.  ``output="kvcache"``
     returns a :class:`~kvcodec.KVCache`, ``"legacy"`` a tuple of pairs.
     ``limits`` caps what the file may ask for (``max_output_bytes`` ...).
+    ``numerics`` (token tiers): ``"strict"`` refuses before any work where this machine cannot reproduce the
+    file's float results (:class:`~kvcodec.errors.NumericsMismatch`), ``"try"`` attempts anyway,
+    ``"recompute"`` returns this machine's regeneration without the residuals (statically coded tokens).
     """
-    with KvzFile(data, model, draft=draft, limits=limits, threads=threads) as f:
+    with KvzFile(data, model, draft=draft, limits=limits, threads=threads, numerics=numerics) as f:
         return _convert(f.to_kvcache(progress), output)
 
 

@@ -15,6 +15,7 @@ message names the field and, where there is one, the byte offset::
     │   ├── LimitExceeded               a declared size beyond the decoder's limits
     │   └── ChecksumMismatch
     ├── ModelMismatch                   the file needs another model than the one given
+    ├── NumericsMismatch                this machine cannot reproduce the file's float results
     ├── UnsupportedCache (TypeError)    a cache (layer) class kvcodec cannot store faithfully
     ├── ConfigError (ValueError)        bad options / pipeline config at the API
     └── BackendUnavailable (ImportError)
@@ -32,7 +33,7 @@ import warnings
 __all__ = [
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
     "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
-    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "UnsupportedCache", "ConfigError",
+    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch", "UnsupportedCache", "ConfigError",
     "BackendUnavailable", "FallbackWarning", "warn",
 ]
 
@@ -102,6 +103,12 @@ class ChecksumMismatch(FormatError):
 
 class ModelMismatch(KvzError):
     """The file was made with a different model than the one supplied (or needs one)."""
+
+
+class NumericsMismatch(KvzError):
+    """This machine cannot reproduce the floating-point results the file's token tier needs (another CPU
+    kernel level, BLAS code path, attention implementation, dtype, device or library version: the file's
+    ``tokens.procedure.numerics``), found before any work.  The message says what would work."""
 
 
 class UnsupportedCache(KvzError, TypeError):

@@ -32,6 +32,13 @@ def _is_url(source) -> bool:
     return isinstance(source, (str, os.PathLike)) and "://" in str(source)
 
 
+#: ``numerics=`` of the decoders (token tiers): "strict" refuses before any work where this machine cannot
+#: reproduce the file's recorded numerics profile; "try" attempts anyway (the checksums decide); "recompute"
+#: decodes the tokens (only where they decode: token model ``static``) and returns this machine's regeneration
+#: without the residuals (tier ``tokens`` semantics), with a warning.
+NUMERICS_MODES = ("strict", "try", "recompute")
+
+
 class KvzFile:
     """An open .kvz file (bytes, path, fsspec URL or binary file object).
 
@@ -42,9 +49,12 @@ class KvzFile:
     >>> # with kvcodec.open_kvz("cache.kvz") as f: k, v = f.layer(3)
     """
 
-    def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None):
+    def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,
+                 numerics: str = "strict"):
+        if numerics not in NUMERICS_MODES:
+            raise ConfigError(f"numerics must be one of {NUMERICS_MODES}, not {numerics!r}")
         self._owned = None
-        self.model, self.draft, self.threads = model, draft, threads
+        self.model, self.draft, self.threads, self.numerics = model, draft, threads, numerics
         if _is_url(source):
             self._owned = source = open_path(source, "rb")
         try:

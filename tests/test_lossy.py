@@ -128,13 +128,17 @@ def test_decoding_is_deterministic_and_matches_the_spec_reconstruction(rule):
 
 
 def test_sign_rules_differ_and_unknown_rule_is_refused():
+    from pathlib import Path
+
     from kvcodec.codecs.hadamard import signs
 
     assert signs(7, 64, 1).tolist() != signs(7, 64, 0).tolist()
     assert [int(x < 0) for x in signs(0x6B767A, 32)] == _splitmix_sign_bits(0x6B767A, 32)
+    spec = (Path(__file__).resolve().parent.parent / "spec" / "kvz.md").read_text()
+    example = "".join("−" if x < 0 else "+" for x in signs(0x6B767A, 8))
+    assert "`" + " ".join(c + "1" for c in example) + "`" in spec  # the example of spec section 13
     data = bytearray(kvcodec.encode(structured_cache(layers=1, heads=1, seq=6, dim=8), tier="lossy", sink=0))
     import sys
-    from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
     from fuzz import reseal

@@ -252,8 +252,9 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     monkeypatch.setattr(kvcodec.file, "check_model", lambda *a, **k: None)
     check_rejects(kvcodec.ChecksumMismatch, data, other, match="chunk 0.*most likely corrupt")
     torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
-    try:  # a recorded thread count that differs from the decoder's is named
-        check_rejects(kvcodec.ChecksumMismatch, data, other, match="threads")
+    try:  # a recorded thread count that differs from the decoder's is named: before any work, or after
+        check_rejects(kvcodec.NumericsMismatch, data, other, match="threads 2 .file. vs 1 .here.|threads 1 .file")
+        check_rejects(kvcodec.ChecksumMismatch, data, other, match="threads", numerics="try")
     finally:
         torch.set_num_threads(threads)
     static = kvcodec.encode(rec, model, token_model="static")

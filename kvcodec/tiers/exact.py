@@ -35,7 +35,9 @@ from ..container import layout as L
 from ..container.header import is_hex64
 from ..container.writer import KvzWriter
 from ..dtypes import DTYPES, bit_patterns, from_bit_patterns
-from ..errors import ChecksumMismatch, ConfigError, FormatError, LimitExceeded, ModelMismatch, UnknownId
+from .. import numerics
+from ..errors import (ChecksumMismatch, ConfigError, FallbackWarning, FormatError, LimitExceeded, ModelMismatch,
+                      NumericsMismatch, UnknownId, warn)
 from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
 from ..tokens import lm
@@ -302,6 +304,9 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
             procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
         streams = [coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:]) for r in range(kv.batch)]
         regen = verified if verified is not None else to_canonical(replay(mdl, tokens, plan))
+    procedure = {**procedure, "numerics": numerics.profile(mdl)}
+    if token_model == "draft":
+        procedure["draft_numerics"] = numerics.profile(split_model(opts.draft)[0])
     if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
                                                                                    kv.keys + kv.values)):
         raise Fallback("the regenerated cache has another shape (another model layout?)")
@@ -345,6 +350,7 @@ class _TokenDecoder:
     def __init__(self, f):
         self.f = f
         self._regen = None
+        self._recompute = False
         t = f.header.tier_info
         if f.draft is not None and t.draft is not None:
             check_model(t.draft, f.draft, "draft")
@@ -367,6 +373,7 @@ class _TokenDecoder:
                                   "it was made with: decode(data, model)")
             if h.tier_info.draft is not None and f.draft is None:
                 raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
+            self._check_numerics()
             tokens, regen = regenerate(h, self._streams(), f.model, f.draft)
             for i, lay in enumerate(h.layers):
                 if (regen.keys[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.k_dim)
@@ -380,6 +387,41 @@ class _TokenDecoder:
 
     def tokens(self) -> torch.Tensor:
         return self.regenerated()[0]
+
+    def _check_numerics(self) -> None:
+        """Before any work: can this machine reproduce the float results the file needs (spec 11.4)?"""
+        f, t = self.f, self.f.header.tier_info
+        proc = t.raw["procedure"]
+        if f.numerics == "try" or not isinstance(proc.get("numerics"), dict):
+            return  # asked to try, or a file without a recorded profile: the checksums decide
+        multi = any(size > 1 for size, _ in t.schedule_runs)
+        diffs = numerics.differences(proc["numerics"], numerics.profile(split_model(f.model)[0]),
+                                     multi_token_calls=multi)
+        token_diffs = []
+        if t.token_model == "lm":
+            token_diffs = diffs
+        elif t.token_model == "draft" and isinstance(proc.get("draft_numerics"), dict) and f.draft is not None:
+            token_diffs = numerics.differences(proc["draft_numerics"], numerics.profile(split_model(f.draft)[0]),
+                                               multi_token_calls=False)
+        if token_diffs:
+            raise NumericsMismatch(
+                f"the tokens of this file were coded with probabilities of the {t.token_model!r} model that this "
+                f"machine computes differently ({'; '.join(token_diffs)}): they cannot be decoded here. What works: "
+                f"{numerics.advice(token_diffs)}; files of tiers 'lossless' and 'lossy', and token model 'static', "
+                "decode anywhere", field="Header.tokens.procedure.numerics", offset=L.PREAMBLE.size)
+        if not diffs or not t.has_residual:
+            return  # tier tokens without residual: restore = this machine's recompute, by definition
+        if f.numerics == "recompute":
+            warn(f"numerics differ ({'; '.join(diffs)}): returning this machine's regeneration without the file's "
+                 f"residuals; on the encoder's machine a bare regeneration was within "
+                 f"{t.raw.get('max_abs_deviation')} of the original", FallbackWarning)
+            self._recompute = True
+            return
+        raise NumericsMismatch(
+            f"this file's tier {self.f.header.tier!r} restores the cache bit for bit by recomputing it, and this "
+            f"machine computes differently from the encoder's ({'; '.join(diffs)}). What works: "
+            f"{numerics.advice(diffs)}; or numerics='recompute' for this machine's regeneration without the "
+            "residuals", field="Header.tokens.procedure.numerics", offset=L.PREAMBLE.size)
 
     def _checksums(self) -> dict:
         h, r = self.f.header, self.f.reader
@@ -396,7 +438,7 @@ class _TokenDecoder:
         applied, each slice checked against its Tensor_Checksum."""
         h, r = self.f.header, self.f.reader
         regen = self.regenerated()[1] if regen is None else regen
-        sums = self._checksums() if h.tier_info.has_residual else None
+        sums = self._checksums() if h.tier_info.has_residual and not self._recompute else None
         codec = IntResidualRans()
         outs = {}
         for li in layers:
