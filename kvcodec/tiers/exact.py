@@ -53,6 +53,7 @@ TOKEN_MODELS = ("lm", "static", "draft")
 PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
 POSITIONS = ("mask", "arange")
 MAX_SCHEDULE_RUNS = 1 << 20
+MAX_VOCAB = (1 << 24) - 2  # the largest alphabet the 24-bit frequencies of spec 11.2.1 can code
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class ExactTier(Tier):
             v.obj(draft, f"{p}.draft", {"fingerprint"}, {"name", "architecture", "tokenizer"})
             if not is_hex64(v.str(draft, "fingerprint", f"{p}.draft")):
                 v.fail(f"{p}.draft.fingerprint", "must be 64 lowercase hex digits")
-        vocab = v.int(t, "vocab", p, 1, 1 << 31, LimitExceeded)
+        vocab = v.int(t, "vocab", p, 2, MAX_VOCAB)  # spec 11.2.1: every symbol keeps a frequency >= 1 of 2**24
         chunk = v.int(t, "chunk_tokens", p, 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
         if not isinstance(t["procedure"], dict) or "id" not in t["procedure"]:
             v.fail(f"{p}.procedure", "must be an object with an id")
