@@ -115,7 +115,7 @@ class Encoder:
         self.write(buf, cache, model, **per_cache)
         return buf.getvalue()
 
-    def save(self, path, cache, model=None, **per_cache) -> int:
+    def save(self, path, cache, model=None, *, overwrite: bool = True, **per_cache) -> int:
         """Encode ``cache`` to ``path`` (local path or fsspec URL), streaming; returns bytes written.
 
         A local file appears complete or not at all (:func:`kvcodec.atomic.atomic_output`: a temporary file
@@ -123,7 +123,7 @@ class Encoder:
         leaves a half-written file; the last writer wins.
         """
         if isinstance(path, os.PathLike) or "://" not in str(path):
-            with atomic_output(path) as f:
+            with atomic_output(path, overwrite=overwrite) as f:
                 return self.write(f, cache, model, **per_cache)
         with open_path(path, "wb") as f:
             return self.write(f, cache, model, **per_cache)
@@ -162,11 +162,11 @@ def encode(cache, model=None, **kwargs) -> bytes:
     return enc.encode(cache, model, **per_cache)
 
 
-def save(path, cache, model=None, **kwargs) -> int:
+def save(path, cache, model=None, *, overwrite: bool = True, **kwargs) -> int:
     """:func:`encode` ``cache`` to ``path`` (local path or fsspec URL), atomically for local paths; returns
-    bytes written."""
+    bytes written.  ``overwrite=False`` refuses an existing local file (:class:`ConfigError`)."""
     enc, per_cache = _split(kwargs)
-    return enc.save(path, cache, model, **per_cache)
+    return enc.save(path, cache, model, overwrite=overwrite, **per_cache)
 
 
 def open_kvz(source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,

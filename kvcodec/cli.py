@@ -1,14 +1,15 @@
 """The ``kvz`` command line.
 
     kvz demo                       the main job on the embedded default model
-    kvz inspect FILE [--json] [--verify]
-    kvz encode --model smollm2 --text FILE [-o OUT.kvz] [--tier lossless] [--dtype bf16]
-    kvz decode FILE -o OUT.safetensors
+    kvz inspect FILE [--json] [--verify]          FILE '-' reads standard input
+    kvz encode --model smollm2 --text FILE [-o OUT.kvz] [--tier lossless] [--dtype bf16] [-f]
+    kvz decode FILE -o OUT.safetensors [-f]      -o - writes standard output
     kvz verify FILE
     kvz bench [--out DIR] [--tokens N] [--genres ...]
     kvz claims [--out docs]           the seed paper's claims, measured (docs/claims.md)
 
-Errors print one line and exit non-zero (2 for bad input files, 1 otherwise).
+Errors print one line and exit non-zero (2 for bad or missing input files, 1 otherwise).  Existing output
+files are replaced only with ``-f``, and always atomically.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="section", mininterval=1.0, delay=1.0, leave=False)
 
 
+def _source(name: str):
+    """A file argument: ``-`` is standard input (read whole: a .kvz index sits at the end)."""
+    return sys.stdin.buffer.read() if name == "-" else name
+
+
 def cmd_inspect(args) -> int:
     from .api import inspect
 
-    info = inspect(args.file, verify_checksums=args.verify)
+    info = inspect(_source(args.file), verify_checksums=args.verify)
     print(json.dumps(info, indent=2) if args.json else inspection_text(info, args.file))
     return 0
 
@@ -52,11 +58,13 @@ def cmd_encode(args) -> int:
     from .models import prefill, tokenize
 
     text = Path(args.text).read_text(encoding="utf-8")
+    out = args.output or str(Path(args.text).with_suffix(".kvz").name)
+    if Path(out).exists() and not args.force:
+        raise ConfigError(f"{out} exists (use -f to replace it)")
     t0 = time.perf_counter()
     model, tok = _load_model(args.model, args.dtype)
     ids = tokenize(tok, text, args.max_tokens)
     cache = prefill(model, ids)
-    out = args.output or str(Path(args.text).with_suffix(".kvz").name)
     from .cache import to_canonical
 
     kv = to_canonical(cache)
@@ -69,7 +77,7 @@ def cmd_encode(args) -> int:
         if not isinstance(opts, dict):
             raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
-    n = save(out, cache, (model, tok), tier=args.tier, chunk_tokens=args.chunk_tokens,
+    n = save(out, cache, (model, tok), overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
              tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update, **opts)
     bar.close()
     print(f"{out}: {ids.shape[1]} tokens, {_human(kv.nbytes())} {args.dtype} cache -> {_human(n)} "
@@ -88,11 +96,16 @@ def _file_model(args):
 
 
 def cmd_decode(args) -> int:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from .api import KvzFile
+    from .atomic import atomic_output
 
-    with KvzFile(args.file, _file_model(args)) as f:
+    to_stdout = args.output == "-"
+    if not to_stdout and Path(args.output).exists() and not args.force:
+        raise ConfigError(f"{args.output} exists (use -f to replace it)")
+    args.file = _source(args.file)
+    with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
         bar = _progress(f.num_sections(), "decoding")
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
@@ -102,8 +115,15 @@ def cmd_decode(args) -> int:
         tensors[f"layers.{i}.values"] = v.contiguous()
     if kv.tokens is not None:
         tensors["tokens"] = kv.tokens.contiguous()
-    save_file(tensors, args.output, metadata={"source": "kvz decode", "start_position": str(kv.start_position)})
-    print(f"{args.output}: {len(kv.keys)} layers, {kv.dtype_name}, {_human(kv.nbytes())}")
+    data = save(tensors, metadata={"source": "kvz decode", "start_position": str(kv.start_position)})
+    if to_stdout:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        with atomic_output(args.output, overwrite=args.force) as out:
+            out.write(data)
+    print(f"{args.output}: {len(kv.keys)} layers, {kv.dtype_name}, {_human(kv.nbytes())}",
+          file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 
@@ -111,11 +131,12 @@ def cmd_verify(args) -> int:
     from .api import KvzFile
 
     t0 = time.perf_counter()
-    with KvzFile(args.file, _file_model(args)) as f:
+    name, args.file = args.file, _source(args.file)
+    with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
         bar = _progress(f.num_sections(), "verifying")
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
-    print(f"{args.file}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
+    print(f"{name}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
           f"({_human(kv.nbytes())}) in {time.perf_counter() - t0:.2f} s")
     return 0
 
@@ -161,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("inspect", help="describe a .kvz file from its header (no model, no decoding)")
-    s.add_argument("file")
+    s.add_argument("file", help="the .kvz file, a URL (s3://...) or - for standard input")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--verify", action="store_true", help="also read every payload and check its checksum")
     s.set_defaults(func=cmd_inspect)
@@ -169,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("encode", help="run a model over a text file and store its KV cache")
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
     s.add_argument("--text", required=True)
-    s.add_argument("-o", "--output")
+    s.add_argument("-o", "--output", help="the .kvz file to write (default: the text's name with .kvz)")
+    s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
     s.add_argument("--tier", default="exact", choices=registry.tier_ids(),
                    help="; ".join(f"{t}: {registry.tier(t).summary}" for t in registry.tier_ids())
                    + " (default: exact)")
@@ -186,9 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_encode)
 
     s = sub.add_parser("decode", help="decode a .kvz file to safetensors")
-    s.add_argument("file")
-    s.add_argument("-o", "--output", required=True)
+    s.add_argument("file", help="the .kvz file, a URL (s3://...) or - for standard input")
+    s.add_argument("-o", "--output", required=True, help="the safetensors file to write, or - for standard output")
+    s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
     s.add_argument("--model", default="smollm2", help="model for exact/tokens files (embedded name or directory)")
+    s.add_argument("--numerics", default="strict", choices=["strict", "try", "recompute"],
+                   help="token tiers on a machine whose float results differ from the encoder's: refuse before "
+                        "any work (strict), attempt anyway (try), or return this machine's regeneration without "
+                        "the residuals (recompute, static token model)")
     s.set_defaults(func=cmd_decode)
 
     s = sub.add_parser("eval", help="quality of the lossy tier: KL of next-token distributions, top-1, greedy")
@@ -203,8 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("verify", help="decode fully and check every checksum")
-    s.add_argument("file")
+    s.add_argument("file", help="the .kvz file, a URL (s3://...) or - for standard input")
     s.add_argument("--model", default="smollm2", help="model for exact/tokens files (embedded name or directory)")
+    s.add_argument("--numerics", default="strict", choices=["strict", "try"],
+                   help="token tiers: refuse before any work where this machine's float results differ (strict) "
+                        "or attempt anyway (try)")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
@@ -258,7 +288,10 @@ def main(argv=None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KvzError as e:
+    except ConfigError as e:  # a refused option or output file: not a bad input file
+        print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except (KvzError, FileNotFoundError, IsADirectoryError) as e:
         print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except (OSError, ValueError, TypeError) as e:

@@ -49,8 +49,45 @@ def test_console_script_entry_point():
 
 
 def test_missing_file_exit_code(capsys):
-    assert main(["inspect", "/nonexistent/file.kvz"]) == 1
-    assert "No such file" in capsys.readouterr().err
+    assert main(["inspect", "/nonexistent/file.kvz"]) == 2  # bad input, like a malformed file
+    err = capsys.readouterr().err
+    assert "No such file" in err and err.strip().count("\n") == 0
+
+
+def test_dash_is_stdin_and_stdout(tmp_path):
+    """zstd/gzip conventions: '-' reads standard input and writes standard output."""
+    cli = [sys.executable, "-m", "kvcodec.cli"]
+    data = VEC.read_bytes()
+    r = subprocess.run(cli + ["inspect", "-", "--json"], input=data, capture_output=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["batch"] == 2
+    r = subprocess.run(cli + ["decode", "-", "-o", "-"], input=data, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load
+
+    tensors = load(r.stdout)
+    assert tensors["layers.0.keys"].equal(kvcodec.decode(data, output="kvcache").keys[0])
+    assert not (Path.cwd() / "-").exists()
+    r = subprocess.run(cli + ["verify", "-"], input=data, capture_output=True, text=False)
+    assert r.returncode == 0 and b"ok" in r.stdout
+
+
+def test_existing_output_needs_force(tmp_path, capsys):
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"precious")
+    assert main(["decode", str(VEC), "-o", str(out)]) == 1
+    assert "exists" in capsys.readouterr().err and out.read_bytes() == b"precious"
+    assert main(["decode", str(VEC), "-o", str(out), "-f"]) == 0
+    assert load_file(str(out))["tokens"].shape == (2, 10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]  # written atomically, no temp left
+    # the API: overwrite=False refuses, the old file stays
+    kvc = tmp_path / "c.kvz"
+    kvc.write_bytes(b"old")
+    try:
+        kvcodec.save(kvc, kvcodec.decode(VEC, output="kvcache"), overwrite=False)
+        raise AssertionError("overwrite=False replaced a file")
+    except kvcodec.ConfigError:
+        pass
+    assert kvc.read_bytes() == b"old"
 
 
 def test_inspect_reads_a_pipe():
