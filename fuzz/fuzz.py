@@ -14,11 +14,19 @@ Targets
   payload   bit flips inside section payloads or digits of the header of valid
             files, resealed: reaches the token decoders, the residual codec and
             the model-replay path of the token tiers (with the vectors' model)
+  header    structure-aware: one value of a valid file's JSON header (any
+            depth, ``info`` and ``tokens.schedule`` included) replaced by a
+            hostile one (huge or negative integers, 4,000-digit numbers, 1e400,
+            deep nesting, lone surrogates, huge schedule runs), the file
+            rebuilt with every offset shifted and every checksum resealed
   roundtrip random caches (dtype, shape, options) -> encode -> decode == input
 
-Any exception other than ``KvzError`` is a finding, as is an input that takes
-more than ``--hang`` seconds or allocates more than ``--max-mib`` MiB
-(tracemalloc, which sees NumPy's buffers).  Findings are written to
+Every input is decoded and inspected.  Any exception other than ``KvzError``
+is a finding, as is an input that takes more than ``--hang`` seconds or whose
+peak allocation (tracemalloc, which sees NumPy's buffers) exceeds the bound
+of spec section 9 for the declared output limit: ``--max-ratio`` x
+``max_output_bytes`` + 64 MiB.  The summary reports executions, the
+exceptions by type and the largest peak against that bound.  Findings are written to
 ``fuzz/crashes/`` and the run exits 1; copy each into ``tests/data/malformed/``
 as a regression file once fixed.  Run with ``NUMBA_BOUNDSCHECK=1`` to make
 out-of-bounds reads in the Numba kernels raise instead of reading garbage.
@@ -117,6 +125,43 @@ def with_header(data: bytes, header, *, raw: bytes | None = None) -> bytes:
     return reseal(bytes(b))
 
 
+HOSTILE_VALUES = [0, -1, 1, 2**31, 2**31 - 1, 2**32, 2**63, 10**8, 10**40, -(10**40), 1e400, -1e400, 0.5, None,
+                  True, "", "x" * 1000, [], {}, [[1, 10**8]], [[1, 2**31]], "\ud800", "@DEEP@", "@DIGITS@"]
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:8]):
+            yield from _paths(v, prefix + (i,))
+
+
+def mutate_header(rng: random.Random, data: bytes) -> bytes:
+    """One header value replaced by a hostile one (structure-aware); the file rebuilt and resealed."""
+    import json
+
+    h = header_of(data)
+    if not isinstance(h, dict):
+        return data
+    paths = [p for p in _paths(h) if p]
+    path = rng.choice(paths)
+    parent = h
+    for k in path[:-1]:
+        parent = parent[k]
+    value = rng.choice(HOSTILE_VALUES)
+    if isinstance(value, float) and abs(value) == 1e400 or value in ("\ud800", "@DEEP@", "@DIGITS@"):
+        parent[path[-1]] = "@@"
+        text = json.dumps(h, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        raw = {"\ud800": '"\\ud800"', "@DEEP@": "[" * 2000 + "]" * 2000, "@DIGITS@": "9" * 5000}.get(
+            value, "1e400" if value == 1e400 else "-1e400")
+        return with_header(data, None, raw=text.replace('"@@"', raw, 1).encode())
+    parent[path[-1]] = value
+    return with_header(data, h)
+
+
 def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
     b = bytearray(data)
     for _ in range(rng.choice([1, 1, 1, 2, 3, 8])):
@@ -202,41 +247,53 @@ def mutate_payload(rng: random.Random, data: bytes) -> bytes:
     return reseal(bytes(b))
 
 
-def run_one(data: bytes, hang: float, max_mib: float):
-    """Decode; return None, or a description of the finding."""
+def run_one(data: bytes, hang: float, bound: int, stats: dict):
+    """Decode and inspect; return None, or a description of the finding.  ``stats`` collects the outcome
+    (``ok`` or the KvzError subclass) and the largest peak allocation."""
     model = vector_model()
     tracemalloc.start()
     t = time.perf_counter()
+    outcome = "ok"
     try:
-        kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1)
-    except KvzError:
-        pass
+        try:
+            kvcodec.inspect(data)
+        except KvzError:
+            pass
+        kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1, numerics="try")
+    except KvzError as e:
+        outcome = type(e).__name__
     except Exception:
         return "exception:\n" + traceback.format_exc()
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+    stats["outcomes"][outcome] = stats["outcomes"].get(outcome, 0) + 1
+    stats["peak"] = max(stats["peak"], peak)
     dt = time.perf_counter() - t
     if dt > hang:
         return f"hang: {dt:.1f} s"
-    if peak > max_mib * 2**20:
-        return f"allocation: peak {peak / 2**20:.1f} MiB"
+    if peak > bound:
+        return f"allocation: peak {peak / 2**20:.1f} MiB over the bound of {bound / 2**20:.0f} MiB"
     return None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "payload", "roundtrip"],
+    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "payload", "header", "roundtrip"],
                     default="all")
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--hang", type=float, default=10.0)
-    ap.add_argument("--max-mib", type=float, default=256.0)
+    ap.add_argument("--max-ratio", type=float, default=6.0,
+                    help="peak allocation bound: this x max_output_bytes + 64 MiB (spec section 9)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     rng = random.Random(seed)
     pool = seeds()
-    targets = ["bytes", "mutate", "resealed", "payload", "roundtrip"] if args.target == "all" else [args.target]
+    targets = (["bytes", "mutate", "resealed", "payload", "header", "roundtrip"] if args.target == "all"
+               else [args.target])
+    bound = int(args.max_ratio * LIMITS["max_output_bytes"]) + (64 << 20)
+    stats = {"outcomes": {}, "peak": 0}
     crashes = ROOT / "fuzz" / "crashes"
     findings = 0
     counts = {}
@@ -268,11 +325,13 @@ def main() -> int:
                         data = L.MAGIC + data
                 elif target == "payload":
                     data = mutate_payload(rng, rng.choice(pool))
+                elif target == "header":
+                    data = mutate_header(rng, rng.choice(pool))
                 else:
                     data = mutate(rng, rng.choice(pool), pool)
                     if target == "resealed":
                         data = reseal(data)
-                problem = run_one(data, args.hang, args.max_mib)
+                problem = run_one(data, args.hang, bound, stats)
             if problem:
                 findings += 1
                 crashes.mkdir(exist_ok=True)
@@ -280,7 +339,11 @@ def main() -> int:
                 (crashes / f"{target}-{name}.bin").write_bytes(data)
                 print(f"FINDING ({target}, seed {seed}, input {n}): {problem}", file=sys.stderr)
         counts[target] = n
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(stats["outcomes"].items(), key=lambda kv: -kv[1]))
     print(f"fuzz: seed {seed}, {sum(counts.values())} inputs {counts}, {findings} findings")
+    print(f"fuzz: outcomes by type: {outcomes}")
+    print(f"fuzz: peak allocation {stats['peak'] / 2**20:.1f} MiB, bound {bound / 2**20:.0f} MiB "
+          f"({args.max_ratio:g} x max_output_bytes {LIMITS['max_output_bytes'] >> 20} MiB + 64 MiB)")
     return 1 if findings else 0
 
 

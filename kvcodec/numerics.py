@@ -13,7 +13,9 @@ positions (1e-5 .. 1e-4 for SmolLM2) and the 24-bit token frequencies at
 tokens.  oneDNN's ISA limit and ``torch.backends.mkldnn`` changed nothing;
 neither did the thread count for one-token calls.
 
-:func:`profile` records these determinants (``tokens.procedure.numerics``);
+:func:`profile` records these determinants (``tokens.procedure.numerics``) and a
+``canary``: the hash of the logits of a fixed 10-token probe, which catches what
+the list cannot name (another CPU vendor, another BLAS build);
 :func:`differences` says which of them differ on this machine, so a decoder
 refuses *before* any work (:class:`~kvcodec.errors.NumericsMismatch`) instead
 of failing at a checksum minutes later.
@@ -72,13 +74,44 @@ def profile(model) -> dict:
     env = {k: os.environ[k] for k in ENV_KNOBS if os.environ.get(k)}
     if env:
         out["env"] = env
+    probe = canary(model)
+    if probe is not None:
+        out["canary"] = probe
     return out
+
+
+def canary(model) -> str | None:
+    """SHA-256 (16 hex digits) of the float logits of a fixed probe: one call over 8 fixed tokens, then 2 calls
+    of one token.  Catches what the listed determinants cannot name (CPU vendor, BLAS minor version) before
+    any real work: a few forward calls.  None if the model cannot run the probe."""
+    import hashlib
+
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from .identity import vocab_size
+    from .tokens.plan import forward
+
+    try:
+        dev = next(model.parameters()).device
+        v = vocab_size(model)
+        ids = (torch.arange(1, 11, device=dev) * 7919 % max(v - 1, 1) + 1)[None, :]
+        cache = DynamicCache(config=model.config)
+        h = hashlib.sha256()
+        with torch.no_grad():
+            for a, b in ((0, 8), (8, 9), (9, 10)):
+                h.update(forward(model, ids[:, a:b], cache, {}).float().contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+    except Exception:  # an exotic model: the other determinants and the checksums still guard
+        return None
 
 
 def differences(recorded: dict, current: dict, *, multi_token_calls: bool = True) -> list[str]:
     """The determinants that differ (``'cpu_capability AVX2 (file) vs AVX512 (here)'``); [] if the recorded
     profile is reproducible here.  The thread count matters only for calls of more than one token."""
     keys = [k for k in sorted(set(recorded) | set(current)) if k != "threads" or multi_token_calls]
+    if not multi_token_calls and recorded.get("threads") != current.get("threads"):
+        keys = [k for k in keys if k != "canary"]  # the probe's 8-token call depends on the thread count
     return [f"{k} {recorded.get(k)} (file) vs {current.get(k)} (here)" for k in keys
             if recorded.get(k) != current.get(k)]
 

@@ -89,3 +89,13 @@ def test_tokens_tier_without_residual_is_a_local_recompute_anywhere(model):
 
 def test_bad_numerics_mode():
     check_rejects(kvcodec.ConfigError, (VECTORS / "fp16_tiny.kvz").read_bytes(), numerics="sloppy")
+
+
+def test_canary_catches_what_the_list_cannot(model):
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight[0, 0] += 1e-3  # same everything, other float results
+    diffs = numerics.differences(numerics.profile(model), numerics.profile(other))
+    assert diffs and all(d.startswith("canary") for d in diffs)
