@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 #: ``Sign_Rule`` of a vq_rans payload: 1 = SplitMix64 (format 1.2), 0 = NumPy's PCG64 (format 1.1 files only)
 SIGN_RULE = 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -314,8 +314,8 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, tq)
         idx = floatctx.encode_symbols(rows, k, _CTX)
         nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
-        parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)), struct.pack("<i", lo),
-                 codebook, nbytes, idx]
+        parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)),
+                 struct.pack("<i", lo), codebook, nbytes, idx]
     else:
         parts = [_FIXED.pack(1, method, 2, SIGN_RULE, exact_tokens, seed, 0.0, 0), struct.pack("<i", 0)]
     tail = b""

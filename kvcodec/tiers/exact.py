@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import numerics
 from ..cache import KVCache, to_canonical
 from ..codecs.base import Slice
 from ..codecs.int_residual_rans import IntResidualRans, checksum
@@ -35,9 +36,17 @@ from ..container import layout as L
 from ..container.header import is_hex64
 from ..container.writer import KvzWriter
 from ..dtypes import DTYPES, bit_patterns, from_bit_patterns
-from .. import numerics
-from ..errors import (ChecksumMismatch, ConfigError, FallbackWarning, FormatError, LimitExceeded, ModelMismatch,
-                      NumericsMismatch, UnknownId, warn)
+from ..errors import (
+    ChecksumMismatch,
+    ConfigError,
+    FallbackWarning,
+    FormatError,
+    LimitExceeded,
+    ModelMismatch,
+    NumericsMismatch,
+    UnknownId,
+    warn,
+)
 from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
 from ..tokens import lm

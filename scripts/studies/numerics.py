@@ -26,7 +26,6 @@ Run:  .venv/bin/python scripts/studies/numerics.py --out /tmp/numerics/results.m
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
