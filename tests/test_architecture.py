@@ -11,6 +11,7 @@ import pytest
 
 import kvcodec
 from kvcodec import registry
+from kvcodec.container import layout as L
 
 from .common import check_rejects, check_roundtrip, random_cache
 
@@ -56,7 +57,8 @@ def test_a_new_tier_is_one_class_and_a_registry_entry():
 def test_every_tier_declares_the_contract():
     for tid in registry.tier_ids():
         t = registry.tier(tid)
-        assert t.tier_id == tid and t.summary and t.codec_ids and t.min_minor in (0, 1)
+        assert t.tier_id == tid and t.summary and t.codec_ids and 0 <= t.min_minor <= L.FORMAT_VERSION_MINOR
+        assert t.read_minor is None or 0 <= t.read_minor <= t.min_minor
         assert all(c in registry.codec_ids() for c in t.codec_ids)
         assert isinstance(t.needs_model, bool) and isinstance(t.option_names, frozenset)
 

@@ -250,7 +250,8 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     with torch.no_grad():
         other.lm_head.weight.mul_(1.5)
     monkeypatch.setattr(kvcodec.file, "check_model", lambda *a, **k: None)
-    check_rejects(kvcodec.ChecksumMismatch, data, other, match="chunk 0.*most likely corrupt")
+    check_rejects(kvcodec.NumericsMismatch, data, other, match="canary")  # found before any work
+    check_rejects(kvcodec.ChecksumMismatch, data, other, match="chunk 0.*most likely corrupt", numerics="try")
     torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
     try:  # a recorded thread count that differs from the decoder's is named: before any work, or after
         check_rejects(kvcodec.NumericsMismatch, data, other, match="threads 2 .file. vs 1 .here.|threads 1 .file")
@@ -261,7 +262,8 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     other2 = copy.deepcopy(model)
     with torch.no_grad():
         other2.model.layers[0].mlp.down_proj.weight.mul_(1.01)  # changes layer-1 K/V
-    check_rejects(kvcodec.ChecksumMismatch, static, other2, match="regenerates the cache differently")
+    check_rejects(kvcodec.NumericsMismatch, static, other2, match="canary")
+    check_rejects(kvcodec.ChecksumMismatch, static, other2, match="regenerates the cache differently", numerics="try")
 
 
 def test_header_validation_of_the_tokens_object():

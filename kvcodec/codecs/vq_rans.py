@@ -396,6 +396,15 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     if d & (d - 1) and method in (METHOD_UNIFORM, METHOD_LLOYD):
         raise FormatError(f"head dimension {d} is not a power of two", field="Header.cache.layers", offset=offset)
     tq = t - exact
+    step_bits = struct.unpack_from("<I", mv, 16)[0]
+    for name, value, at, must_be_zero in (
+            ("Seed", seed, 8, method in (METHOD_KIVI, METHOD_CACHEGEN)),
+            ("Step", step_bits, 16, method != METHOD_UNIFORM or tq == 0),
+            ("Norms_Length", norms_len, 20, method in (METHOD_KIVI, METHOD_CACHEGEN) or tq == 0),
+            ("Index_Offset", lo, 24, method != METHOD_UNIFORM or tq == 0)):
+        if must_be_zero and value:
+            raise FormatError(f"{name} must be 0 for Method {method} with {tq} quantized tokens (spec section 13)",
+                              field=f"VQ.{name}", offset=offset + at)
     out = np.zeros((b, h, tq, d), dtype=np.float32)
     if tq and method == METHOD_KIVI:
         out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)

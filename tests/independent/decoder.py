@@ -1,0 +1,1164 @@
+"""Independent .kvz decoder written from spec/kvz.md and spec/registry.md only."""
+import json
+import math
+import re
+import struct
+
+import numpy as np
+import xxhash
+import zstandard
+
+
+class KvzError(Exception):
+    pass
+
+
+def _mk(name):
+    return type(name, (KvzError,), {})
+
+
+BadMagic = _mk("BadMagic")
+UnsupportedVersion = _mk("UnsupportedVersion")
+FormatError = _mk("FormatError")
+LimitExceeded = _mk("LimitExceeded")
+TruncatedFile = _mk("TruncatedFile")
+TrailingData = _mk("TrailingData")
+ChecksumMismatch = _mk("ChecksumMismatch")
+OffsetError = _mk("OffsetError")
+UnknownId = _mk("UnknownId")
+
+
+def xxh(b):
+    return xxhash.xxh3_64_intdigest(bytes(b))
+
+
+MAGIC = b"\x89KVZ\r\n\x1a\n"
+END_MAGIC = b"\x89KVZEND\n"
+IMPL_MINOR = 2
+HEADER_LIMIT = 16 << 20
+OUTPUT_LIMIT = 64 << 30
+MAX_SECTIONS = 1 << 22
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_INDEX = 1, 2, 3, 4, 5, 0xFFFF
+KNOWN_SEC = {1, 2, 3, 4, 5, 0xFFFF}
+
+
+# ----------------------------------------------------------------- JSON (§4)
+def _prescan_depth(text):
+    depth = 0
+    in_str = False
+    esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        else:
+            if ch == '"':
+                in_str = True
+            elif ch in "[{":
+                depth += 1
+                if depth > 32:
+                    raise FormatError("header JSON nests deeper than 32 levels")
+            elif ch in "]}":
+                depth -= 1
+
+
+def _check_str(s):
+    for ch in s:
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise FormatError("lone surrogate in header string")
+    return s
+
+
+def _walk_strings(v):
+    if isinstance(v, str):
+        _check_str(v)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_str(k)
+            _walk_strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            _walk_strings(x)
+
+
+def parse_header_json(raw):
+    try:
+        text = raw.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"header is not UTF-8: {e}")
+    _prescan_depth(text)
+
+    def pairs(ps):
+        d = {}
+        for k, v in ps:
+            if k in d:
+                raise FormatError(f"duplicate key {k!r}")
+            d[k] = v
+        return d
+
+    def pint(s):
+        if len(s) > 40:
+            raise FormatError("number literal longer than 40 characters")
+        return int(s)
+
+    def pfloat(s):
+        if len(s) > 40:
+            raise FormatError("number literal longer than 40 characters")
+        f = float(s)
+        if not math.isfinite(f):
+            raise FormatError(f"non-finite number {s}")
+        return f
+
+    def pconst(s):
+        raise FormatError(f"literal {s} not allowed")
+
+    try:
+        v = json.loads(text, object_pairs_hook=pairs, parse_int=pint,
+                       parse_float=pfloat, parse_constant=pconst)
+    except KvzError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"header is not JSON: {e}")
+    _walk_strings(v)
+    return v
+
+
+# ------------------------------------------------------- header validation
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v):
+    return (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _keys(obj, required, optional=(), where=""):
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where} is not an object")
+    for k in required:
+        if k not in obj:
+            raise FormatError(f"missing key {where}.{k}")
+    for k in obj:
+        if k in required or k in optional or k.startswith("x-"):
+            continue
+        raise FormatError(f"unknown key {where}.{k}")
+
+
+def _int(obj, k, lo, hi=None, where="", limit=None):
+    v = obj[k]
+    if not _is_int(v):
+        raise FormatError(f"{where}.{k} is not an integer")
+    if v < lo:
+        raise FormatError(f"{where}.{k}={v} below {lo}")
+    if hi is not None and v > hi:
+        raise FormatError(f"{where}.{k}={v} above {hi}")
+    if limit is not None and v > limit:
+        raise LimitExceeded(f"{where}.{k}={v} above limit {limit}")
+    return v
+
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _model_obj(m, where):
+    _keys(m, ["fingerprint"], ["tokenizer", "name", "architecture"], where)
+    if not isinstance(m["fingerprint"], str) or not HEX64.match(m["fingerprint"]):
+        raise FormatError(f"{where}.fingerprint")
+    if "tokenizer" in m and (not isinstance(m["tokenizer"], str) or not HEX64.match(m["tokenizer"])):
+        raise FormatError(f"{where}.tokenizer")
+    for k in ("name", "architecture"):
+        if k in m and not isinstance(m[k], str):
+            raise FormatError(f"{where}.{k}")
+
+
+def validate_header(h, minor):
+    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info"], "header")
+    if h["format"] != "kvz":
+        raise FormatError("format")
+    tier = h["tier"]
+    if not isinstance(tier, str):
+        raise FormatError("tier")
+    if tier not in ("lossless", "exact", "tokens", "lossy"):
+        raise UnknownId(f"tier {tier}")
+    need = {"lossless": 0, "exact": 1, "tokens": 1, "lossy": 1}[tier]
+    if minor < need:
+        raise FormatError(f"tier {tier} needs Version_Minor >= {need}")
+    codec = h["codec"]
+    _keys(codec, ["id", "params"], (), "codec")
+    if not isinstance(codec["id"], str) or not isinstance(codec["params"], dict):
+        raise FormatError("codec")
+    want = {"lossless": "float_ctx_rans", "lossy": "vq_rans",
+            "exact": "int_residual_rans", "tokens": "int_residual_rans"}[tier]
+    if codec["id"] not in ("float_ctx_rans", "vq_rans", "int_residual_rans"):
+        raise UnknownId(f"codec {codec['id']}")
+    if codec["id"] != want:
+        raise FormatError(f"codec {codec['id']} for tier {tier}")
+    if "info" in h and not isinstance(h["info"], dict):
+        raise FormatError("info")
+    cache = h["cache"]
+    _keys(cache, ["dtype", "batch", "chunk_tokens", "start_position", "num_tokens", "layers"], (), "cache")
+    if not isinstance(cache["dtype"], str):
+        raise FormatError("dtype")
+    if cache["dtype"] not in ITEMSIZE:
+        raise UnknownId(f"dtype {cache['dtype']}")
+    B = _int(cache, "batch", 1, where="cache", limit=65536)
+    C = _int(cache, "chunk_tokens", 1, 1 << 24, "cache")
+    sp = _int(cache, "start_position", 0, where="cache", limit=1 << 31)
+    nt = _int(cache, "num_tokens", 0, where="cache", limit=1 << 31)
+    if not isinstance(cache["layers"], list) or len(cache["layers"]) < 1:
+        raise FormatError("cache.layers")
+    runs = []
+    total = 0
+    for i, L in enumerate(cache["layers"]):
+        w = f"cache.layers[{i}]"
+        _keys(L, ["kv_heads", "k_dim", "v_dim", "seq_len", "sliding_window", "cumulative_length"], ["repeat"], w)
+        H = _int(L, "kv_heads", 1, where=w, limit=65536)
+        Dk = _int(L, "k_dim", 1, where=w, limit=65536)
+        Dv = _int(L, "v_dim", 1, where=w, limit=65536)
+        S = _int(L, "seq_len", 0, where=w, limit=1 << 31)
+        sw = L["sliding_window"]
+        if sw is not None:
+            sw = _int(L, "sliding_window", 1, where=w, limit=1 << 31)
+        cl = _int(L, "cumulative_length", S, where=w)
+        if sw is None and cl != S:
+            raise FormatError(f"{w}.cumulative_length != seq_len for a full layer")
+        rep = 1
+        if "repeat" in L:
+            if minor < 1:
+                raise FormatError(f"{w}.repeat in a 1.0 file")
+            rep = _int(L, "repeat", 2, where=w, limit=65536)
+        total += rep
+        if total > 65536:
+            raise LimitExceeded("more than 65536 layers")
+        runs.append((rep, dict(H=H, Dk=Dk, Dv=Dv, S=S, sw=sw, cl=cl)))
+    # output limit and section count, on counts
+    isz = ITEMSIZE[cache["dtype"]]
+    out = 4 * B * nt
+    nsec = 0
+    maxS = 0
+    for rep, L in runs:
+        out += rep * B * L["H"] * L["S"] * (L["Dk"] + L["Dv"]) * isz
+        nsec += rep * 2 * (-(-L["S"] // C))
+        maxS = max(maxS, L["S"])
+    if out > OUTPUT_LIMIT:
+        raise LimitExceeded("decoded size above output limit")
+    nsec += 1 + B + 1
+    if nsec > MAX_SECTIONS:
+        raise LimitExceeded("too many sections")
+    model = h["model"]
+    if model is not None:
+        _model_obj(model, "model")
+    token_tier = tier in ("exact", "tokens")
+    if token_tier:
+        if model is None:
+            raise FormatError("token tiers require model")
+        if "tokens" not in h:
+            raise FormatError("missing tokens")
+        if sp != 0:
+            raise FormatError("token tiers need start_position 0")
+        if nt < 1:
+            raise FormatError("token tiers need num_tokens >= 1")
+        for rep, L in runs:
+            if L["cl"] != nt:
+                raise FormatError("cumulative_length != N")
+        validate_tokens(h["tokens"], tier, B, nt)
+    else:
+        if "tokens" in h:
+            raise FormatError("tokens object forbidden in this tier")
+        if nt != 0 and nt != maxS:
+            raise FormatError("num_tokens must equal the largest seq_len")
+    layers = []
+    for rep, L in runs:
+        layers.extend([L] * rep)
+    return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp)
+
+
+def validate_tokens(t, tier, B, N):
+    keys = ["token_model", "draft", "vocab", "chunk_tokens", "procedure", "schedule", "padding",
+            "positions", "pad_token", "tolerance", "max_abs_deviation"]
+    _keys(t, keys, (), "tokens")
+    tm = t["token_model"]
+    if not isinstance(tm, str):
+        raise FormatError("tokens.token_model")
+    if tm not in ("lm", "static", "draft"):
+        raise UnknownId(f"token_model {tm}")
+    if (t["draft"] is not None) != (tm == "draft"):
+        raise FormatError("tokens.draft")
+    if t["draft"] is not None:
+        _model_obj(t["draft"], "tokens.draft")
+    V = _int(t, "vocab", 2, (1 << 24) - 2, "tokens")
+    _int(t, "chunk_tokens", 1, 1 << 24, "tokens")
+    p = t["procedure"]
+    if not isinstance(p, dict) or "id" not in p or not isinstance(p["id"], str):
+        raise FormatError("tokens.procedure")
+    want = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1"}[tm]
+    if p["id"] != want:
+        raise FormatError("tokens.procedure.id")
+    for k in ("numerics", "draft_numerics"):
+        if k in p and not isinstance(p[k], dict):
+            raise FormatError(f"tokens.procedure.{k}")
+    sch = t["schedule"]
+    if not isinstance(sch, list) or not (1 <= len(sch) <= 1 << 20):
+        raise FormatError("tokens.schedule")
+    tot = 0
+    for r in sch:
+        if (not isinstance(r, list) or len(r) != 2 or not all(_is_int(x) and x >= 1 for x in r)):
+            raise FormatError("tokens.schedule run")
+        tot += r[0] * r[1]
+    if tot != N:
+        raise FormatError("schedule sizes do not add to N")
+    pad = t["padding"]
+    if not isinstance(pad, list) or len(pad) != B or not all(_is_int(x) and 0 <= x < N for x in pad):
+        raise FormatError("tokens.padding")
+    if t["positions"] not in ("mask", "arange"):
+        raise FormatError("tokens.positions")
+    _int(t, "pad_token", 0, V - 1, "tokens")
+    tol = t["tolerance"]
+    if tol is not None and (not _is_num(tol) or tol < 0):
+        raise FormatError("tokens.tolerance")
+    if tier == "exact" and tol != 0:
+        raise FormatError("tolerance must be 0 in tier exact")
+    mad = t["max_abs_deviation"]
+    if mad is not None and (not _is_num(mad) or mad < 0):
+        raise FormatError("tokens.max_abs_deviation")
+
+
+# --------------------------------------------------------------- container
+SEC_HDR = struct.Struct("<HHIHHIQQQ")
+
+
+def read_section_header(buf, off):
+    if off + 40 > len(buf):
+        raise TruncatedFile(f"section header at {off}")
+    t, fl, layer, part, res, chunk, plen, pck, hck = SEC_HDR.unpack_from(buf, off)
+    if xxh(buf[off:off + 32]) != hck:
+        raise ChecksumMismatch(f"section header checksum at {off}")
+    return dict(type=t, flags=fl, layer=layer, part=part, res=res, chunk=chunk, plen=plen, pck=pck, off=off)
+
+
+def find_earlier_footer(buf, hck):
+    n = len(buf)
+    lo = max(0, n - 65536)
+    i = buf.rfind(END_MAGIC, lo, n - 1)
+    while i >= lo and i >= 24:
+        end = i + 8
+        io, fl, fck = struct.unpack_from("<QQQ", buf, end - 32)
+        if fl == end and xxh(struct.pack("<QQQ", io, fl, hck)) == fck:
+            return True
+        i = buf.rfind(END_MAGIC, lo, i + 7)
+    return False
+
+
+def parse_container(buf):
+    n = len(buf)
+    if n < 8 or buf[:8] != MAGIC:
+        raise BadMagic("not a .kvz file")
+    if n < 16:
+        raise TruncatedFile("preamble")
+    major, minor, hl = struct.unpack_from("<HHI", buf, 8)
+    if major != 1:
+        raise UnsupportedVersion(f"major {major}")
+    if minor > IMPL_MINOR:
+        raise UnsupportedVersion(f"minor {minor}")
+    if hl > HEADER_LIMIT:
+        raise LimitExceeded("Header_Length")
+    if 16 + hl + 8 + 48 + 32 > n:
+        raise TruncatedFile("header, checksum, index and footer do not fit")
+    hck = struct.unpack_from("<Q", buf, 16 + hl)[0]
+    if xxh(buf[:16 + hl]) != hck:
+        raise ChecksumMismatch("Header_Checksum")
+    hdr = parse_header_json(buf[16:16 + hl])
+    info = validate_header(hdr, minor)
+    info["minor"] = minor
+    info["header"] = hdr
+    # footer
+    if buf[n - 8:] != END_MAGIC:
+        if find_earlier_footer(buf, hck):
+            raise TrailingData("bytes after a complete file")
+        raise TruncatedFile("no End_Magic")
+    io, fl, fck = struct.unpack_from("<QQQ", buf, n - 32)
+    if fl < n:
+        raise TrailingData("File_Length smaller than file")
+    if fl > n:
+        raise TruncatedFile("File_Length larger than file")
+    if xxh(struct.pack("<QQQ", io, fl, hck)) != fck:
+        raise ChecksumMismatch("Footer_Checksum")
+    body0 = 16 + hl + 8
+    if io < body0 or io + 40 > n - 32:
+        raise OffsetError("Index_Offset")
+    ih = read_section_header(buf, io)
+    if ih["type"] != SEC_INDEX or ih["flags"] != 1 or ih["layer"] or ih["part"] or ih["res"] or ih["chunk"]:
+        raise OffsetError("index section header")
+    if io + 40 + ih["plen"] != n - 32:
+        raise OffsetError("index does not end at footer")
+    ipay = buf[io + 40:n - 32]
+    if len(ipay) < 8:
+        raise FormatError("index payload")
+    cnt, ires = struct.unpack_from("<II", ipay, 0)
+    if ih["plen"] != 8 + 32 * cnt:
+        raise FormatError("index Payload_Length")
+    if xxh(ipay) != ih["pck"]:
+        raise ChecksumMismatch("index Payload_Checksum")
+    if ires != 0:
+        raise FormatError("index Reserved")
+    if cnt > MAX_SECTIONS:
+        raise LimitExceeded("sections")
+    entries = []
+    expect = body0
+    for i in range(cnt):
+        off, t, part, layer, chunk, res, plen = struct.unpack_from("<QHHIIIQ", ipay, 8 + 32 * i)
+        if res != 0:
+            raise FormatError("index entry Reserved")
+        if off != expect:
+            raise OffsetError(f"index entry {i} offset")
+        if t == SEC_INDEX:
+            raise OffsetError("index entry of type index")
+        expect = off + 40 + plen
+        if expect > io:
+            raise OffsetError("section overruns the index")
+        entries.append(dict(off=off, type=t, part=part, layer=layer, chunk=chunk, plen=plen))
+    if expect != io:
+        raise OffsetError("last section does not end at the index")
+    # read & check every section header and payload checksum (tiling)
+    secs = []
+    for e in entries:
+        s = read_section_header(buf, e["off"])
+        for k in ("type", "part", "layer", "chunk", "plen"):
+            if s[k] != e[k]:
+                raise OffsetError(f"section at {e['off']} disagrees with index ({k})")
+        if s["res"] != 0 or (s["flags"] & ~1):
+            raise FormatError(f"reserved field of section at {e['off']}")
+        payload = buf[e["off"] + 40:e["off"] + 40 + e["plen"]]
+        if xxh(payload) != s["pck"]:
+            raise ChecksumMismatch(f"Payload_Checksum of section at {e['off']}")
+        if s["type"] not in KNOWN_SEC:
+            if s["flags"] & 1:
+                raise UnknownId(f"unknown critical section type {s['type']}")
+            continue
+        if not s["flags"] & 1:
+            raise FormatError("known section without Critical")
+        s["payload"] = payload
+        secs.append(s)
+    check_order(info, secs)
+    return info, secs
+
+
+def slices(info):
+    C = info["C"]
+    out = []
+    for l, L in enumerate(info["layers"]):
+        for c in range(-(-L["S"] // C)):
+            t0 = c * C
+            t1 = min(t0 + C, L["S"])
+            out.append((l, 0, c, t0, t1))
+            out.append((l, 1, c, t0, t1))
+    return out
+
+
+def check_order(info, secs):
+    tier = info["tier"]
+    sl = slices(info)
+    got = [(s["type"], s["layer"], s["part"], s["chunk"]) for s in secs]
+    if tier in ("lossless", "lossy"):
+        want = []
+        if info["nt"] > 0:
+            want.append((SEC_TOKENS, 0, 0, 0))
+        want += [(SEC_KV, l, p, c) for (l, p, c, _, _) in sl]
+        if got != want:
+            raise OffsetError("sections not in canonical set/order")
+    else:
+        B = info["B"]
+        want = [(SEC_STREAM, 0, 0, r) for r in range(B)]
+        if got[:B] != want:
+            raise OffsetError("token_stream sections")
+        rest = got[B:]
+        tol = info["header"]["tokens"]["tolerance"]
+        if tier == "exact" or tol is not None:
+            if not rest or rest[0] != (SEC_CKS, 0, 0, 0):
+                raise OffsetError("tensor_checksums section")
+            rest = rest[1:]
+            cand = [(SEC_RESID, l, p, c) for (l, p, c, _, _) in sl]
+            i = 0
+            for r in rest:
+                while i < len(cand) and cand[i] != r:
+                    i += 1
+                if i == len(cand):
+                    raise OffsetError("residual sections not a subsequence of slices")
+                i += 1
+        elif rest:
+            raise OffsetError("unexpected sections")
+
+
+# ----------------------------------------------------- float_ctx_rans (§8)
+class Reader:
+    def __init__(self, b, pos=0):
+        self.b = b
+        self.pos = pos
+
+    def take(self, n):
+        if n < 0 or self.pos + n > len(self.b):
+            raise FormatError("payload too short")
+        r = self.b[self.pos:self.pos + n]
+        self.pos += n
+        return r
+
+    def u(self, fmt):
+        s = struct.calcsize(fmt)
+        return struct.unpack("<" + fmt, self.take(s))[0]
+
+
+def fcr_coded(rd, shape, W, k_expected=None, wordbits=None):
+    """Decode a Mode-1 coded part starting at rd.pos (Mode byte included).
+    shape [B,H,T,D]. Returns (symbols array M[R][T] as list of lists, k, L, order-list) and
+    leaves rd.pos after Words. wordbits: 8W, or k for the 'k-bit words' views."""
+    B, H, T, D = shape
+    R = B * H * D
+    mode = rd.u("B")
+    if mode != 1:
+        raise FormatError("Mode")
+    k, P, w, Q, res = struct.unpack("<BBBBB", rd.take(5))
+    G, side_len, side_raw, nwords = struct.unpack("<HIII", rd.take(14))
+    if wordbits is None:
+        wordbits = 8 * W
+    if k_expected is not None and k != k_expected:
+        raise FormatError("Coded_Bits")
+    if not (2 <= k <= min(16, wordbits)):
+        raise FormatError("Coded_Bits range")
+    if not (8 <= P <= 15):
+        raise FormatError("Scale_Bits")
+    if not (1 <= w <= 32):
+        raise FormatError("Ways")
+    if Q not in (1, 6):
+        raise FormatError("Num_Classes")
+    if res != 0:
+        raise FormatError("Reserved")
+    if not (1 <= G <= 255):
+        raise FormatError("Num_Tables")
+    if G * (1 << P) > (1 << 22):
+        raise LimitExceeded("decode tables")
+    if R * T == 0:
+        raise FormatError("Mode 1 with R*T = 0")
+    if not (2 * w <= nwords <= R * T + 2 * w):
+        raise FormatError("Num_Words")
+    lo_b = 2 * R + Q * R + 6 * G
+    hi_b = 2 * R + Q * R + G * (4 + 2 * (1 << k))
+    if not (lo_b <= side_raw <= hi_b):
+        raise FormatError("Side_Raw_Length")
+    side_c = rd.take(side_len)
+    try:
+        fp = zstandard.get_frame_parameters(side_c)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"Side zstd: {e}")
+    if fp.content_size != side_raw:
+        raise FormatError("Side frame content size")
+    try:
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        side = dobj.decompress(side_c)
+        if not dobj.eof or dobj.unused_data:
+            raise FormatError("Side: not exactly one frame")
+    except zstandard.ZstdError as e:
+        raise FormatError(f"Side zstd: {e}")
+    if len(side) != side_raw:
+        raise FormatError("Side size")
+    ref = np.frombuffer(side, "<u2", R, 0).astype(np.int64)
+    if (ref >= (1 << (k - 1))).any():
+        raise FormatError("Ref >= 2^(k-1)")
+    ctx = np.frombuffer(side, np.uint8, Q * R, 2 * R).reshape(R, Q)
+    if (ctx >= G).any():
+        raise FormatError("Ctx_Map >= G")
+    p = 2 * R + Q * R
+    tables = []
+    for g in range(G):
+        if p + 4 > len(side):
+            raise FormatError("frequency tables truncated")
+        lo, cm1 = struct.unpack_from("<HH", side, p)
+        cnt = cm1 + 1
+        p += 4
+        if lo + cnt > (1 << k) or p + 2 * cnt > len(side):
+            raise FormatError("frequency table")
+        F = np.zeros(1 << k, np.int64)
+        F[lo:lo + cnt] = np.frombuffer(side, "<u2", cnt, p)
+        p += 2 * cnt
+        if F.sum() != (1 << P):
+            raise FormatError("frequencies do not sum to 2^P")
+        Cc = np.concatenate([[0], np.cumsum(F)])
+        # slot -> symbol lookup
+        lut = np.repeat(np.arange(1 << k), F)
+        tables.append((F.tolist(), Cc.tolist(), lut.tolist()))
+    if p != len(side):
+        raise FormatError("tables do not fill Side")
+    words = np.frombuffer(rd.take(2 * nwords), "<u2").tolist()
+    half = 1 << (k - 1)
+    magm = half - 1
+    refl = ref.tolist()
+    ctxl = ctx.tolist()
+
+    def cls(prev, r):
+        if Q == 1:
+            return 0
+        mp = prev & magm
+        mr = refl[r] & magm
+        return 3 * (prev >> (k - 1)) + (0 if mp < mr else 1 if mp == mr else 2)
+
+    M = [[0] * T for _ in range(R)]
+    order = []
+    x = []
+    for j in range(w):
+        xs = (words[2 * j] << 16) | words[2 * j + 1]
+        if xs < (1 << 16):
+            raise FormatError("initial state")
+        x.append(xs)
+    pos = 2 * w
+    mask = (1 << P) - 1
+    prev = list(refl)
+    for g0 in range(0, R, w):
+        lanes = range(g0, min(g0 + w, R))
+        for t in range(T):
+            for j, r in enumerate(lanes):
+                F, Cc, lut = tables[ctxl[r][cls(prev[r], r)]]
+                xs = x[j]
+                slot = xs & mask
+                s = lut[slot]
+                xs = F[s] * (xs >> P) + slot - Cc[s]
+                if xs < (1 << 16):
+                    if pos == nwords:
+                        raise FormatError("rANS stream too short")
+                    xs = (xs << 16) | words[pos]
+                    pos += 1
+                x[j] = xs
+                M[r][t] = s
+                prev[r] = s
+                order.append((r, t))
+    if any(xs != (1 << 16) for xs in x) or pos != nwords:
+        raise FormatError("rANS final state")
+    return M, k, order
+
+
+def read_bits(data, nbits_each, count, pos_bits=0):
+    """LSB-first bit reader; returns list of values."""
+    out = []
+    bitpos = pos_bits
+    for _ in range(count):
+        v = 0
+        for i in range(nbits_each):
+            byte = data[bitpos >> 3]
+            v |= ((byte >> (bitpos & 7)) & 1) << i
+            bitpos += 1
+        out.append(v)
+    return out
+
+
+def fcr_payload(rd, shape, W, end=None):
+    """A complete float_ctx_rans payload from rd.pos. Returns uint words [B,H,T,D].
+    If end is given, the payload must end exactly there."""
+    B, H, T, D = shape
+    R = B * H * D
+    udt = {4: np.uint32, 2: np.uint16}[W]
+    if rd.pos >= len(rd.b):
+        raise FormatError("missing Mode")
+    mode = rd.b[rd.pos]
+    if mode == 0:
+        rd.pos += 1
+        n = B * H * T * D
+        raw = rd.take(n * W)
+        out = np.frombuffer(raw, "<u%d" % W).astype(udt).reshape(B, H, T, D)
+    elif mode == 1:
+        M, k, order = fcr_coded(rd, shape, W)
+        L = 8 * W - k
+        nbytes = (R * T * L + 7) // 8
+        raw = rd.take(nbytes)
+        out = np.zeros((B, H, T, D), udt)
+        if L:
+            lows = read_bits(raw, L, R * T)
+            pad = nbytes * 8 - R * T * L
+            if pad and (raw[-1] >> (8 - pad)):
+                raise FormatError("Raw_Bits padding not zero")
+        else:
+            lows = [0] * (R * T)
+        for i, (r, t) in enumerate(order):
+            b, rem = divmod(r, H * D)
+            h, d = divmod(rem, D)
+            out[b, h, t, d] = (M[r][t] << L) | lows[i]
+    else:
+        raise FormatError(f"float_ctx_rans Mode {mode}")
+    if end is not None and rd.pos != end:
+        raise FormatError("float_ctx_rans payload does not fill its space")
+    return out
+
+
+# ---------------------------------------------------- int_residual_rans (§12)
+def residual_apply(payload, regen_words, W):
+    B, H, T, D = regen_words.shape
+    bits = 8 * W
+    full = (1 << bits) - 1
+    top = 1 << (bits - 1)
+    rd = Reader(payload)
+    mode = rd.u("B")
+    if mode == 0:
+        if rd.pos != len(payload):
+            raise FormatError("residual Mode 0 with data")
+        return regen_words.copy()
+    if mode == 2:
+        return fcr_payload(rd, (B, H, T, D), W, end=len(payload))
+    if mode != 1:
+        raise FormatError(f"residual Mode {mode}")
+    M, k, order = fcr_coded(rd, (B, H, T, D), W, k_expected=6, wordbits=6)
+    sym = np.zeros((B, H, T, D), np.int64)
+    for r in range(B * H * D):
+        b, rem = divmod(r, H * D)
+        h, d = divmod(rem, D)
+        for t in range(T):
+            sym[b, h, t, d] = M[r][t]
+    if (sym > 11 + 8 * W).any():
+        raise FormatError("bucket symbol too large")
+    extra = payload[rd.pos:]
+    bitpos = 0
+    flat = sym.reshape(-1).tolist()
+    z = []
+    for s in flat:
+        if s < 16:
+            z.append(s)
+        else:
+            n = s - 11
+            v = 0
+            for i in range(n - 1):
+                if (bitpos >> 3) >= len(extra):
+                    raise FormatError("Extra_Bits truncated")
+                v |= ((extra[bitpos >> 3] >> (bitpos & 7)) & 1) << i
+                bitpos += 1
+            z.append((1 << (n - 1)) + v)
+    if (bitpos + 7) // 8 != len(extra):
+        raise FormatError("payload does not end after Extra_Bits")
+    if bitpos % 8 and (extra[-1] >> (bitpos % 8)):
+        raise FormatError("Extra_Bits padding not zero")
+
+    def key(x):
+        return x ^ top if not (x & top) else (~x) & full
+
+    def unkey(kv):
+        return kv ^ top if (kv & top) else (~kv) & full
+
+    rg = regen_words.reshape(-1).tolist()
+    out = []
+    for x, zz in zip(rg, z):
+        d = zz >> 1 if not (zz & 1) else -((zz + 1) >> 1)
+        out.append(unkey((key(int(x)) + d) & full))
+    udt = {4: np.uint32, 2: np.uint16}[W]
+    return np.array(out, dtype=udt).reshape(B, H, T, D)
+
+
+# ------------------------------------------------------------ vq_rans (§13)
+def splitmix_signs(seed, D):
+    M64 = (1 << 64) - 1
+    out = []
+    for i in range(D):
+        z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        z = z ^ (z >> 31)
+        out.append(-1 if (z >> 63) == 1 else 1)
+    return out
+
+
+def f16_to_f32(words_u16):
+    return np.asarray(words_u16, np.uint16).view(np.float16).astype(np.float32)
+
+
+def to_dtype_words(x32, dtype):
+    x32 = np.asarray(x32, np.float32)
+    if dtype == "float32":
+        return x32.view(np.uint32).copy()
+    if dtype == "float16":
+        return x32.astype(np.float16).view(np.uint16).copy()
+    b = x32.view(np.uint32).astype(np.uint64)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return r.astype(np.uint16)
+
+
+def indices_payload(rd, shape, k):
+    B, H, T, D = shape
+    M, kk, order = fcr_coded(rd, shape, None, k_expected=k, wordbits=k)
+    sym = np.zeros((B, H, T, D), np.int64)
+    for r in range(B * H * D):
+        b, rem = divmod(r, H * D)
+        h, d = divmod(rem, D)
+        sym[b, h, :, d] = M[r]
+    return sym
+
+
+def wht_f32(z):
+    # z [..., D] float32, butterfly in binary32
+    y = z.astype(np.float32).copy()
+    D = y.shape[-1]
+    h = 1
+    while h < D:
+        y2 = y.reshape(y.shape[:-1] + (D // (2 * h), 2, h))
+        a = y2[..., 0, :].copy()
+        b = y2[..., 1, :].copy()
+        y2[..., 0, :] = a + b
+        y2[..., 1, :] = a - b
+        y = y2.reshape(y.shape)
+        h *= 2
+    return y
+
+
+def vq_payload(payload, shape, dtype, W, minor):
+    B, H, T, D = shape
+    rd = Reader(payload)
+    mode, method, k, rule = struct.unpack("<BBBB", rd.take(4))
+    E = rd.u("I")
+    seed = rd.u("Q")
+    step = struct.unpack("<f", rd.take(4))[0]
+    norms_len = rd.u("I")
+    o = rd.u("i")
+    if mode not in (1, 2):
+        raise FormatError("VQ Mode")
+    if method not in (1, 2, 3, 4):
+        raise FormatError("VQ Method")
+    if not (2 <= k <= 12):
+        raise FormatError("Symbol_Bits")
+    if rule not in (0, 1) or (minor >= 2 and rule != 1) or (minor == 1 and rule != 0):
+        raise FormatError("Sign_Rule")
+    if rule == 0:
+        raise UnsupportedVersion("Sign_Rule 0 not implemented")
+    H0 = 0
+    head = None
+    if mode == 2:
+        H0 = rd.u("I")
+        hlen = rd.u("I")
+        if not (1 <= H0 <= T - E):
+            raise FormatError("Head_Tokens")
+        hend = rd.pos + hlen
+        if hend > len(payload):
+            raise FormatError("Head_Length")
+        head = fcr_payload(rd, (B, H, H0, D), W, end=hend)
+    if E > T - H0:
+        raise FormatError("Exact_Tokens")
+    Tq = T - E - H0
+    if method in (3, 4) and seed != 0:
+        raise FormatError("Seed must be 0 for Methods 3, 4")
+    if method != 1 or Tq == 0:
+        if step != 0.0 or struct.pack("<f", step) != b"\0\0\0\0":
+            raise FormatError("Step must be 0")
+    else:
+        if not (math.isfinite(step) and step > 0):
+            raise FormatError("Step")
+    if method != 1 and o != 0:
+        raise FormatError("Index_Offset must be 0")
+    if Tq == 0 and norms_len != 0:
+        raise FormatError("Norms_Length")
+    q = None
+    if Tq > 0:
+        if method in (1, 2):
+            if D & (D - 1):
+                raise FormatError("D not a power of two")
+            cb = None
+            if method == 2:
+                cb = np.frombuffer(rd.take(4 << k), "<f4").astype(np.float32)
+                if not np.isfinite(cb).all():
+                    raise FormatError("Codebook not finite")
+            nend = rd.pos + norms_len
+            if norms_len == 0 or nend > len(payload):
+                raise FormatError("Norms_Length")
+            norms = f16_to_f32(fcr_payload(rd, (B, H, Tq, 1), 2, end=nend))
+            if not np.isfinite(norms).all():
+                raise FormatError("norms not finite")
+            s = indices_payload(rd, (B, H, Tq, D), k)
+            if method == 1:
+                z = (s + o).astype(np.float32) * np.float32(step)
+            else:
+                if (s >= (1 << k)).any():
+                    raise FormatError("symbol >= 2^k")
+                z = cb[s]
+            y = wht_f32(z.astype(np.float32))
+            sign = np.array(splitmix_signs(seed, D), np.float32)
+            q = ((y * sign) * np.float32(1.0 / D)) * norms  # norms [B,H,Tq,1]
+        elif method == 3:
+            if norms_len != 0:
+                raise FormatError("Norms_Length")
+            axis, bits, G = struct.unpack("<BBH", rd.take(4))
+            if axis not in (0, 1) or not (1 <= bits <= 8) or G < 1:
+                raise FormatError("KIVI fields")
+            if k != max(2, bits):
+                raise FormatError("Symbol_Bits != max(2,Bits)")
+            slen = rd.u("I")
+            send = rd.pos + slen
+            if send > len(payload):
+                raise FormatError("Side_Length")
+            if axis == 0:
+                ng_shape = (B, H, D, -(-Tq // G))
+            else:
+                ng_shape = (B, H, Tq, -(-D // G))
+            NG = int(np.prod(ng_shape))
+            side = f16_to_f32(fcr_payload(rd, (1, 2, NG, 1), 2, end=send)).reshape(2, NG)
+            mins = side[0].reshape(ng_shape)
+            scales = side[1].reshape(ng_shape)
+            s = indices_payload(rd, (B, H, Tq, D), k)
+            if (s > (1 << bits) - 1).any():
+                raise FormatError("KIVI symbol too large")
+            tt = np.arange(Tq)
+            dd = np.arange(D)
+            if axis == 0:
+                mn = mins[:, :, dd[None, :], (tt // G)[:, None]]  # -> [B,H,Tq,D]
+                sc = scales[:, :, dd[None, :], (tt // G)[:, None]]
+            else:
+                mn = mins[:, :, tt[:, None], (dd // G)[None, :]]
+                sc = scales[:, :, tt[:, None], (dd // G)[None, :]]
+            q = mn.astype(np.float32) + (s.astype(np.float32) * sc.astype(np.float32))
+        else:
+            if norms_len != 0:
+                raise FormatError("Norms_Length")
+            bins, res = struct.unpack("<HH", rd.take(4))
+            if bins < 3 or res != 0:
+                raise FormatError("Bins/Reserved")
+            half = bins // 2 - 1 if bins % 2 == 0 else (bins - 1) // 2
+            if k != max(2, math.ceil(math.log2(2 * half + 1))):
+                raise FormatError("Symbol_Bits for CacheGen")
+            slen = rd.u("I")
+            send = rd.pos + slen
+            if send > len(payload):
+                raise FormatError("Side_Length")
+            sc = f16_to_f32(fcr_payload(rd, (B, 1, Tq, 1), 2, end=send))
+            s = indices_payload(rd, (B, H, Tq, D), k)
+            if (s > 2 * half).any():
+                raise FormatError("CacheGen symbol too large")
+            q = (s - half).astype(np.float32) * sc
+    tail_len = rd.u("I")
+    if rd.pos + tail_len != len(payload):
+        raise FormatError("Tail_Length is not the rest")
+    if E == 0 and tail_len != 0:
+        raise FormatError("Tail_Length with E = 0")
+    tail = None
+    if E > 0:
+        tail = fcr_payload(rd, (B, H, E, D), W, end=len(payload))
+    parts = []
+    if head is not None:
+        parts.append(head)
+    if q is not None:
+        parts.append(to_dtype_words(q.astype(np.float32), dtype))
+    if tail is not None:
+        parts.append(tail)
+    udt = {4: np.uint32, 2: np.uint16}[W]
+    return np.concatenate([p.astype(udt) for p in parts], axis=2)
+
+
+# ----------------------------------------------- token streams (§11.2, static)
+def freqs_from_p(p):
+    V = len(p)
+    if not (2 <= V <= (1 << 24) - 2):
+        raise FormatError("V")
+    S = [0.0] * (V + 1)
+    for s in range(V):
+        if not (math.isfinite(p[s]) and p[s] >= 0):
+            raise FormatError("bad probability")
+        S[s + 1] = S[s] + p[s]
+    N = S[V]
+    if not (math.isfinite(N) and N >= 2.0 ** -1022):
+        raise FormatError("bad sum")
+    free = float((1 << 24) - V)
+    scale = free / N
+    if not math.isfinite(scale):
+        raise FormatError("scale")
+    C = [int(math.trunc(S[s] * scale)) + s for s in range(V)]
+    C.append(1 << 24)
+    return C
+
+
+class RangeDecoder:
+    M64 = (1 << 64) - 1
+
+    def __init__(self, words):
+        self.words = words
+        self.pos = 0
+        self.low = 0
+        self.range = self.M64
+        self.point = (self.next() << 32) | self.next()
+
+    def next(self):
+        w = self.words[self.pos] if self.pos < len(self.words) else 0
+        self.pos += 1
+        return w
+
+    def decode(self, C):
+        scale = self.range >> 24
+        q = ((self.point - self.low) & self.M64) // scale
+        if q >= (1 << 24):
+            raise FormatError("range decoder: q >= 2^24")
+        # binary search
+        lo, hi = 0, len(C) - 2
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if C[mid] <= q:
+                lo = mid
+            else:
+                hi = mid - 1
+        t = lo
+        self.low = (self.low + scale * C[t]) & self.M64
+        self.range = scale * (C[t + 1] - C[t])
+        if self.range < (1 << 32):
+            self.low = (self.low << 32) & self.M64
+            self.range <<= 32
+            self.point = ((self.point << 32) & self.M64) | self.next()
+        return t
+
+
+STATIC_VARIANT = "a"
+
+
+def wb_level(lower, counts, n, d, V):
+    """p = lower * (d/(n+d)) then += c/(n+d) on seen symbols."""
+    if n == 0:
+        return list(lower)
+    f = d / (n + d)  # correctly rounded quotient of integers (Python int/int)
+    out = [x * f for x in lower]
+    nd = float(n + d)
+    for t, c in counts.items():
+        out[t] = out[t] + float(c) / nd
+    return out
+
+
+def static_dist(hist, V):
+    n0 = len(hist)
+    if n0 == 0:
+        return [math.floor((1.0 / V) * 2.0 ** 40) + 1.0] * V
+    c0 = {}
+    for t in hist:
+        c0[t] = c0.get(t, 0) + 1
+    d0 = len(c0)
+    # order 0: (c0[t] + d0/V) / (n0 + d0)
+    nd = float(n0 + d0)
+    if STATIC_VARIANT == "a":
+        # reading (a): p0 = (1/V) * (d0/(n0+d0)), then += c0/(n0+d0) on seen symbols
+        p0 = [(1.0 / V) * (d0 / (n0 + d0))] * V
+        for t, c in c0.items():
+            p0[t] = p0[t] + float(c) / nd
+    elif STATIC_VARIANT == "b":
+        # reading (b): p0 = (d0/V) / (n0+d0), then += c0/(n0+d0)
+        u = d0 / V
+        p0 = [u / nd] * V
+        for t, c in c0.items():
+            p0[t] = p0[t] + float(c) / nd
+    elif STATIC_VARIANT == "c":
+        # reading (c): literal (c0 + d0/V) / (n0+d0)
+        u = d0 / V
+        p0 = [u / nd] * V
+        for t, c in c0.items():
+            p0[t] = (float(c) + u) / nd
+    # order 1
+    prev = hist[-1]
+    c1 = {}
+    for i in range(len(hist) - 1):
+        if hist[i] == prev:
+            c1[hist[i + 1]] = c1.get(hist[i + 1], 0) + 1
+    n1 = sum(c1.values())
+    p1 = wb_level(p0, c1, n1, len(c1), V)
+    c2 = {}
+    if len(hist) >= 2:
+        a, b = hist[-2], hist[-1]
+        for i in range(len(hist) - 2):
+            if hist[i] == a and hist[i + 1] == b:
+                c2[hist[i + 2]] = c2.get(hist[i + 2], 0) + 1
+    n2 = sum(c2.values())
+    p2 = wb_level(p1, c2, n2, len(c2), V)
+    return [math.floor(x * 2.0 ** 40) + 1.0 for x in p2]
+
+
+def decode_static_row(payload, n_expected, V, chunk_tokens):
+    rd = Reader(payload)
+    n = rd.u("I")
+    nch = rd.u("I")
+    if n != n_expected:
+        raise FormatError("Num_Tokens")
+    if nch != -(-n // chunk_tokens):
+        raise FormatError("Num_Chunks")
+    cks = [rd.u("Q") for _ in range(nch)]
+    rest = payload[rd.pos:]
+    if len(rest) % 4:
+        raise FormatError("Words not a multiple of 4")
+    words = list(struct.unpack("<%dI" % (len(rest) // 4), rest))
+    toks = []
+    if n == 0:
+        return toks, cks, words
+    dec = RangeDecoder(words)
+    for i in range(n):
+        C = freqs_from_p(static_dist(toks, V))
+        toks.append(dec.decode(C))
+        if len(toks) % chunk_tokens == 0 or len(toks) == n:
+            ci = (len(toks) - 1) // chunk_tokens
+            chunk = toks[ci * chunk_tokens:]
+            if xxh(np.array(chunk, "<u4").tobytes()) != cks[ci]:
+                raise ChecksumMismatch(f"token chunk {ci}")
+    return toks, cks, (dec.pos, len(words))
+
+
+# ------------------------------------------------------------------- decode
+def decode_file(buf, regen=None):
+    info, secs = parse_container(buf)
+    tier = info["tier"]
+    B, W, dt = info["B"], info["W"], info["dtype"]
+    L = info["layers"]
+    out_k = [np.zeros((B, x["H"], x["S"], x["Dk"]), {4: np.uint32, 2: np.uint16}[W]) for x in L]
+    out_v = [np.zeros((B, x["H"], x["S"], x["Dv"]), {4: np.uint32, 2: np.uint16}[W]) for x in L]
+    tokens = None
+    notes = []
+    if tier in ("lossless", "lossy"):
+        i = 0
+        if info["nt"] > 0:
+            s = secs[0]
+            if len(s["payload"]) != 4 * B * info["nt"]:
+                raise FormatError("tokens Payload_Length")
+            tokens = np.frombuffer(s["payload"], "<u4").reshape(B, info["nt"]).tolist()
+            i = 1
+        for s in secs[i:]:
+            lay = L[s["layer"]]
+            D = lay["Dk"] if s["part"] == 0 else lay["Dv"]
+            t0 = s["chunk"] * info["C"]
+            t1 = min(t0 + info["C"], lay["S"])
+            shape = (B, lay["H"], t1 - t0, D)
+            if tier == "lossless":
+                arr = fcr_payload(Reader(s["payload"]), shape, W, end=len(s["payload"]))
+            else:
+                arr = vq_payload(s["payload"], shape, dt, W, info["minor"])
+            (out_k if s["part"] == 0 else out_v)[s["layer"]][:, :, t0:t1, :] = arr
+        return info, tokens, out_k, out_v, notes
+    # token tiers
+    th = info["header"]["tokens"]
+    N = info["nt"]
+    tokens = []
+    for r in range(B):
+        s = secs[r]
+        if th["token_model"] == "static":
+            toks, cks, (pos, nw) = decode_static_row(s["payload"], N - th["padding"][r], th["vocab"], th["chunk_tokens"])
+            notes.append(f"row {r}: decoded {len(toks)} tokens, words consumed pos={pos} of {nw}")
+            tokens.append([th["pad_token"]] * th["padding"][r] + toks)
+        else:
+            tokens.append(None)
+            notes.append(f"row {r}: {th['token_model']} stream not decoded (needs model)")
+    if regen is None:
+        return info, tokens, None, None, notes
+    rk, rv = regen
+    rest = secs[B:]
+    if not rest:
+        return info, tokens, rk, rv, notes
+    cks = rest[0]["payload"]
+    sl = slices(info)
+    if len(cks) != 8 * len(sl):
+        raise FormatError("tensor_checksums length")
+    ck = struct.unpack("<%dQ" % len(sl), cks)
+    res = {(s["layer"], s["part"], s["chunk"]): s["payload"] for s in rest[1:]}
+    out_k = [x.copy() for x in rk]
+    out_v = [x.copy() for x in rv]
+    for i, (l, p, c, t0, t1) in enumerate(sl):
+        tgt = out_k if p == 0 else out_v
+        sl_words = tgt[l][:, :, t0:t1, :]
+        if (l, p, c) in res:
+            sl_words = residual_apply(res[(l, p, c)], np.ascontiguousarray(sl_words), W)
+            tgt[l][:, :, t0:t1, :] = sl_words
+        if xxh(np.ascontiguousarray(sl_words).astype("<u%d" % W).tobytes()) != ck[i]:
+            raise ChecksumMismatch(f"tensor checksum slice {i} (layer {l} part {p} chunk {c})")
+    return info, tokens, out_k, out_v, notes
