@@ -116,8 +116,9 @@ def differences(recorded: dict, current: dict, *, multi_token_calls: bool = True
             if recorded.get(k) != current.get(k)]
 
 
-def advice(diffs: list[str]) -> str:
-    """What would reproduce the recorded numerics (for the error message)."""
+def advice(diffs: list[str], *, tried: bool = False) -> str:
+    """What would reproduce the recorded numerics (for the error message); ``tried``: the decoder already
+    attempted (numerics="try"), so do not suggest it."""
     tips = []
     if any(d.startswith("threads") for d in diffs):
         tips.append("torch.set_num_threads(<the file's threads>) before decoding")
@@ -125,5 +126,6 @@ def advice(diffs: list[str]) -> str:
         tips.append("set ATEN_CPU_CAPABILITY / MKL_CBWR as the file records, before Python starts (only on a CPU "
                     "with the same instruction set)")
     tips.append("decode on a machine with the recorded profile")
-    tips.append("numerics='try' to attempt anyway (the file's checksums still guard the result)")
+    if not tried:
+        tips.append("numerics='try' to attempt anyway (the file's checksums still guard the result)")
     return "; ".join(tips)

@@ -152,3 +152,17 @@ def check_vector(case: str, model=None):
     assert (kv.tokens.tolist() if kv.tokens is not None else None) == meta["tokens"]
     assert kv.start_position == meta["start_position"]
     return kv
+
+
+def fuzz_tools():
+    """The fuzzer's file surgery (``fuzz/fuzz.py``): ``header_of``, ``with_header`` (a new header, offsets
+    shifted, checksums resealed) and ``reseal``."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent / "fuzz")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import fuzz
+
+    return fuzz

@@ -16,12 +16,11 @@ import torch
 import kvcodec
 from kvcodec.container import layout as L
 
-from .common import check_rejects, random_cache
+from .common import check_rejects, fuzz_tools, random_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "spec" / "vectors"
-sys.path.insert(0, str(ROOT / "fuzz"))
-from fuzz import header_of, with_header  # noqa: E402
+header_of, with_header = fuzz_tools().header_of, fuzz_tools().with_header
 
 
 def vector(case):

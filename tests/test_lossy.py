@@ -11,7 +11,7 @@ from kvcodec.codecs import vq_rans as quant
 from kvcodec.container import layout as L
 from kvcodec.container.reader import KvzReader
 
-from .common import check_rejects
+from .common import check_rejects, fuzz_tools
 
 
 def structured_cache(layers=2, heads=2, seq=96, dim=64, dtype=torch.bfloat16, seed=0):
@@ -83,12 +83,7 @@ def test_decoding_is_deterministic_and_matches_the_spec_reconstruction(rule):
     cache = structured_cache(layers=1, heads=1, seq=10, dim=8, dtype=torch.float32)
     data = kvcodec.encode(cache, tier="lossy", bits=3.0, sink=0)
     if rule == 0:
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
-        from fuzz import reseal
-
+        reseal = fuzz_tools().reseal
         b = bytearray(data)
         with KvzReader(data) as r:
             for e in r.sections:
@@ -138,11 +133,7 @@ def test_sign_rules_differ_and_unknown_rule_is_refused():
     example = "".join("−" if x < 0 else "+" for x in signs(0x6B767A, 8))
     assert "`" + " ".join(c + "1" for c in example) + "`" in spec  # the example of spec section 13
     data = bytearray(kvcodec.encode(structured_cache(layers=1, heads=1, seq=6, dim=8), tier="lossy", sink=0))
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
-    from fuzz import reseal
-
+    reseal = fuzz_tools().reseal
     with KvzReader(bytes(data)) as r:
         at = r.sections[0].payload_offset
     data[at + 3] = 2

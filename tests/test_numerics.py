@@ -2,7 +2,6 @@
 that cannot reproduce it refuses before any work, saying what would work.  Another machine is simulated by
 editing the recorded profile (and resealing the file)."""
 
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -13,12 +12,11 @@ import torch
 import kvcodec
 from kvcodec import numerics
 
-from .common import check_rejects
+from .common import check_rejects, fuzz_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "spec" / "vectors"
-sys.path.insert(0, str(ROOT / "fuzz"))
-from fuzz import header_of, with_header  # noqa: E402
+header_of, with_header = fuzz_tools().header_of, fuzz_tools().with_header
 
 
 @pytest.fixture(scope="module")

@@ -340,18 +340,21 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
 
 
 # --- decoding ---------------------------------------------------------------------------------------
-def procedure_differences(recorded: dict, current: dict) -> str:
-    """What differs between the recorded procedure and this decoder's (for error messages)."""
-    diffs = []
-    for key in ("dtype", "device", "threads"):
-        if key in recorded and recorded.get(key) != current.get(key):
-            diffs.append(f"{key} {recorded.get(key)} (file) vs {current.get(key)} (here)")
-    rv, cv = recorded.get("versions", {}), current.get("versions", {})
-    diffs += [f"{k} {rv[k]} (file) vs {cv.get(k)} (here)" for k in rv if rv[k] != cv.get(k)]
+def procedure_differences(recorded: dict, coder_model, procedure_id: str, key: str = "numerics") -> str:
+    """What differs between the recorded procedure and this decoder's (for error messages): the numerics
+    profile where the file records one (``key``: ``numerics`` or ``draft_numerics``), else (files of format
+    1.1) the informative dtype / device / threads / versions."""
+    if isinstance(recorded.get(key), dict):
+        diffs = numerics.differences(recorded[key], numerics.profile(coder_model))
+    else:
+        current = LMTokenCoder(coder_model).procedure(procedure_id)
+        diffs = [f"{k} {recorded.get(k)} (file) vs {current.get(k)} (here)" for k in ("dtype", "device", "threads")
+                 if k in recorded and recorded.get(k) != current.get(k)]
+        rv, cv = recorded.get("versions", {}), current.get("versions", {})
+        diffs += [f"{k} {rv[k]} (file) vs {cv.get(k)} (here)" for k in rv if rv[k] != cv.get(k)]
     if not diffs:
         return "the recorded procedure matches this decoder's, so the stream is most likely corrupt"
-    hint = "; e.g. torch.set_num_threads(...)" if any(d.startswith("threads") for d in diffs) else ""
-    return "decode where these match: " + ", ".join(diffs) + hint
+    return "decode where these match: " + ", ".join(diffs) + ": " + numerics.advice(diffs, tried=True)
 
 
 class _TokenDecoder:
@@ -491,9 +494,9 @@ def regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[t
         if t.token_model == "static":
             raise
         coder_model = split_model(draft if t.token_model == "draft" else model)[0]
-        current = LMTokenCoder(coder_model).procedure(PROCEDURES[t.token_model])
-        raise ChecksumMismatch(f"{e.message}. {procedure_differences(t.raw['procedure'], current)}",
-                               field=e.field, offset=e.offset) from None
+        hint = procedure_differences(t.raw["procedure"], coder_model, PROCEDURES[t.token_model],
+                                     "draft_numerics" if t.token_model == "draft" else "numerics")
+        raise ChecksumMismatch(f"{e.message}. {hint}", field=e.field, offset=e.offset) from None
 
 
 def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
