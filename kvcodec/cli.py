@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tier", default="exact", choices=registry.tier_ids(),
                    help="; ".join(f"{t}: {registry.tier(t).summary}" for t in registry.tier_ids())
                    + " (default: exact)")
-    s.add_argument("--bits", type=float, default=3.0, help="lossy: average bits per component, all side info included")
+    s.add_argument("--bits", type=float, default=3.0, help="lossy: average bits per quantized component, all side info included (exact tokens on top)")
     s.add_argument("--max-kl", type=float, default=None,
                    help="lossy: instead of --bits, the coarsest step keeping the mean KL (bits) within this")
     s.add_argument("--lossy-options", default=None,
