@@ -83,10 +83,71 @@ def new_cache(model, plan: Plan):
     return cache
 
 
+class StepThreads:
+    """The intra-op thread count of one-token forward calls, chosen by measuring.
+
+    A one-token call gives the same bits with any thread count (measured, docs/numerics.md: threads change
+    only calls of several tokens, whose count the file records), so the count is free to choose for speed.
+    Measured on 2 cores with SmolLM2 (bf16, one-token steps): 62-84 ms per step on 2 threads and 83-110 ms
+    on 1 when the machine is quiet, but 203-306 ms on 2 and 70-95 ms on 1 when another job holds a core.
+    So every ``PERIOD`` steps both counts are timed on a few steps and the faster one is kept.
+    ``KVCODEC_STEP_THREADS=n`` fixes the count instead.
+    """
+
+    PERIOD = 256
+    PROBES = 3  # steps timed per candidate
+
+    def __init__(self):
+        self.step = 0
+        self.times: dict[int, list[float]] = {}
+        self.choice: int | None = None
+
+    def run(self, fn):
+        import os
+        import time
+
+        base = torch.get_num_threads()
+        fixed = os.environ.get("KVCODEC_STEP_THREADS")
+        cands = sorted({1, base})
+        phase = self.step % self.PERIOD
+        probing = phase < self.PROBES * len(cands)
+        if fixed:
+            n = max(1, int(fixed))
+        elif probing or self.choice is None:
+            n = cands[phase % len(cands)] if probing else base
+        else:
+            n = self.choice
+        self.step += 1
+        if n == base:
+            t = time.perf_counter()
+            out = fn()
+        else:
+            torch.set_num_threads(n)
+            try:
+                t = time.perf_counter()
+                out = fn()
+            finally:
+                torch.set_num_threads(base)
+        if probing and not fixed:
+            if phase == 0:
+                self.times = {}
+            self.times.setdefault(n, []).append(time.perf_counter() - t)
+            if phase == self.PROBES * len(cands) - 1:
+                self.choice = min(self.times, key=lambda c: sorted(self.times[c])[len(self.times[c]) // 2])
+        return out
+
+
+STEP_THREADS = StepThreads()
+
+
 def forward(model, ids, cache, kw):
-    """One forward call that appends ``ids`` to ``cache``; returns the logits."""
-    out = model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw)
-    return out.logits
+    """One forward call that appends ``ids`` to ``cache``; returns the logits.  Calls of one token run on the
+    thread count :class:`StepThreads` finds fastest (the same bits with any count); longer calls on torch's
+    (the count the file records)."""
+    def call():
+        return model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw).logits
+
+    return STEP_THREADS.run(call) if ids.shape[-1] == 1 else call()
 
 
 @torch.no_grad()
