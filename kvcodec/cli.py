@@ -24,13 +24,7 @@ from . import registry
 from .errors import ConfigError, KvzError
 from .formatting import human as _human
 from .formatting import inspection_text
-
-
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    # shown only when the job takes more than a second
-    return tqdm(total=total, desc=desc, unit="section", mininterval=1.0, delay=1.0, leave=False)
+from .formatting import progress_bar as _progress
 
 
 def _source(name: str):
@@ -68,7 +62,10 @@ def cmd_encode(args) -> int:
     from .cache import to_canonical
 
     kv = to_canonical(cache)
-    bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
+    if registry.tier(args.tier).needs_model:
+        bar = _progress(ids.shape[1], "encoding", "token")
+    else:
+        bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
     opts = {}
     if registry.tier(args.tier).needs_model:
         opts["token_model"] = args.token_model
@@ -106,7 +103,8 @@ def cmd_decode(args) -> int:
         raise ConfigError(f"{args.output} exists (use -f to replace it)")
     args.file = _source(args.file)
     with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
-        bar = _progress(f.num_sections(), "decoding")
+        total, unit = f.work()
+        bar = _progress(total, "decoding", unit)
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
     tensors = {}
@@ -133,7 +131,8 @@ def cmd_verify(args) -> int:
     t0 = time.perf_counter()
     name, args.file = args.file, _source(args.file)
     with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
-        bar = _progress(f.num_sections(), "verifying")
+        total, unit = f.work()
+        bar = _progress(total, "verifying", unit)
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
     print(f"{name}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "

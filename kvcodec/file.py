@@ -79,6 +79,13 @@ class KvzFile:
         """The cache's token ids ``[batch, tokens]`` (token tiers: decoded with the model), or None."""
         return self._decoder.tokens()
 
+    def work(self) -> tuple[int, str]:
+        """``(total, unit)`` that a ``progress(n)`` callback of :meth:`to_kvcache` counts: positions
+        (``"token"``) for the token tiers, whose time is the model's; sections otherwise."""
+        if hasattr(self._decoder, "work"):
+            return self._decoder.work()
+        return len(self.reader.sections), "section"
+
     def regenerated(self) -> KVCache:
         """Token tiers: the cache the model regenerates from the decoded tokens, before the residuals."""
         if not hasattr(self._decoder, "regenerated"):

@@ -57,3 +57,14 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
         else:
             out(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
     return "\n".join(lines)
+
+
+def progress_bar(total: int, desc: str, unit: str = "section"):
+    """A progress bar on stderr, shown once the job takes more than a second (refreshed at least every
+    half second while work advances); token-by-token work counts tokens, so its rate and ETA are the
+    model's.  Use ``bar.update`` as the ``progress=`` callback."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, mininterval=0.5, delay=1.0, leave=False, file=sys.stderr)

@@ -315,3 +315,24 @@ def test_residual_codec_round_trips_any_difference():
         assert (codec.decode(payload, where, prediction=regen) == orig).all()
 
     check()
+
+
+@pytest.mark.parametrize("token_model", ["lm", "static"])
+def test_progress_counts_tokens_for_token_by_token_work(token_model):
+    """Token tiers report progress in positions (their time is the model's); direct tiers in sections."""
+    model = tiny_model("llama")
+    rec, _ = recorded_generate(model, torch.randint(0, VOCAB, (1, 9)), 6)
+    n = 14  # the last generated token is not in the cache
+    seen = []
+    data = kvcodec.encode(rec, model, token_model=token_model, progress=seen.append)
+    assert sum(seen) == n
+    with kvcodec.open_kvz(data, model) as f:
+        assert f.work() == (n, "token")
+        seen.clear()
+        f.to_kvcache(seen.append)
+        assert sum(seen) == n
+    with kvcodec.open_kvz(kvcodec.encode(rec, chunk_tokens=4)) as f:
+        total, unit = f.work()
+        seen.clear()
+        f.to_kvcache(seen.append)
+        assert unit == "section" and sum(seen) == total == f.num_sections()

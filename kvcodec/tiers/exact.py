@@ -139,8 +139,6 @@ class ExactTier(Tier):
                     target = bit_patterns(orig)
                 sums.append(checksum(target))
                 payloads.append(((li, part, c), payload))
-                if job.progress:
-                    job.progress(1)
             writer.write_section(L.SECTION_TENSOR_CHECKSUMS, np.asarray(sums, dtype="<u8").tobytes())
             for (li, part, c), payload in payloads:
                 if payload is not None:
@@ -295,7 +293,7 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     draft_rec = None
     if token_model == "lm":
         coder = LMTokenCoder(mdl, lm.CHUNK_TOKENS)
-        streams, regen = coder.encode_replay(tokens, plan)
+        streams, regen = coder.encode_replay(tokens, plan, job.progress)
         procedure, regen = coder.procedure(lm.SCHEDULE), to_canonical(regen)
     else:
         if token_model == "static":
@@ -313,7 +311,12 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
             vocab = coder.vocab
             procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
         streams = [coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:]) for r in range(kv.batch)]
-        regen = verified if verified is not None else to_canonical(replay(mdl, tokens, plan))
+        if verified is None:
+            regen = to_canonical(replay(mdl, tokens, plan, job.progress))
+        else:
+            regen = verified
+            if job.progress:
+                job.progress(n)
     procedure = {**procedure, "numerics": numerics.profile(mdl)}
     if token_model == "draft":
         procedure["draft_numerics"] = numerics.profile(split_model(opts.draft)[0])
@@ -377,8 +380,12 @@ class _TokenDecoder:
                                      chunk=h.tier_info.checksum_tokens, offset=e.payload_offset))
         return out
 
-    def regenerated(self) -> tuple[torch.Tensor, KVCache]:
-        """(tokens, the regenerated cache before residuals), decoded once."""
+    def work(self) -> tuple[int, str]:
+        """What ``progress`` counts while decoding: positions regenerated (the residuals take no time)."""
+        return self.f.header.num_tokens, "token"
+
+    def regenerated(self, progress=None) -> tuple[torch.Tensor, KVCache]:
+        """(tokens, the regenerated cache before residuals), decoded once; ``progress(n)`` per n positions."""
         if self._regen is None:
             f, h = self.f, self.f.header
             if f.model is None:
@@ -387,7 +394,7 @@ class _TokenDecoder:
             if h.tier_info.draft is not None and f.draft is None:
                 raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
             self._check_numerics()
-            tokens, regen = regenerate(h, self._streams(), f.model, f.draft)
+            tokens, regen = regenerate(h, self._streams(), f.model, f.draft, progress)
             for i, lay in enumerate(h.layers):
                 if (regen.keys[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.k_dim)
                         or regen.values[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.v_dim)
@@ -450,7 +457,7 @@ class _TokenDecoder:
         """Keys and values of ``layers``: the regenerated tensors (``regen``, else the model's) with the residuals
         applied, each slice checked against its Tensor_Checksum."""
         h, r = self.f.header, self.f.reader
-        regen = self.regenerated()[1] if regen is None else regen
+        regen = self.regenerated(progress)[1] if regen is None else regen
         sums = self._checksums() if h.tier_info.has_residual and not self._recompute else None
         codec = IntResidualRans()
         outs = {}
@@ -479,16 +486,14 @@ class _TokenDecoder:
                             "tokens.procedure)" + ("" if payload is None else ", or the residual is corrupt"),
                             field="Tensor_Checksums", offset=at)
                     bits[:, :, a:b] = out
-                    if progress:
-                        progress(1)
                 outs[li, p] = from_bit_patterns(bits, DTYPES[h.dtype].torch)
         return outs
 
 
-def regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
-    """Decode the token streams and regenerate the cache (before residuals)."""
+def regenerate(header, streams: list[TokenStream], model, draft=None, progress=None) -> tuple[torch.Tensor, KVCache]:
+    """Decode the token streams and regenerate the cache (before residuals); ``progress(n)`` per n positions."""
     try:
-        return _regenerate(header, streams, model, draft)
+        return _regenerate(header, streams, model, draft, progress)
     except ChecksumMismatch as e:
         t = header.tier_info
         if t.token_model == "static":
@@ -499,7 +504,7 @@ def regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[t
         raise ChecksumMismatch(f"{e.message}. {hint}", field=e.field, offset=e.offset) from None
 
 
-def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[torch.Tensor, KVCache]:
+def _regenerate(header, streams: list[TokenStream], model, draft=None, progress=None) -> tuple[torch.Tensor, KVCache]:
     t = header.tier_info
     mdl, _ = split_model(model)
     n_layers = getattr(getattr(mdl, "config", None), "num_hidden_layers", None)
@@ -511,7 +516,7 @@ def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[
         raise FormatError(f"tokens.vocab {t.vocab} differs from the model's {vocab_size(mdl)}",
                           field="Header.tokens.vocab")
     if t.token_model == "lm":
-        tokens, regen = LMTokenCoder(mdl, t.checksum_tokens).decode_replay(streams, plan)
+        tokens, regen = LMTokenCoder(mdl, t.checksum_tokens).decode_replay(streams, plan, progress)
         return tokens, to_canonical(regen)
     if t.token_model == "static":
         coder = StaticTokenCoder(t.vocab, t.checksum_tokens)
@@ -529,4 +534,4 @@ def _regenerate(header, streams: list[TokenStream], model, draft=None) -> tuple[
             raise FormatError(f"batch row {r}: a decoded token id is outside the model's vocabulary",
                               field="Token_Stream.Words")
         tokens[r, t.padding[r]:] = ids
-    return tokens, to_canonical(replay(mdl, tokens, plan))
+    return tokens, to_canonical(replay(mdl, tokens, plan, progress))

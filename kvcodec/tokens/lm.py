@@ -91,7 +91,7 @@ class LMTokenCoder:
 
     # -- lm-schedule-v1: a batch, coded while its plan is replayed ---------------------------------------
     @torch.no_grad()
-    def _run(self, plan: Plan, step, tokens: torch.Tensor):
+    def _run(self, plan: Plan, step, tokens: torch.Tensor, progress=None):
         """Walk the plan.  ``step(i, probs)`` returns the tokens ``[B]`` of position i given the ``[B, V]``
         distributions (None where there is no context yet); ``tokens`` is filled in place."""
         dev = next(self.model.parameters()).device
@@ -103,6 +103,8 @@ class LMTokenCoder:
             scratch = None
             for i in range(a, b):
                 tokens[:, i] = step(i, probs)
+                if progress:
+                    progress(1)  # one position coded / decoded
                 if i + 1 < b:  # inside a multi-token call: scratch pass for the next token's distribution
                     if scratch is None:
                         scratch = copy.deepcopy(cache)
@@ -114,7 +116,7 @@ class LMTokenCoder:
             pos = b
         return cache
 
-    def encode_replay(self, tokens: torch.Tensor, plan: Plan):
+    def encode_replay(self, tokens: torch.Tensor, plan: Plan, progress=None):
         """Returns (one :class:`TokenStream` per row, the regenerated DynamicCache)."""
         tokens = torch.as_tensor(tokens).to("cpu", torch.int64)
         bsz, n = tokens.shape
@@ -132,7 +134,7 @@ class LMTokenCoder:
                     bits[r].append(encode_symbol(encs[r], self._family, p, int(tokens[r, i])))
             return tokens[:, i]
 
-        cache = self._run(plan, step, tokens.clone())
+        cache = self._run(plan, step, tokens.clone(), progress)
         streams = []
         for r in range(bsz):
             ids = tokens[r, pads[r]:].numpy()
@@ -141,7 +143,7 @@ class LMTokenCoder:
                                        chunk_checksums(ids, self.chunk_tokens), float(tb.sum()), tb))
         return streams, cache
 
-    def decode_replay(self, streams: list[TokenStream], plan: Plan):
+    def decode_replay(self, streams: list[TokenStream], plan: Plan, progress=None):
         """Returns (tokens ``[B, N]``, the regenerated DynamicCache); ChecksumMismatch at the first bad chunk."""
         bsz, n = len(streams), plan.num_tokens
         pads = plan.padding or [0] * bsz
@@ -167,5 +169,5 @@ class LMTokenCoder:
                             self.MISMATCH_HINT, "Token_Stream.Chunk_Checksums", f"batch row {r}, ")
             return out
 
-        cache = self._run(plan, step, tokens)
+        cache = self._run(plan, step, tokens, progress)
         return tokens, cache

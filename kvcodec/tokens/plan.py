@@ -151,8 +151,9 @@ def forward(model, ids, cache, kw):
 
 
 @torch.no_grad()
-def replay(model, tokens: torch.Tensor, plan: Plan):
-    """Run ``plan``'s forward calls over ``tokens [B, N]``; returns the DynamicCache."""
+def replay(model, tokens: torch.Tensor, plan: Plan, progress=None):
+    """Run ``plan``'s forward calls over ``tokens [B, N]``; returns the DynamicCache.  ``progress(n)`` after
+    each call of n positions."""
     dev = next(model.parameters()).device
     tokens = tokens.to(dev)
     cache = new_cache(model, plan)
@@ -160,6 +161,8 @@ def replay(model, tokens: torch.Tensor, plan: Plan):
     for n in plan.schedule:
         forward(model, tokens[:, pos:pos + n], cache, call_kwargs(plan, pos, pos + n, dev))
         pos += n
+        if progress:
+            progress(n)
     return cache
 
 
