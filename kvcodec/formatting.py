@@ -21,8 +21,11 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
     out = lines.append
     out(f"{name}: .kvz {info['format_version']}, {human(info['file_bytes'])}")
     m = info["model"]
-    out(f"  model        : {m['fingerprint'] if m else 'none recorded'}"
-          + (f" ({m.get('architecture')})" if m and m.get("architecture") else ""))
+    if m:
+        what = ", ".join(x for x in (m.get("architecture"), f"fingerprint {m['fingerprint'][:16]}…") if x)
+        out(f"  model        : {m.get('name') or 'unnamed'} ({what})")
+    else:
+        out("  model        : none recorded")
     params = json.dumps(info["codec"]["params"], sort_keys=True)
     out(f"  tier / codec : {info['tier']} / {info['codec']['id']} {params}")
     out(f"  cache        : {info['dtype']}, batch {info['batch']}, {info['num_layers']} layers, "

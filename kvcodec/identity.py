@@ -64,6 +64,9 @@ def model_record(model) -> dict | None:
     arch = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(arch, str):
         rec["architecture"] = arch
+    name = getattr(model, "kvcodec_name", None)  # set by kvcodec.load_model: what --model / load_model accept
+    if isinstance(name, str):
+        rec["name"] = name
     return rec
 
 

@@ -128,8 +128,18 @@ def load_model(name: str = "smollm2", *, dtype=None, device: str = "cpu"):
         path = Path(name)
         if not path.is_dir():
             raise ConfigError(f"model {name!r}: not an embedded model name nor a local directory")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model {name!r}: transformers cannot load a causal LM from {path} "
+                          f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model {name!r}: no usable tokenizer in {path} (tokenizer.json or tokenizer.model with "
+                          f"its config is needed; "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    model.kvcodec_name = name  # what a file records as model.name: a name `kvz --model` accepts
     model.eval()
     model.to(device)
     return model, tok

@@ -11,7 +11,9 @@ for forward calls of more than one token each change the logits at most
 positions (1e-5 .. 1e-4 for SmolLM2) and the 24-bit token frequencies at
 84-97 % of positions, so an LM-coded stream stops decoding within the first
 tokens.  oneDNN's ISA limit and ``torch.backends.mkldnn`` changed nothing;
-neither did the thread count for one-token calls.
+neither did the thread count for float32 one-token calls (in bfloat16 it
+does: the token tiers run one-token calls on a fixed count, recorded as
+``step_threads``).
 
 :func:`profile` records these determinants (``tokens.procedure.numerics``) and a
 ``canary``: the hash of the logits of a fixed 10-token probe, which catches what

@@ -51,7 +51,7 @@ from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
 from ..tokens import lm
 from ..tokens.lm import LMTokenCoder
-from ..tokens.plan import Plan, infer_plan, padding_candidates, replay, schedule_arg
+from ..tokens.plan import STEP_THREADS, Plan, infer_plan, padding_candidates, replay, schedule_arg, step_threads
 from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import expand, runs
@@ -253,7 +253,13 @@ class TokenEncoding:
 
 
 def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
-    """Everything of a token-tier file but the residual sections; raises :class:`Fallback`."""
+    """Everything of a token-tier file but the residual sections; raises :class:`Fallback`.  One-token calls
+    run on ``STEP_THREADS`` threads, which the numerics profile records (``step_threads``)."""
+    with step_threads(STEP_THREADS):
+        return _prepare(job, tolerance)
+
+
+def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     kv, opts = job.kv, job.options
     mdl, tok = split_model(job.model)
     token_model = opts.token_model or ("draft" if opts.draft is not None else "lm")
@@ -317,9 +323,9 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
             regen = verified
             if job.progress:
                 job.progress(n)
-    procedure = {**procedure, "numerics": numerics.profile(mdl)}
+    procedure = {**procedure, "numerics": {**numerics.profile(mdl), "step_threads": STEP_THREADS}}
     if token_model == "draft":
-        procedure["draft_numerics"] = numerics.profile(split_model(opts.draft)[0])
+        procedure["draft_numerics"] = {**numerics.profile(split_model(opts.draft)[0]), "step_threads": STEP_THREADS}
     if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
                                                                                    kv.keys + kv.values)):
         raise Fallback("the regenerated cache has another shape (another model layout?)")
@@ -348,7 +354,8 @@ def procedure_differences(recorded: dict, coder_model, procedure_id: str, key: s
     profile where the file records one (``key``: ``numerics`` or ``draft_numerics``), else (files of format
     1.1) the informative dtype / device / threads / versions."""
     if isinstance(recorded.get(key), dict):
-        diffs = numerics.differences(recorded[key], numerics.profile(coder_model))
+        diffs = numerics.differences(recorded[key], {**numerics.profile(coder_model),
+                                                     "step_threads": recorded[key].get("step_threads")})
     else:
         current = LMTokenCoder(coder_model).procedure(procedure_id)
         diffs = [f"{k} {recorded.get(k)} (file) vs {current.get(k)} (here)" for k in ("dtype", "device", "threads")
@@ -393,8 +400,9 @@ class _TokenDecoder:
                                   "it was made with: decode(data, model)")
             if h.tier_info.draft is not None and f.draft is None:
                 raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
-            self._check_numerics()
-            tokens, regen = regenerate(h, self._streams(), f.model, f.draft, progress)
+            with step_threads(self._step_threads()):  # as the encoder ran its one-token calls
+                self._check_numerics()
+                tokens, regen = regenerate(h, self._streams(), f.model, f.draft, progress)
             for i, lay in enumerate(h.layers):
                 if (regen.keys[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.k_dim)
                         or regen.values[i].shape != (h.batch, lay.kv_heads, lay.seq_len, lay.v_dim)
@@ -408,6 +416,12 @@ class _TokenDecoder:
     def tokens(self) -> torch.Tensor:
         return self.regenerated()[0]
 
+    def _step_threads(self) -> int | None:
+        """The encoder's thread count for one-token calls (files of format 1.1: torch's, None)."""
+        n = self.f.header.tier_info.raw["procedure"].get("numerics", {})
+        n = n.get("step_threads") if isinstance(n, dict) else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else None
+
     def _check_numerics(self) -> None:
         """Before any work: can this machine reproduce the float results the file needs (spec 11.4)?"""
         f, t = self.f, self.f.header.tier_info
@@ -415,13 +429,16 @@ class _TokenDecoder:
         if f.numerics == "try" or not isinstance(proc.get("numerics"), dict):
             return  # asked to try, or a file without a recorded profile: the checksums decide
         multi = any(size > 1 for size, _ in t.schedule_runs)
-        diffs = numerics.differences(proc["numerics"], numerics.profile(split_model(f.model)[0]),
+        here = {**numerics.profile(split_model(f.model)[0]), "step_threads": self._step_threads()}
+        diffs = numerics.differences(proc["numerics"], here,
                                      multi_token_calls=multi)
         token_diffs = []
         if t.token_model == "lm":
             token_diffs = diffs
         elif t.token_model == "draft" and isinstance(proc.get("draft_numerics"), dict) and f.draft is not None:
-            token_diffs = numerics.differences(proc["draft_numerics"], numerics.profile(split_model(f.draft)[0]),
+            here = {**numerics.profile(split_model(f.draft)[0]),
+                    "step_threads": proc["draft_numerics"].get("step_threads")}
+            token_diffs = numerics.differences(proc["draft_numerics"], here,
                                                multi_token_calls=False)
         if token_diffs:
             raise NumericsMismatch(

@@ -19,6 +19,7 @@ then single steps" located by a binary search on single-step probes).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -28,7 +29,8 @@ from ..cache import KVCache, to_canonical
 from ..errors import ConfigError
 from .schedule import expand
 
-__all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg",
+__all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg", "step_threads",
+           "STEP_THREADS",
            "padding_candidates", "infer_plan"]
 
 
@@ -83,71 +85,39 @@ def new_cache(model, plan: Plan):
     return cache
 
 
-class StepThreads:
-    """The intra-op thread count of one-token forward calls, chosen by measuring.
-
-    A one-token call gives the same bits with any thread count (measured, docs/numerics.md: threads change
-    only calls of several tokens, whose count the file records), so the count is free to choose for speed.
-    Measured on 2 cores with SmolLM2 (bf16, one-token steps): 62-84 ms per step on 2 threads and 83-110 ms
-    on 1 when the machine is quiet, but 203-306 ms on 2 and 70-95 ms on 1 when another job holds a core.
-    So every ``PERIOD`` steps both counts are timed on a few steps and the faster one is kept.
-    ``KVCODEC_STEP_THREADS=n`` fixes the count instead.
-    """
-
-    PERIOD = 256
-    PROBES = 3  # steps timed per candidate
-
-    def __init__(self):
-        self.step = 0
-        self.times: dict[int, list[float]] = {}
-        self.choice: int | None = None
-
-    def run(self, fn):
-        import os
-        import time
-
-        base = torch.get_num_threads()
-        fixed = os.environ.get("KVCODEC_STEP_THREADS")
-        cands = sorted({1, base})
-        phase = self.step % self.PERIOD
-        probing = phase < self.PROBES * len(cands)
-        if fixed:
-            n = max(1, int(fixed))
-        elif probing or self.choice is None:
-            n = cands[phase % len(cands)] if probing else base
-        else:
-            n = self.choice
-        self.step += 1
-        if n == base:
-            t = time.perf_counter()
-            out = fn()
-        else:
-            torch.set_num_threads(n)
-            try:
-                t = time.perf_counter()
-                out = fn()
-            finally:
-                torch.set_num_threads(base)
-        if probing and not fixed:
-            if phase == 0:
-                self.times = {}
-            self.times.setdefault(n, []).append(time.perf_counter() - t)
-            if phase == self.PROBES * len(cands) - 1:
-                self.choice = min(self.times, key=lambda c: sorted(self.times[c])[len(self.times[c]) // 2])
-        return out
+#: Intra-op threads of one-token forward calls during token-tier work: 1 (recorded in the file's numerics
+#: profile as ``step_threads``), or None: torch's current count (files written before it was recorded).
+#: One thread because the bits of a bf16 one-token call depend on the thread count (tested) and a fixed
+#: count keeps them reproducible, and because it is the fast choice on a busy machine: measured on 2 cores,
+#: SmolLM2 bf16 one-token steps took 62-84 ms on 2 threads and 83-110 ms on 1 when the machine was quiet,
+#: 203-306 ms on 2 and 70-95 ms on 1 while another job held a core.
+STEP_THREADS = 1
+_step = {"threads": None}
 
 
-STEP_THREADS = StepThreads()
+@contextlib.contextmanager
+def step_threads(n: int | None):
+    """Within the block, one-token forward calls (:func:`forward`) run on ``n`` intra-op threads (None:
+    torch's current count)."""
+    old = _step["threads"]
+    _step["threads"] = n
+    try:
+        yield
+    finally:
+        _step["threads"] = old
 
 
 def forward(model, ids, cache, kw):
-    """One forward call that appends ``ids`` to ``cache``; returns the logits.  Calls of one token run on the
-    thread count :class:`StepThreads` finds fastest (the same bits with any count); longer calls on torch's
-    (the count the file records)."""
-    def call():
+    """One forward call that appends ``ids`` to ``cache``; returns the logits.  A call of one token runs on
+    the thread count :func:`step_threads` set, if any; longer calls on torch's."""
+    n, base = _step["threads"], torch.get_num_threads()
+    if ids.shape[-1] != 1 or n is None or n == base:
         return model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw).logits
-
-    return STEP_THREADS.run(call) if ids.shape[-1] == 1 else call()
+    torch.set_num_threads(n)
+    try:
+        return model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw).logits
+    finally:
+        torch.set_num_threads(base)
 
 
 @torch.no_grad()
