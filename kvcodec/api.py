@@ -165,6 +165,8 @@ def encode(cache, model=None, **kwargs) -> bytes:
 def save(path, cache, model=None, *, overwrite: bool = True, **kwargs) -> int:
     """:func:`encode` ``cache`` to ``path`` (local path or fsspec URL), atomically for local paths; returns
     bytes written.  ``overwrite=False`` refuses an existing local file (:class:`ConfigError`)."""
+    if isinstance(cache, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        path, cache = cache, path  # save(cache, path), safetensors' order: a cache is never a path
     enc, per_cache = _split(kwargs)
     return enc.save(path, cache, model, overwrite=overwrite, **per_cache)
 

@@ -8,7 +8,8 @@
     kvz bench [--out DIR] [--tokens N] [--genres ...]
     kvz claims [--out docs]           the seed paper's claims, measured (docs/claims.md)
 
-Errors print one line and exit non-zero (2 for bad or missing input files, 1 otherwise).  Existing output
+Errors print one line and exit non-zero (2 for bad or missing input files and unwritable outputs, 1
+otherwise).  ``--json`` makes every verb that reports print one JSON object.  Existing output
 files are replaced only with ``-f``, and always atomically.
 """
 
@@ -47,23 +48,64 @@ def _load_model(name: str, dtype: str):
     return load_model(name, dtype=parse(dtype).torch)
 
 
+def _report(args, text: str, **fields) -> None:
+    """One line for people, or (``--json``) one JSON object for programs."""
+    print(json.dumps(fields) if getattr(args, "json", False) else text)
+
+
+def _cache_from_safetensors(path: str):
+    """A cache file as ``kvz decode`` writes it: ``layers.<i>.keys`` / ``layers.<i>.values`` [B, H, S, D] and
+    optionally ``tokens`` [B, S]; metadata ``start_position``."""
+    from safetensors import safe_open
+
+    from .cache import KVCache
+
+    with safe_open(path, "pt") as f:
+        names, meta = set(f.keys()), f.metadata() or {}
+        n = 0
+        while f"layers.{n}.keys" in names and f"layers.{n}.values" in names:
+            n += 1
+        extra = names - {f"layers.{i}.{p}" for i in range(n) for p in ("keys", "values")} - {"tokens"}
+        if not n or extra:
+            raise ConfigError(f"{path}: expected tensors layers.<i>.keys / layers.<i>.values (and tokens), as "
+                              f"`kvz decode` writes them; found {sorted(names)[:6]}")
+        keys = [f.get_tensor(f"layers.{i}.keys") for i in range(n)]
+        values = [f.get_tensor(f"layers.{i}.values") for i in range(n)]
+        tokens = f.get_tensor("tokens") if "tokens" in names else None
+    try:
+        start = int(meta.get("start_position", 0))
+    except ValueError:
+        raise ConfigError(f"{path}: metadata start_position is not an integer") from None
+    return KVCache(keys, values, tokens, start)
+
+
 def cmd_encode(args) -> int:
     from .api import save
     from .models import prefill, tokenize
 
-    text = Path(args.text).read_text(encoding="utf-8")
-    out = args.output or str(Path(args.text).with_suffix(".kvz").name)
+    if (args.text is None) == (args.cache is None):
+        raise ConfigError("give one of --text (run the model over a text file) or --cache (a cache saved as "
+                          "safetensors)")
+    src = args.text or args.cache
+    out = args.output or str(Path(src).with_suffix(".kvz").name)
     if Path(out).exists() and not args.force:
         raise ConfigError(f"{out} exists (use -f to replace it)")
     t0 = time.perf_counter()
-    model, tok = _load_model(args.model, args.dtype)
-    ids = tokenize(tok, text, args.max_tokens)
-    cache = prefill(model, ids)
     from .cache import to_canonical
 
-    kv = to_canonical(cache)
-    if registry.tier(args.tier).needs_model:
-        bar = _progress(ids.shape[1], "encoding", "token")
+    needs_model = registry.tier(args.tier).needs_model
+    if args.cache is not None:
+        kv = _cache_from_safetensors(args.cache)
+        cache, ids = kv, kv.tokens
+        model = _load_model(args.model, kv.dtype_name) if needs_model else None
+    else:
+        text = Path(args.text).read_text(encoding="utf-8")
+        model = _load_model(args.model, args.dtype)
+        ids = tokenize(model[1], text, args.max_tokens)
+        cache = prefill(model[0], ids)
+        kv = to_canonical(cache)
+    if needs_model:
+        bar = _progress(kv.seq_len, "encoding", "token")
     else:
         bar = _progress(2 * sum(-(-k.shape[2] // args.chunk_tokens) for k in kv.keys), "encoding")
     opts = {}
@@ -74,11 +116,13 @@ def cmd_encode(args) -> int:
         if not isinstance(opts, dict):
             raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
-    n = save(out, cache, (model, tok), overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
+    n = save(out, cache, model, overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
              tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update, **opts)
     bar.close()
-    print(f"{out}: {ids.shape[1]} tokens, {_human(kv.nbytes())} {args.dtype} cache -> {_human(n)} "
-          f"({kv.nbytes() / n:.3f}x) in {time.perf_counter() - t0:.1f} s")
+    dt = time.perf_counter() - t0
+    _report(args, f"{out}: {kv.seq_len} tokens, {_human(kv.nbytes())} {kv.dtype_name} cache -> {_human(n)} "
+            f"({kv.nbytes() / n:.3f}x) in {dt:.1f} s", file=out, tier=args.tier, tokens=kv.seq_len,
+            dtype=kv.dtype_name, cache_bytes=kv.nbytes(), file_bytes=n, seconds=round(dt, 3))
     return 0
 
 
@@ -120,8 +164,11 @@ def cmd_decode(args) -> int:
     else:
         with atomic_output(args.output, overwrite=args.force) as out:
             out.write(data)
-    print(f"{args.output}: {len(kv.keys)} layers, {kv.dtype_name}, {_human(kv.nbytes())}",
-          file=sys.stderr if to_stdout else sys.stdout)
+    text = f"{args.output}: {len(kv.keys)} layers, {kv.dtype_name}, {_human(kv.nbytes())}"
+    if to_stdout:
+        print(text, file=sys.stderr)
+    else:
+        _report(args, text, file=args.output, layers=len(kv.keys), dtype=kv.dtype_name, bytes=kv.nbytes())
     return 0
 
 
@@ -135,8 +182,10 @@ def cmd_verify(args) -> int:
         bar = _progress(total, "verifying", unit)
         kv = f.to_kvcache(progress=bar.update)
         bar.close()
-    print(f"{name}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
-          f"({_human(kv.nbytes())}) in {time.perf_counter() - t0:.2f} s")
+    dt = time.perf_counter() - t0
+    _report(args, f"{name}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
+            f"({_human(kv.nbytes())}) in {dt:.2f} s", file=name, ok=True, layers=len(kv.keys), tokens=kv.seq_len,
+            bytes=kv.nbytes(), seconds=round(dt, 3))
     return 0
 
 
@@ -177,7 +226,12 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .container.layout import FORMAT_VERSION_MAJOR, FORMAT_VERSION_MINOR
+    from .version import __version__
+
     p = argparse.ArgumentParser(prog="kvz", description="Store transformer KV caches compactly (.kvz).")
+    p.add_argument("--version", action="version",
+                   version=f"kvz {__version__} (.kvz format {FORMAT_VERSION_MAJOR}.{FORMAT_VERSION_MINOR})")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("inspect", help="describe a .kvz file from its header (no model, no decoding)")
@@ -186,24 +240,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true", help="also read every payload and check its checksum")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("encode", help="run a model over a text file and store its KV cache")
+    s = sub.add_parser("encode", help="store a KV cache: a model's over a text file, or a cache saved as "
+                                      "safetensors")
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
-    s.add_argument("--text", required=True)
+    s.add_argument("--text", help="UTF-8 text file: the model's cache over its first --max-tokens tokens")
+    s.add_argument("--cache", help="a cache saved as safetensors (layers.<i>.keys / .values [B, H, S, D], optional "
+                                   "tokens), as `kvz decode` writes it; the model is needed for tiers exact/tokens")
     s.add_argument("-o", "--output", help="the .kvz file to write (default: the text's name with .kvz)")
     s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
     s.add_argument("--tier", default="exact", choices=registry.tier_ids(),
                    help="; ".join(f"{t}: {registry.tier(t).summary}" for t in registry.tier_ids())
                    + " (default: exact)")
-    s.add_argument("--bits", type=float, default=3.0, help="lossy: average bits per quantized component, all side info included (exact tokens on top)")
+    s.add_argument("--bits", type=float, default=3.0,
+                   help="lossy: average bits per quantized component, all side info included (exact tokens on top)")
     s.add_argument("--max-kl", type=float, default=None,
                    help="lossy: instead of --bits, the coarsest step keeping the mean KL (bits) within this")
     s.add_argument("--lossy-options", default=None,
                    help='lossy: other vq_rans options as JSON, e.g. \'{"window": 64, "quantizer": "kivi"}\'')
-    s.add_argument("--token-model", default="lm", choices=["lm", "static"])
-    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    s.add_argument("--max-tokens", type=int, default=2048)
-    s.add_argument("--chunk-tokens", type=int, default=4096)
-    s.add_argument("--no-tokens", dest="store_tokens", action="store_false", help="do not store token ids")
+    s.add_argument("--token-model", default="lm", choices=["lm", "static"],
+                   help="tiers exact/tokens: code the tokens with the model itself (lm: fewest bits, restore "
+                        "steps one token at a time) or a static context model (restore is one prefill)")
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="--text: the model's dtype, hence the cache's (default bf16)")
+    s.add_argument("--max-tokens", type=int, default=2048, help="--text: tokens of the text to run (default 2048)")
+    s.add_argument("--chunk-tokens", type=int, default=4096,
+                   help="tokens per section: smaller allows reading part of a layer (default 4096)")
+    s.add_argument("--no-tokens", dest="store_tokens", action="store_false",
+                   help="tier lossless: do not store the token ids")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)
 
     s = sub.add_parser("decode", help="decode a .kvz file to safetensors")
@@ -215,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token tiers on a machine whose float results differ from the encoder's: refuse before "
                         "any work (strict), attempt anyway (try), or return this machine's regeneration without "
                         "the residuals (recompute, static token model)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_decode)
 
     s = sub.add_parser("eval", help="quality of the lossy tier: KL of next-token distributions, top-1, greedy")
@@ -234,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", default="strict", choices=["strict", "try"],
                    help="token tiers: refuse before any work where this machine's float results differ (strict) "
                         "or attempt anyway (try)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
@@ -290,10 +356,10 @@ def main(argv=None) -> int:
     except ConfigError as e:  # a refused option or output file: not a bad input file
         print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except (KvzError, FileNotFoundError, IsADirectoryError) as e:
+    except (KvzError, OSError) as e:  # a bad or missing input file, an unwritable output
         print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:
         print(f"kvz {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

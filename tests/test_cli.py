@@ -119,3 +119,63 @@ def test_describe_refuses_garbage_quietly():
 
     assert quant.describe(b"\x07" * 40, (1, 1, 4, 8), 16) is None
     assert quant.describe(b"\x01", (1, 1, 4, 8), 16) is None
+
+
+def test_version_and_json_on_every_reporting_verb(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and "format 1.2" in capsys.readouterr().out
+    assert main(["verify", str(VEC), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    out = tmp_path / "x.safetensors"
+    assert main(["decode", str(VEC), "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 2
+
+
+def test_encode_a_cache_saved_as_safetensors(tmp_path, capsys):
+    """decode -> safetensors -> encode --cache gives the same file (lossless tier, no model needed)."""
+    st = tmp_path / "c.safetensors"
+    assert main(["decode", str(VEC), "-o", str(st)]) == 0
+    assert oct(st.stat().st_mode & 0o777) != oct(0o600)  # ordinary permissions (umask), not 0600
+    out = tmp_path / "c.kvz"
+    assert main(["encode", "--cache", str(st), "--tier", "lossless", "-o", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["file"] == str(out) and rep["tokens"] == 10
+    a, b = kvcodec.load(VEC, output="kvcache"), kvcodec.load(out, output="kvcache")
+    assert a.equal(b) and a.start_position == b.start_position == 7
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    import torch
+
+    save_file({"weight": torch.zeros(2)}, str(bad))
+    assert main(["encode", "--cache", str(bad), "--tier", "lossless", "-o", str(tmp_path / "b.kvz")]) == 1
+    assert "layers.<i>.keys" in capsys.readouterr().err
+
+
+def test_unwritable_output_and_bad_model_dir_are_one_line(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        code = main(["decode", str(VEC), "-o", str(ro / "x.safetensors")])
+        err = capsys.readouterr().err
+        import os
+
+        if os.geteuid() != 0:  # root may write anywhere
+            assert code == 2 and err.strip().count("\n") == 0 and "Permission" in err
+    finally:
+        ro.chmod(0o700)
+    assert main(["decode", str(VEC), "-o", str(tmp_path / "none" / "x.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    from kvcodec.models import load_model
+
+    empty = tmp_path / "model"
+    empty.mkdir()
+    try:
+        load_model(str(empty))
+        raise AssertionError("an empty directory loaded as a model")
+    except kvcodec.ConfigError as e:
+        assert "\n" not in str(e) and str(empty) in str(e)
