@@ -179,3 +179,14 @@ def test_unwritable_output_and_bad_model_dir_are_one_line(tmp_path, capsys):
         raise AssertionError("an empty directory loaded as a model")
     except kvcodec.ConfigError as e:
         assert "\n" not in str(e) and str(empty) in str(e)
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from kvcodec.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [(verb, a.option_strings or a.dest) for verb, sp in sub.choices.items() for a in sp._actions
+               if a.help is None and not isinstance(a, argparse._HelpAction)]
+    assert not missing
