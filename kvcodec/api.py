@@ -103,7 +103,12 @@ class Encoder:
             return tier.write(job)
         except Fallback as e:
             job.report["fallback"] = str(e)
-            warn(f"tier {tier.tier_id!r} cannot store this cache ({e}); stored losslessly instead", FallbackWarning)
+            dropped = ""
+            if job.tokens is not None and job.tokens.shape[-1] != max(k.shape[2] for k in job.kv.keys):
+                job.tokens = None
+                dropped = " without the token ids (they cover positions the sliding windows dropped)"
+            warn(f"tier {tier.tier_id!r} cannot store this cache ({e}); stored losslessly instead{dropped}",
+                 FallbackWarning)
             job.info = {**job.base_info(), "fallback": str(e)}
             job.options = dataclasses.replace(opts, tier="lossless", token_model=None, draft=None, tolerance=UNSET,
                                               codec={})

@@ -336,3 +336,29 @@ def test_progress_counts_tokens_for_token_by_token_work(token_model):
         seen.clear()
         f.to_kvcache(seen.append)
         assert unit == "section" and sum(seen) == total == f.num_sections()
+
+
+def test_all_sliding_cache_longer_than_its_window_round_trips_with_its_tokens():
+    """Issue 12: every layer sliding (Mistral v0.1 layout), prompt longer than the window.  With tokens= the
+    exact tier stores the ids of every position seen and decode() returns them (it used to reject its own
+    file); the lossless tier refuses ids it cannot store instead of writing an unreadable file."""
+    model = tiny_model("mistral_sw")
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    cache = model_cache(model, ids)
+    kv = kvcodec.to_canonical(cache)
+    assert max(k.shape[2] for k in kv.keys) < 24 == max(kv.cumulative_length)
+    data = kvcodec.encode(cache, model, tokens=ids)
+    assert kvcodec.inspect(data)["tier"] == "exact"
+    back = kvcodec.decode(data, model, output="kvcache")
+    assert back.equal(kv) and back.tokens.tolist() == ids.tolist()
+    nxt = torch.randint(0, VOCAB, (1, 1))
+    a, b = greedy_from(model, torch.cat([ids, nxt], 1), cache, kvcodec.decode(data, model), 6)
+    assert torch.equal(a, b)
+    check_rejects(kvcodec.ConfigError, cache, tokens=ids, match="sliding windows dropped")
+    modified = kvcodec.to_canonical(cache)
+    modified.values[0] += 1  # no longer what the tokens regenerate: the exact tier falls back to lossless
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        data = kvcodec.encode(modified, model, tokens=ids)
+    assert any("without the token ids" in str(x.message) for x in w)  # dropped, and said so
+    assert kvcodec.inspect(data)["tier"] == "lossless" and kvcodec.decode(data, output="kvcache").equal(modified)

@@ -231,6 +231,11 @@ class DirectTier(Tier):
         return work
 
     def write(self, job: EncodeJob) -> int:
+        held = max(k.shape[2] for k in job.kv.keys)
+        if job.tokens is not None and job.tokens.shape[-1] != held:
+            raise ConfigError(f"tier {self.tier_id!r} stores token ids only for the {held} positions the cache holds; "
+                              f"these {job.tokens.shape[-1]} ids also cover positions its sliding windows dropped "
+                              "(tier 'exact' stores them all)")
         if job.tokens is not None:  # stored beside the tensors
             kv = job.kv
             job.kv = KVCache(kv.keys, kv.values, job.tokens, kv.start_position, kv.sliding_window,
