@@ -122,6 +122,27 @@ class KVCache:
         cache.layers = layers
         return cache
 
+    def to_static_cache(self, config, max_cache_len: int):
+        """A transformers ``StaticCache`` of ``max_cache_len`` positions (the cache ``torch.compile`` and
+        ``cache_implementation="static"`` use) holding these tensors in its first positions (copied).  Full
+        attention layers only: a static sliding-window layer keeps its positions in a ring."""
+        from transformers.cache_utils import StaticCache, StaticLayer
+
+        from .errors import ConfigError
+
+        if any(sw is not None for sw in self.sliding_window):
+            raise ConfigError("to_static_cache: this cache has sliding-window layers (use to_dynamic_cache)")
+        if self.seq_len > max_cache_len:
+            raise ConfigError(f"to_static_cache: {self.seq_len} tokens do not fit max_cache_len={max_cache_len}")
+        cache = StaticCache(config=config, max_cache_len=max_cache_len)
+        if len(cache.layers) != self.num_layers or any(type(layer) is not StaticLayer for layer in cache.layers):
+            raise ConfigError(f"to_static_cache: the config gives {len(cache.layers)} layers "
+                              f"({sorted({type(la).__name__ for la in cache.layers})}), this cache has "
+                              f"{self.num_layers} full-attention layers")
+        for layer, k, v in zip(cache.layers, self.keys, self.values):
+            layer.update(k, v)
+        return cache
+
     def to_legacy(self):
         """The legacy tuple of ``(key, value)`` pairs."""
         return tuple((k, v) for k, v in zip(self.keys, self.values))
@@ -133,7 +154,7 @@ def to_canonical(cache) -> KVCache:
         return cache
     layers = getattr(cache, "layers", None)
     if layers is not None and not isinstance(cache, (tuple, list)):
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
         from .errors import UnsupportedCache
 
@@ -141,12 +162,22 @@ def to_canonical(cache) -> KVCache:
         for i, layer in enumerate(layers):
             # exact classes: a subclass (QuantizedLayer, DynamicIndexedLayer, LinearAttention...Layer) holds state
             # that keys/values do not show, and storing only keys/values would lose it silently
-            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer):
                 raise UnsupportedCache(f"layer {i}: {type(layer).__module__}.{type(layer).__qualname__} "
-                                       f"(in a {type(cache).__name__}) is not supported: only DynamicLayer and "
-                                       "DynamicSlidingWindowLayer are stored; its other state would be lost")
+                                       f"(in a {type(cache).__name__}) is not supported: only DynamicLayer, "
+                                       "DynamicSlidingWindowLayer and StaticLayer are stored; its other state "
+                                       "would be lost")
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.dim() != 4:
                 raise ValueError(f"layer {i}: the cache layer holds no tensors (uninitialised)")
+            if type(layer) is StaticLayer:  # max_cache_len slots, the first cumulative_length of them written
+                n = int(layer.cumulative_length)
+                if not 0 <= n <= layer.keys.shape[-2]:
+                    raise UnsupportedCache(f"layer {i}: StaticLayer reports {n} positions of {layer.keys.shape[-2]}")
+                keys.append(layer.keys[:, :, :n])
+                values.append(layer.values[:, :, :n])
+                sw.append(None)
+                cum.append(n)
+                continue
             keys.append(layer.keys)
             values.append(layer.values)
             if isinstance(layer, DynamicSlidingWindowLayer):

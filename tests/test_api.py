@@ -246,3 +246,44 @@ def test_round_trip_property(data):
     blob = check_roundtrip(kv, **opts)
     assert kvcodec.encode(kvcodec.decode(blob, output="kvcache"), **opts) == blob
     assert kvcodec.inspect(blob)["num_layers"] == nl
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_cache_stores_its_valid_positions_and_restores_into_either_class(kind):
+    """Issue 12: a StaticCache (torch.compile, cache_implementation="static") holds max_cache_len slots of
+    which cumulative_length are written: only those are stored; decode gives a DynamicCache or, with
+    KVCache.to_static_cache, a StaticCache again, and generate() continues identically from both."""
+    from transformers.cache_utils import StaticCache
+
+    from kvcodec.tokens.plan import cache_kwarg
+
+    model = tiny_model(kind)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    sc = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_kwarg(model): sc})
+    kv = kvcodec.to_canonical(sc)
+    assert [k.shape[2] for k in kv.keys] == [10] * kv.num_layers
+    nxt = torch.cat([ids, torch.randint(0, VOCAB, (1, 1))], 1)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(nxt, **{cache_kwarg(model): copy.deepcopy(sc)}, **kw)
+    for data in (kvcodec.encode(sc), kvcodec.encode(sc, model)):  # lossless, exact
+        back = kvcodec.decode(data, model, output="kvcache")
+        assert back.equal(kv)
+        assert torch.equal(model.generate(nxt, **{cache_kwarg(model): back.to_static_cache(model.config, 32)}, **kw),
+                           want)
+        assert torch.equal(model.generate(nxt, **{cache_kwarg(model): back.to_dynamic_cache()}, **kw), want)
+    check_rejects(kvcodec.ConfigError, kvcodec.encode(sc), fn=lambda d: kvcodec.decode(
+        d, output="kvcache").to_static_cache(model.config, 4), match="max_cache_len=4")
+
+
+def test_static_sliding_window_layers_are_refused_by_name():
+    from transformers.cache_utils import StaticCache
+
+    from kvcodec.tokens.plan import cache_kwarg
+
+    model = tiny_model("mistral_sw")
+    sc = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 12)), use_cache=True, **{cache_kwarg(model): sc})
+    check_rejects(kvcodec.UnsupportedCache, sc, match="StaticSlidingWindowLayer|Sliding")
