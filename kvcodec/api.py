@@ -104,7 +104,7 @@ class Encoder:
         except Fallback as e:
             job.report["fallback"] = str(e)
             dropped = ""
-            if job.tokens is not None and job.tokens.shape[-1] != max(k.shape[2] for k in job.kv.keys):
+            if job.tokens is not None and job.tokens.shape[-1] != job.kv.seq_len:
                 job.tokens = None
                 dropped = " without the token ids (they cover positions the sliding windows dropped)"
             warn(f"tier {tier.tier_id!r} cannot store this cache ({e}); stored losslessly instead{dropped}",

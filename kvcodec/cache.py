@@ -65,7 +65,7 @@ class KVCache:
             t = self.tokens
             if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"tokens must be an integer tensor [batch={b}, seq], got {tuple(t.shape)} {t.dtype}")
-            held, seen = max(k.shape[2] for k in self.keys), max(self.cumulative_length)
+            held, seen = self.seq_len, max(self.cumulative_length)
             if t.shape[1] not in (held, seen):  # sliding-window layers only: the ids of every position seen
                 raise ValueError(f"{t.shape[1]} token ids for a cache that holds {held} tokens"
                                  + (f" and has seen {seen}" if seen != held else ""))

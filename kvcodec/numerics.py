@@ -118,6 +118,14 @@ def differences(recorded: dict, current: dict, *, multi_token_calls: bool = True
             if recorded.get(k) != current.get(k)]
 
 
+def differences_here(recorded: dict, model, *, step_threads=None, multi_token_calls: bool = True) -> list[str]:
+    """:func:`differences` between a recorded profile and this machine's for ``model``.  ``step_threads`` is
+    a parameter of the procedure, which the decoder reproduces (the file's value), not a property of the
+    machine: it is set in this machine's profile as given."""
+    here = {**profile(model), "step_threads": step_threads}
+    return differences(recorded, here, multi_token_calls=multi_token_calls)
+
+
 def advice(diffs: list[str], *, tried: bool = False) -> str:
     """What would reproduce the recorded numerics (for the error message); ``tried``: the decoder already
     attempted (numerics="try"), so do not suggest it."""

@@ -231,7 +231,7 @@ class DirectTier(Tier):
         return work
 
     def write(self, job: EncodeJob) -> int:
-        held = max(k.shape[2] for k in job.kv.keys)
+        held = job.kv.seq_len
         if job.tokens is not None and job.tokens.shape[-1] != held:
             raise ConfigError(f"tier {self.tier_id!r} stores token ids only for the {held} positions the cache holds; "
                               f"these {job.tokens.shape[-1]} ids also cover positions its sliding windows dropped "

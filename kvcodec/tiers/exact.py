@@ -354,8 +354,7 @@ def procedure_differences(recorded: dict, coder_model, procedure_id: str, key: s
     profile where the file records one (``key``: ``numerics`` or ``draft_numerics``), else (files of format
     1.1) the informative dtype / device / threads / versions."""
     if isinstance(recorded.get(key), dict):
-        diffs = numerics.differences(recorded[key], {**numerics.profile(coder_model),
-                                                     "step_threads": recorded[key].get("step_threads")})
+        diffs = numerics.differences_here(recorded[key], coder_model, step_threads=recorded[key].get("step_threads"))
     else:
         current = LMTokenCoder(coder_model).procedure(procedure_id)
         diffs = [f"{k} {recorded.get(k)} (file) vs {current.get(k)} (here)" for k in ("dtype", "device", "threads")
@@ -429,17 +428,15 @@ class _TokenDecoder:
         if f.numerics == "try" or not isinstance(proc.get("numerics"), dict):
             return  # asked to try, or a file without a recorded profile: the checksums decide
         multi = any(size > 1 for size, _ in t.schedule_runs)
-        here = {**numerics.profile(split_model(f.model)[0]), "step_threads": self._step_threads()}
-        diffs = numerics.differences(proc["numerics"], here,
-                                     multi_token_calls=multi)
+        diffs = numerics.differences_here(proc["numerics"], split_model(f.model)[0],
+                                          step_threads=self._step_threads(), multi_token_calls=multi)
         token_diffs = []
         if t.token_model == "lm":
             token_diffs = diffs
         elif t.token_model == "draft" and isinstance(proc.get("draft_numerics"), dict) and f.draft is not None:
-            here = {**numerics.profile(split_model(f.draft)[0]),
-                    "step_threads": proc["draft_numerics"].get("step_threads")}
-            token_diffs = numerics.differences(proc["draft_numerics"], here,
-                                               multi_token_calls=False)
+            token_diffs = numerics.differences_here(proc["draft_numerics"], split_model(f.draft)[0],
+                                                    step_threads=proc["draft_numerics"].get("step_threads"),
+                                                    multi_token_calls=False)
         if token_diffs:
             raise NumericsMismatch(
                 f"the tokens of this file were coded with probabilities of the {t.token_model!r} model that this "

@@ -76,11 +76,12 @@ class LossyTier(DirectTier):
             exact_bytes += codec.exact_bytes(tensor_slice(kv, li, part, where), where)
         if comps == 0:
             return None  # every token is stored exactly: no step to choose
-        best, first = None, params["step"]
+        best, first = None, None
         for _ in range(8):
             payloads = []
             run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
             rate = 8 * (sum(len(pl) for pl in payloads) - exact_bytes) / comps
+            first = first or (rate, params["step"], payloads)
             if rate <= params["bits"] and (best is None or rate > best[0]):
                 best = (rate, params["step"], payloads)
             if rate <= params["bits"] and params["bits"] - rate < 0.02:
@@ -94,13 +95,9 @@ class LossyTier(DirectTier):
             # Side information alone exceeds the budget (tiny caches): keep the first step (the order-0 estimate
             # for the requested rate), not the lowest rate reached - that is a step so large that every index
             # is 0 and the quantized tokens decode to zero vectors.
-            payloads = []
-            params["step"] = first
-            run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
-            rate = 8 * (sum(len(pl) for pl in payloads) - exact_bytes) / comps
             warn(f"{VqRans.codec_id}: bits={params['bits']} not reachable for this cache (norms, tables and fixed "
-                 f"fields alone cost more); its quantized tokens take {rate:.2f} bits per component")
-            best = (rate, first, payloads)
+                 f"fields alone cost more); its quantized tokens take {first[0]:.2f} bits per component")
+            best = first
         _, params["step"], payloads = best
         return payloads
 
