@@ -16,8 +16,8 @@ message names the field and, where there is one, the byte offset::
     │   └── ChecksumMismatch
     ├── ModelMismatch                   the file needs another model than the one given
     ├── NumericsMismatch                this machine cannot reproduce the file's float results
-    ├── UnsupportedCache (TypeError)    a cache (layer) class kvcodec cannot store faithfully
     ├── ConfigError (ValueError)        bad options / pipeline config at the API
+    │   └── UnsupportedCache (+TypeError) a cache (layer) class kvcodec cannot store faithfully
     └── BackendUnavailable (ImportError)
 
 API misuse that is not about bytes (a closed writer, a tensor of the wrong
@@ -111,13 +111,15 @@ class NumericsMismatch(KvzError):
     ``tokens.procedure.numerics``), found before any work.  The message says what would work."""
 
 
-class UnsupportedCache(KvzError, TypeError):
-    """The cache, or one of its layers, is of a class kvcodec does not know how to store without loss
-    (quantized, offloaded or hybrid layers, layers with extra state): refused rather than stored in part."""
-
-
 class ConfigError(KvzError, ValueError):
     """Invalid options or codec configuration passed to the API."""
+
+
+class UnsupportedCache(ConfigError, TypeError):
+    """The cache, or one of its layers, is of a class kvcodec does not know how to store without loss
+    (quantized, offloaded or indexed layers, a subclass with extra state): refused by name, with the list of
+    supported classes, rather than stored in part.  A :class:`ConfigError` (the CLI prints it in one line) and,
+    for code written against earlier versions, a ``TypeError``."""
 
 
 class BackendUnavailable(KvzError, ImportError):

@@ -7,36 +7,74 @@ import torch
 VOCAB = 128
 
 
+#: tiny_model kinds: config class, model class, options beyond the common ones (see ARCHITECTURES)
+_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+            n_group=1, topk_group=1)
+_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+_LAYOUTS = {
+    "llama": ("Llama", "LlamaForCausalLM", dict(num_key_value_heads=2)),  # GQA: 4 query heads share 2 kv heads
+    "qwen2": ("Qwen2", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),  # MQA, with biases on q/k/v
+    "qwen2_mixed": ("Qwen2", "Qwen2ForCausalLM", dict(  # one full-attention layer, one sliding-window layer
+        num_key_value_heads=2, sliding_window=8, use_sliding_window=True,
+        layer_types=["full_attention", "sliding_attention"])),
+    "mistral_sw": ("Mistral", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),  # all sliding
+    "qwen3": ("Qwen3", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8)),  # q/k norms
+    "gemma2": ("Gemma2", "Gemma2ForCausalLM", dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    "gemma3": ("Gemma3Text", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    "phi3": ("Phi3", "Phi3ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0)),  # fused qkv
+    "gpt_neox": ("GPTNeoX", "GPTNeoXForCausalLM", dict()),  # fused qkv, partial rotary
+    "falcon": ("Falcon", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "cohere": ("Cohere", "CohereForCausalLM", dict(num_key_value_heads=2)),
+    "stablelm": ("StableLm", "StableLmForCausalLM", dict(num_key_value_heads=2)),
+    "deepseek_v3": ("DeepseekV3", "DeepseekV3ForCausalLM", dict(**_MLA, **_MOE)),  # MLA: the latent is cached
+    "gemma3n": ("Gemma3nText", "Gemma3nForCausalLM", dict(
+        num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=4, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, activation_sparsity_pattern=[0.0, 0.0])),
+    "falcon_h1": ("FalconH1", "FalconH1ForCausalLM", dict(  # every layer: attention + Mamba2 side by side
+        num_key_value_heads=2, head_dim=8, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32,
+        mamba_n_groups=1, mamba_chunk_size=8)),
+    "jamba": ("Jamba", "JambaForCausalLM", dict(  # Mamba layer, then attention layer
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False)),
+    "zamba2": ("Zamba2", "Zamba2ForCausalLM", dict(
+        num_key_value_heads=2, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, num_mem_blocks=1,
+        mamba_ngroups=1, layers_block_type=["mamba", "hybrid"], use_mem_rope=True)),
+    "qwen3_next": ("Qwen3Next", "Qwen3NextForCausalLM", dict(  # gated-delta linear attention + full attention
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"])),
+}
+
+
 def tiny_model(kind: str, dtype=torch.float32):
-    """A tiny randomly initialised causal LM of the given layout (seconds to build and run)."""
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    """A tiny randomly initialised causal LM of the given layout (seconds to build and run): a key of
+    ``_LAYOUTS``, or ``gpt2`` / ``opt`` / ``opt_post_ln`` (absolute positions) or ``mamba``."""
+    import transformers
 
     torch.manual_seed(1234)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512)
-    if kind == "llama":  # GQA: 4 query heads share 2 kv heads
-        m = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
-    elif kind == "qwen2":  # MQA, with biases on q/k/v
-        m = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, **common))
-    elif kind == "qwen2_mixed":  # one full-attention layer, one sliding-window layer
-        m = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, sliding_window=8, use_sliding_window=True,
-                                         layer_types=["full_attention", "sliding_attention"], **common))
-    elif kind == "mistral_sw":  # every layer sliding-window
-        m = MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **common))
+    if kind in _LAYOUTS:
+        cfg, cls, extra = _LAYOUTS[kind]
+        m = getattr(transformers, cls)(getattr(transformers, cfg + "Config")(**{**common, **extra}))
     elif kind == "gpt2":  # absolute positions, no GQA
-        m = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512,
-                                       bos_token_id=0, eos_token_id=0))
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0))
+    elif kind in ("opt", "opt_post_ln"):  # learned positions (offset 2); post-LN like OPT-350m
+        m = transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            max_position_embeddings=512, word_embed_proj_dim=32, do_layer_norm_before=kind == "opt",
+            bos_token_id=0, eos_token_id=0, pad_token_id=1))
+    elif kind == "mamba":
+        m = transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, bos_token_id=0, eos_token_id=0))
     else:
         raise ValueError(kind)
+    for key in ("bos_token_id", "eos_token_id"):  # defaults outside the tiny vocabulary
+        if isinstance(getattr(m.config, key, None), int) and getattr(m.config, key) >= VOCAB:
+            setattr(m.config, key, 0)
     return m.to(dtype).eval()
 
 

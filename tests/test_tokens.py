@@ -6,7 +6,7 @@ import torch
 import kvcodec
 from kvcodec.tokens import LMTokenCoder, layer0_value_table, recover_tokens
 from kvcodec.tokens.lm import TokenStream
-from kvcodec.tokens.recover import min_pairwise_distance
+from kvcodec.tokens.recover import min_pairwise_distance, position_free_part, recover
 
 from .common import VOCAB, model_cache, tiny_model
 
@@ -54,10 +54,37 @@ def test_duplicate_vocab_rows_resolve_to_one_token():
     assert dups == 1 and d > 0
 
 
-def test_absolute_position_models_are_refused_clearly():
-    model = tiny_model("gpt2")
-    with pytest.raises(kvcodec.ConfigError, match="not supported yet"):
-        layer0_value_table(model)
+@pytest.mark.parametrize("kind", ["gpt2", "opt", "opt_post_ln"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absolute_position_models_recover_by_inversion(kind, dtype):
+    """Learned positions added to the embedding (pre-LN GPT-2 / OPT, post-LN OPT-350m): the position's part is
+    removed by inverting the first layer, every position matches, and the re-run layer agrees."""
+    model = tiny_model(kind, dtype)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    kv = kvcodec.to_canonical(model_cache(model, ids))
+    r = recover(kv, model)
+    assert r.ok and r.method == "absolute", r.reason
+    assert torch.equal(r.tokens, ids)
+    r = recover_tokens(kv.values[0][:, :, :, :].roll(1, dims=2), model)  # positions shuffled: must not match
+    assert not r.ok and r.tokens is None
+
+
+@pytest.mark.parametrize("kind,part", [("llama", "values"), ("phi3", "values"), ("gemma2", "values"),
+                                       ("deepseek_v3", "keys"), ("gpt2", None)])
+def test_the_position_free_part_is_found_by_running_the_model(kind, part):
+    """Fused projections (Phi-3), scaled embeddings (Gemma) and MLA (DeepSeek-V3: the latent sits in the keys
+    slot, the rotary part in the values slot) need no code of their own; absolute positions have none."""
+    assert position_free_part(tiny_model(kind)) == part
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "deepseek_v3", "gpt_neox", "falcon"])
+def test_recovery_runs_the_models_own_first_layer(kind):
+    model = tiny_model(kind, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (1, 7))  # shorter than Gemma 2's window: layer 0 holds every token
+    kv = kvcodec.to_canonical(model_cache(model, ids))
+    r = recover(kv, model)
+    assert r.ok and r.method == "table", r.reason
+    assert torch.equal(r.tokens, ids)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -280,7 +280,7 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
         if kv.keys[0].shape[2] != n:
             raise Fallback("layer 0 no longer holds every token (sliding window); pass tokens=")
         try:
-            rec = recover(kv.values[0], mdl)
+            rec = recover(kv, mdl)
         except ConfigError as e:
             raise Fallback(f"token recovery: {e}") from None
         if not rec.ok:

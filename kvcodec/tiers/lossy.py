@@ -127,7 +127,7 @@ def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: 
         raise ConfigError("max_kl= needs a cache of at least 4 tokens from position 0 with every layer complete")
     tokens = kv.tokens
     if tokens is None:
-        rec = recover(kv.values[0], mdl)
+        rec = recover(kv, mdl)
         if not rec.ok:
             raise ConfigError(f"max_kl= needs the cache's tokens: pass tokens= ({rec.reason})")
         tokens = rec.tokens
