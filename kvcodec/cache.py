@@ -6,15 +6,16 @@ bfloat16), optional token ids ``[batch, tokens]``, and the position of the
 first cached token.  Layers may differ in length (sliding-window layers keep
 only their window; ``cumulative_length`` says how many tokens they have seen).
 
-Adapters: transformers 5.x ``DynamicCache`` whose layers are exactly
-``DynamicLayer`` or ``DynamicSlidingWindowLayer``, the legacy tuple of
-``(k, v)`` pairs, and ``KVCache`` itself.  Any other layer class - subclasses
-included: quantized layers keep most tokens outside ``keys``/``values``,
-hybrid and indexed layers (FalconH1, DeepSeek-V3.2) carry extra state - raises
-:class:`~kvcodec.errors.UnsupportedCache` naming the layer and its class;
-uninitialised layers, mixed dtypes or batch sizes raise ``TypeError`` or
-``ValueError`` naming the layer.  Nothing is silently converted or stored in
-part.
+Layers of state-space / linear-attention mixers carry a :class:`~kvcodec.state.LayerState` in ``states``
+(conv and recurrent tensors): ``linear`` layers hold no attention (their keys and values have 0 tokens),
+``hybrid`` layers both.
+
+Adapters: transformers 5.x caches (``DynamicCache``, ``StaticCache``) whose layers are exactly one of
+:data:`SUPPORTED_LAYERS`, the legacy tuple of ``(k, v)`` pairs, and ``KVCache`` itself.  Any other layer
+class - subclasses included: quantized layers keep most tokens outside ``keys``/``values``, indexed layers
+(DeepSeek-V3.2) carry indexer keys - raises :class:`~kvcodec.errors.UnsupportedCache` naming the layer, its
+class and the supported list; so do uninitialised layers.  Mixed dtypes or batch sizes raise ``TypeError`` or
+``ValueError`` naming the layer.  Nothing is silently converted or stored in part.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .dtypes import DTYPES, of
+from .state import LayerState
 
-__all__ = ["KVCache", "to_canonical"]
+__all__ = ["KVCache", "to_canonical", "SUPPORTED_LAYERS"]
+
+#: the transformers cache layer classes :func:`to_canonical` stores (exact classes, not subclasses)
+SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "LinearAttentionLayer",
+                    "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
 
 @dataclass
 class KVCache:
@@ -35,6 +41,7 @@ class KVCache:
     start_position: int = 0
     sliding_window: list[int | None] = field(default_factory=list)
     cumulative_length: list[int] = field(default_factory=list)
+    states: list[LayerState | None] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.keys) != len(self.values):
@@ -45,6 +52,10 @@ class KVCache:
             self.sliding_window = [None] * len(self.keys)
         if not self.cumulative_length:
             self.cumulative_length = [int(k.shape[-2]) for k in self.keys]
+        if not self.states:
+            self.states = [None] * len(self.keys)
+        if len(self.states) != len(self.keys):
+            raise ValueError(f"{len(self.states)} layer states for {len(self.keys)} layers")
         dt = self.keys[0].dtype
         if dt not in {d.torch for d in DTYPES.values()}:
             raise TypeError(f"layer 0: dtype {dt} is not supported (float32, float16, bfloat16)")
@@ -61,12 +72,20 @@ class KVCache:
                     raise ValueError(f"layer {i} {name}: batch {t.shape[0]} differs from layer 0's {b}")
             if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
                 raise ValueError(f"layer {i}: keys {tuple(k.shape)} and values {tuple(v.shape)} disagree on heads/seq")
+            st = self.states[i]
+            if st is not None:
+                if not isinstance(st, LayerState):
+                    raise TypeError(f"layer {i}: state must be a kvcodec.state.LayerState, not {type(st).__name__}")
+                st.check(i, b)
+                if st.kind == "linear" and (k.shape[2] or self.cumulative_length[i]):
+                    raise ValueError(f"layer {i}: a linear (state-only) layer holds no attention tokens")
         if self.tokens is not None:
             t = self.tokens
             if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"tokens must be an integer tensor [batch={b}, seq], got {tuple(t.shape)} {t.dtype}")
             held, seen = self.seq_len, max(self.cumulative_length)
-            if t.shape[1] not in (held, seen):  # sliding-window layers only: the ids of every position seen
+            state_only = all(st is not None and st.kind == "linear" for st in self.states)  # Mamba: no count
+            if t.shape[1] not in (held, seen) and not state_only:  # sliding windows: the ids of every position seen
                 raise ValueError(f"{t.shape[1]} token ids for a cache that holds {held} tokens"
                                  + (f" and has seen {seen}" if seen != held else ""))
 
@@ -91,13 +110,22 @@ class KVCache:
     def seq_len(self) -> int:
         return max(int(k.shape[2]) for k in self.keys)
 
+    @property
+    def has_state(self) -> bool:
+        """Some layer carries recurrent / conv state."""
+        return any(st is not None for st in self.states)
+
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values)) \
+            + sum(st.nbytes() for st in self.states if st is not None)
 
     def equal(self, other: "KVCache") -> bool:
-        """Bit-identical tensors (NaN payloads included)."""
+        """Bit-identical tensors (NaN payloads included), states included."""
         if self.num_layers != other.num_layers or self.dtype != other.dtype:
             return False
+        for a, b in zip(self.states, other.states):
+            if (a is None) != (b is None) or (a is not None and not a.equal(b)):
+                return False
         iv = of(self.dtype).int_view
         for a, b in zip(self.keys + self.values, other.keys + other.values):
             if a.shape != b.shape or not torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)):
@@ -109,11 +137,20 @@ class KVCache:
         """A transformers ``DynamicCache`` holding these tensors (no copy)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+        from .state import to_layer
+
         layers = []
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            sw = self.sliding_window[i]
-            layer = DynamicSlidingWindowLayer(sliding_window=sw) if sw is not None else DynamicLayer()
-            layer.lazy_initialization(k, v)
+            sw, st = self.sliding_window[i], self.states[i]
+            if st is not None:
+                layer = to_layer(st, sw)
+                if st.kind == "linear":
+                    layers.append(layer)
+                    continue
+                layer.lazy_initialization(k, v)  # two positional arguments: the attention part's
+            else:
+                layer = DynamicSlidingWindowLayer(sliding_window=sw) if sw is not None else DynamicLayer()
+                layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
             if sw is not None:
                 layer.cumulative_length = self.cumulative_length[i]
@@ -130,8 +167,9 @@ class KVCache:
 
         from .errors import ConfigError
 
-        if any(sw is not None for sw in self.sliding_window):
-            raise ConfigError("to_static_cache: this cache has sliding-window layers (use to_dynamic_cache)")
+        if any(sw is not None for sw in self.sliding_window) or self.has_state:
+            raise ConfigError("to_static_cache: this cache has sliding-window or state-space layers "
+                              "(use to_dynamic_cache)")
         if self.seq_len > max_cache_len:
             raise ConfigError(f"to_static_cache: {self.seq_len} tokens do not fit max_cache_len={max_cache_len}")
         cache = StaticCache(config=config, max_cache_len=max_cache_len)
@@ -150,26 +188,39 @@ class KVCache:
 
 def to_canonical(cache) -> KVCache:
     """Convert a supported cache object to :class:`KVCache` (tensors are not copied)."""
+    from .errors import UnsupportedCache
+
     if isinstance(cache, KVCache):
         return cache
     layers = getattr(cache, "layers", None)
     if layers is not None and not isinstance(cache, (tuple, list)):
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+        import transformers.cache_utils as cu
 
-        from .errors import UnsupportedCache
+        from .state import from_layer
 
-        keys, values, sw, cum = [], [], [], []
+        keys, values, sw, cum, states = [], [], [], [], []
+        placeholders = []  # linear layers: keys/values of 0 tokens, made once the cache's dtype is known
         for i, layer in enumerate(layers):
-            # exact classes: a subclass (QuantizedLayer, DynamicIndexedLayer, LinearAttention...Layer) holds state
-            # that keys/values do not show, and storing only keys/values would lose it silently
-            if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer):
-                raise UnsupportedCache(f"layer {i}: {type(layer).__module__}.{type(layer).__qualname__} "
-                                       f"(in a {type(cache).__name__}) is not supported: only DynamicLayer, "
-                                       "DynamicSlidingWindowLayer and StaticLayer are stored; its other state "
-                                       "would be lost")
+            # exact classes: a subclass (QuantizedLayer, DynamicIndexedLayer ...) holds state that the supported
+            # classes' tensors do not show, and storing only those would lose it silently
+            name = type(layer).__name__
+            if name not in SUPPORTED_LAYERS or type(layer) is not getattr(cu, name, None):
+                raise UnsupportedCache(f"layer {i}: {type(layer).__module__}.{type(layer).__qualname__} (in a "
+                                       f"{type(cache).__name__}) is not supported: kvcodec stores "
+                                       f"{', '.join(SUPPORTED_LAYERS)}; its other state would be lost")
+            state = from_layer(i, layer) if isinstance(layer, cu.LinearAttentionCacheLayerMixin) else None
+            states.append(state)
+            if state is not None and state.kind == "linear":
+                keys.append(None)
+                values.append(None)
+                sw.append(None)
+                cum.append(0)
+                placeholders.append(i)
+                continue
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.dim() != 4:
-                raise ValueError(f"layer {i}: the cache layer holds no tensors (uninitialised)")
-            if type(layer) is StaticLayer:  # max_cache_len slots, the first cumulative_length of them written
+                raise UnsupportedCache(f"layer {i}: the {name} holds no tensors (uninitialised: the model has "
+                                       "not run on this cache yet)")
+            if type(layer) is cu.StaticLayer:  # max_cache_len slots, the first cumulative_length of them written
                 n = int(layer.cumulative_length)
                 if not 0 <= n <= layer.keys.shape[-2]:
                     raise UnsupportedCache(f"layer {i}: StaticLayer reports {n} positions of {layer.keys.shape[-2]}")
@@ -180,13 +231,22 @@ def to_canonical(cache) -> KVCache:
                 continue
             keys.append(layer.keys)
             values.append(layer.values)
-            if isinstance(layer, DynamicSlidingWindowLayer):
+            if isinstance(layer, cu.DynamicSlidingWindowLayer):
                 sw.append(int(layer.sliding_window))
                 cum.append(int(layer.cumulative_length))
             else:
                 sw.append(None)
                 cum.append(int(layer.keys.shape[-2]))
-        return KVCache(keys, values, sliding_window=sw, cumulative_length=cum)
+        if placeholders:
+            ref = next((k for k in keys if k is not None), None)
+            if ref is None:  # state only (Mamba): the first state tensor gives dtype and batch
+                first = next((t for st in states if st is not None for _, _, t in st.tensors()), None)
+                if first is None:
+                    raise UnsupportedCache("the cache's layers hold no state yet (the model has not run on it)")
+                ref = torch.empty(first.shape[0], 1, 0, 1, dtype=first.dtype, device=first.device)
+            for i in placeholders:
+                keys[i] = values[i] = ref.new_empty(ref.shape[0], 1, 0, 1)
+        return KVCache(keys, values, sliding_window=sw, cumulative_length=cum, states=states)
     if isinstance(cache, (tuple, list)):
         keys, values = [], []
         for i, pair in enumerate(cache):
@@ -195,5 +255,5 @@ def to_canonical(cache) -> KVCache:
             keys.append(pair[0])
             values.append(pair[1])
         return KVCache(keys, values)
-    raise TypeError(f"unsupported cache type {type(cache).__name__}: pass a DynamicCache, a tuple of "
-                    "(key, value) pairs, or a kvcodec.KVCache")
+    raise UnsupportedCache(f"unsupported cache type {type(cache).__name__}: pass a transformers cache "
+                           "(DynamicCache, StaticCache), a tuple of (key, value) pairs, or a kvcodec.KVCache")

@@ -62,4 +62,6 @@ def bit_patterns(t: torch.Tensor) -> np.ndarray:
 def from_bit_patterns(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``dtype`` whose bit patterns are the uint16/uint32 array ``bits`` (no copy if contiguous)."""
     signed = {2: np.int16, 4: np.int32}[of(dtype).itemsize]  # torch has no uint16/uint32 views to go through
+    if bits.size == 0:  # NumPy gives empty arrays zero strides, which torch then refuses to view as bytes
+        return torch.empty(bits.shape, dtype=dtype)
     return torch.from_numpy(np.ascontiguousarray(bits).view(signed)).view(dtype)

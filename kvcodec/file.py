@@ -92,6 +92,13 @@ class KvzFile:
             raise ConfigError(f"tier {self.header.tier!r} stores the tensors themselves: nothing is regenerated")
         return self._decoder.regenerated()[1]
 
+    def state(self, i: int):
+        """Layer ``i``'s recurrent / conv state (a :class:`~kvcodec.state.LayerState`), or None when the layer
+        has none (attention layers)."""
+        if not 0 <= i < len(self.header.layers):
+            raise IndexError(f"layer {i} of {len(self.header.layers)}")
+        return self._decoder.states([i]).get(i)
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode one layer's keys and values, reading only its sections (token tiers regenerate the whole
         cache once, then apply this layer's residual)."""
@@ -107,13 +114,15 @@ class KvzFile:
         n = len(h.layers)
         if regenerated is None:
             d, tokens = self._decoder.layers(range(n), progress), self.tokens()
+            states = self._decoder.states(range(n))
         elif hasattr(self._decoder, "regenerated"):
             d, tokens = self._decoder.layers(range(n), progress, regen=regenerated), None
+            states = self._decoder.states(range(n), regen=regenerated)
         else:
             raise ConfigError(f"regenerated= applies to the token tiers, not to tier {h.tier!r}")
         return KVCache([d[i, L.PART_KEYS] for i in range(n)], [d[i, L.PART_VALUES] for i in range(n)], tokens,
                        h.start_position, [lay.sliding_window for lay in h.layers],
-                       [lay.cumulative_length for lay in h.layers])
+                       [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)])
 
     def describe(self, verify_checksums: bool = False) -> dict:
         """``kvz inspect``: the file from its header and index, without decoding payloads (JSON-able)."""

@@ -83,6 +83,23 @@ def cases():
     kv = [(structured(rng, (1, 2, 256, 16), torch.float32), structured(rng, (1, 2, 256, 16), torch.float32))]
     yield "fp32_tables_q1", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
         {"context": "none", "ways": 4, "scale_bits": 14}
+    # 7 (1.3): layer states - a linear (Mamba-like) layer, an attention layer, a hybrid layer with two slots
+    #    (slot 0: conv only, slot 1: recurrent only); bf16 conv states, fp32 recurrent states; one raw payload
+    #    (noise), the others zstd
+    from kvcodec.state import LayerState
+
+    noise = from_bit_patterns(rng.integers(0, 2**16, size=(1, 6, 4), dtype=np.uint16), torch.bfloat16)
+    rec = torch.from_numpy(np.round(rng.standard_normal((1, 2, 4, 3)), 1).astype(np.float32))
+    conv2 = torch.from_numpy(np.repeat(rng.standard_normal((1, 5, 1)), 3, axis=2).astype(np.float32)).bfloat16()
+    rec2 = torch.zeros(1, 3, 2, dtype=torch.float32)
+    empty = torch.empty(1, 1, 0, 1, dtype=torch.bfloat16)
+    kv = [(empty, empty)] + [(structured(rng, (1, 1, 6, 4), torch.bfloat16), structured(rng, (1, 1, 6, 4),
+                                                                                     torch.bfloat16))
+                             for _ in range(2)]
+    states = [LayerState("linear", 1, [noise], [rec]), None,
+              LayerState("hybrid", 2, [conv2, None], [None, rec2])]
+    yield "lossless_state", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], cumulative_length=[0, 6, 6],
+                                            states=states), {}
 
 
 def lossy_cases():
@@ -112,6 +129,7 @@ def tiny():
 
 
 MODEL_DIR = OUT / "models" / "tiny-llama"
+MAMBA_DIR = OUT / "models" / "tiny-mamba"
 
 
 def tiny_model():
@@ -124,6 +142,18 @@ def tiny_model():
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
         LlamaForCausalLM(cfg).save_pretrained(MODEL_DIR)
     return LlamaForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+def tiny_mamba():
+    """The tiny Mamba of ``exact_state`` (state-space layers only: its cache is conv and recurrent state)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    if not (MAMBA_DIR / "model.safetensors").is_file():
+        torch.manual_seed(20261130)
+        cfg = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+                          conv_kernel=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        MambaForCausalLM(cfg).save_pretrained(MAMBA_DIR)
+    return MambaForCausalLM.from_pretrained(MAMBA_DIR, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -158,12 +188,31 @@ def token_cases():
     mask[1, :3] = 0
     yield "tokens_tolerance_padded", model, cache, {"token_model": "static", "tier": "tokens", "tolerance": 1e-8,
                                                     "schedule": [[15, 1]], "attention_mask": mask.tolist()}
+    # (1.3) state only: layer 0's states are regenerated, layer 1's recurrent state is perturbed, so the file
+    # stores it whole in a state section
+    mamba = tiny_mamba()
+    ids = torch.from_numpy(rng.integers(0, 64, size=(1, 10)))
+    kv = kvcodec.to_canonical(run_schedule(mamba, ids, [10]))
+    kv.states[1].recurrent[0] = kv.states[1].recurrent[0] + 1.0
+    yield "exact_state", mamba, kv, {"token_model": "static", "tokens": ids.tolist()}
+
+
+def states_meta(kv) -> dict:
+    """``states_sha256`` (files with layer states only): per layer null, or the SHA-256 of each state tensor's
+    bytes in state order."""
+    if not kv.has_state:
+        return {}
+    return {"states_sha256": [None if st is None else [sha(t) for _, _, t in st.tensors()] for st in kv.states]}
 
 
 def tensors(kv) -> dict:
-    """A cache as named tensors for safetensors: ``keys.<layer>``, ``values.<layer>``."""
+    """A cache as named tensors for safetensors: ``keys.<layer>``, ``values.<layer>`` and, for layers with
+    state, ``state.<layer>.<index>`` in state order."""
     out = {f"keys.{i}": k.contiguous() for i, k in enumerate(kv.keys)}
     out.update({f"values.{i}": v.contiguous() for i, v in enumerate(kv.values)})
+    for i, st in enumerate(kv.states):
+        if st is not None:
+            out.update({f"state.{i}.{j}": t.contiguous() for j, (_, _, t) in enumerate(st.tensors())})
     return out
 
 
@@ -178,21 +227,23 @@ def build():
     for name, model, cache, opts in token_cases():
         kv = kvcodec.to_canonical(cache)
         enc = dict(opts)
-        if "attention_mask" in enc:
-            enc["attention_mask"] = torch.tensor(enc["attention_mask"])
+        for key in ("attention_mask", "tokens"):
+            if key in enc:
+                enc[key] = torch.tensor(enc[key])
         data = kvcodec.encode(cache, model, info=INFO, **enc)
         with kvcodec.open_kvz(data, model) as f:
             regen = f.regenerated()
         back = kvcodec.decode(data, model, output="kvcache")
         meta = {
             "options": opts,
-            "model": "models/tiny-llama",
+            "model": "models/tiny-mamba" if model.config.model_type == "mamba" else "models/tiny-llama",
             "dtype": kv.dtype_name,
             "file_sha256": hashlib.sha256(data).hexdigest(),
             "keys_sha256": [sha(t) for t in kv.keys],
             "values_sha256": [sha(t) for t in kv.values],
             "tokens": back.tokens.tolist(),
             "start_position": 0,
+            **states_meta(kv),
         }
         yield name, data, meta, {"regen.safetensors": _safetensors(regen)}
     for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})] + list(lossy_cases()):
@@ -213,6 +264,7 @@ def build():
             "values_sha256": [sha(t) for t in kv.values],
             "tokens": None if kv.tokens is None else kv.tokens.tolist(),
             "start_position": kv.start_position,
+            **states_meta(kv),
         }
         yield name, data, meta, {}
 

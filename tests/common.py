@@ -189,6 +189,8 @@ def check_vector(case: str, model=None):
     assert [sha(t) for t in kv.values] == meta["values_sha256"]
     assert (kv.tokens.tolist() if kv.tokens is not None else None) == meta["tokens"]
     assert kv.start_position == meta["start_position"]
+    states = [None if st is None else [sha(t) for _, _, t in st.tensors()] for st in kv.states]
+    assert states == meta.get("states_sha256", [None] * kv.num_layers)
     return kv
 
 

@@ -117,28 +117,32 @@ def test_transformers_quantized_cache_is_refused_not_truncated():
         kvcodec.encode(qc, m)  # the token tiers read the cache through the same adapter
 
 
-@pytest.mark.parametrize("layer_class", ["DynamicIndexedLayer", "LinearAttentionAndFullAttentionLayer",
-                                         "LinearAttentionAndSlidingWindowAttentionLayer", "subclass"])
+@pytest.mark.parametrize("layer_class", ["DynamicIndexedLayer", "subclass", "linear subclass"])
 def test_layers_with_extra_state_are_refused(layer_class):
-    """DeepSeek-V3.2's indexed layers (indexer keys) and FalconH1's hybrid layers (conv / SSM states) are
-    DynamicLayer subclasses whose extra state keys/values do not show; so is any user subclass."""
+    """DeepSeek-V3.2's indexed layers (indexer keys) are DynamicLayer subclasses whose extra state keys/values
+    do not show; so may be any user subclass, of an attention or a state-space layer: refused by name, with
+    the list of what is stored."""
     import transformers.cache_utils as cu
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
+    k = torch.randn(1, 2, 5, 4)
     if layer_class == "subclass":
         layer = type("MyLayer", (DynamicLayer,), {})()
-    elif "SlidingWindow" in layer_class:
-        layer = getattr(cu, layer_class)(sliding_window=4)
+    elif layer_class == "linear subclass":
+        layer = type("MyMambaLayer", (cu.LinearAttentionLayer,), {})()
+        layer.update_conv_state(torch.randn(1, 6, 4))
     else:
         layer = getattr(cu, layer_class)()
-    k = torch.randn(1, 2, 5, 4)
-    layer.lazy_initialization(k, k)
-    layer.keys, layer.values = k, k.clone()
+    if layer_class != "linear subclass":
+        layer.lazy_initialization(k, k)
+        layer.keys, layer.values = k, k.clone()
     c = DynamicCache()
     c.layers = [DynamicLayer(), layer]
     c.layers[0].lazy_initialization(k, k)
     c.layers[0].keys, c.layers[0].values = k, k
-    check_rejects(kvcodec.UnsupportedCache, c, match="layer 1: .*(Layer|MyLayer)")
+    check_rejects(kvcodec.UnsupportedCache, c, match="layer 1: .*(Layer|MyLayer).*stores DynamicLayer, ")
+    with pytest.raises(kvcodec.ConfigError):  # the CLI's one-line class of errors
+        kvcodec.encode(c)
     c.layers = c.layers[:1]  # the known class alone is stored
     check_roundtrip(c)
 

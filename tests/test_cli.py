@@ -126,7 +126,7 @@ def test_version_and_json_on_every_reporting_verb(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and "format 1.2" in capsys.readouterr().out
+    assert e.value.code == 0 and "format 1.3" in capsys.readouterr().out
     assert main(["verify", str(VEC), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     out = tmp_path / "x.safetensors"

@@ -35,6 +35,11 @@ REQUIRED = {
     # section 13: every method, both modes, a slice with no quantized token, both KIVI axes, Sign_Rule 1
     *[("vq_method", m) for m in (1, 2, 3, 4)], ("vq_mode", 1), ("vq_mode", 2), ("vq_all_exact", "yes"),
     ("vq_exact_tail", "yes"), ("kivi_axis", 0), ("kivi_axis", 1), ("sign_rule", 1),
+    # sections 4.2, 5.6 (1.3): both state kinds, both codings, several slots with a tensor missing, a state
+    # dtype other than the cache's, a token-tier file with a stored and a regenerated state tensor
+    ("state_kind", "linear"), ("state_kind", "hybrid"), ("state_coding", 0), ("state_coding", 1),
+    ("state_slots", "several, one partial"), ("state_dtype", "differs"), ("state_token_tier", "stored"),
+    ("state_token_tier", "regenerated"),
 }
 
 
@@ -85,8 +90,23 @@ def branches(case: str) -> set:
                 out.add(("tolerance", "number"))
             if any(t["padding"]):
                 out.add(("padding", t["positions"]))
+        for li, lay in enumerate(h.layers):
+            st = lay.state
+            if st is None:
+                continue
+            out.add(("state_kind", st.kind))
+            have = {(t.slot, t.name) for t in st.tensors}
+            if st.slots > 1 and any(len({n for s, n in have if s == slot}) == 1 for slot in range(st.slots)):
+                out.add(("state_slots", "several, one partial"))
+            if any(t.dtype != h.dtype for t in st.tensors):
+                out.add(("state_dtype", "differs"))
+            if h.tier in ("exact", "tokens"):
+                for j in range(len(st.tensors)):
+                    out.add(("state_token_tier", "stored" if r.has(L.SECTION_STATE, li, j) else "regenerated"))
         for e in r.sections:
             p = r.read_payload(e)
+            if e.section_type == L.SECTION_STATE:
+                out.add(("state_coding", p[0]))
             if e.section_type not in (L.SECTION_KV, L.SECTION_RESIDUAL):
                 continue
             lay = h.layers[e.layer]

@@ -19,9 +19,9 @@ from .common import check_vector
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
-            "fp16_tables_k6", "fp32_tables_q1"]
+            "fp16_tables_k6", "fp32_tables_q1", "lossless_state"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
-               "tokens_tolerance_padded"]
+               "tokens_tolerance_padded", "exact_state"]
 LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
@@ -78,14 +78,17 @@ def test_spec_byte_walkthrough_matches_the_vector():
     assert checked >= 8
 
 
-def _vector_model():
-    from transformers import LlamaForCausalLM
+def _vector_model(case="exact_static_prefill"):
+    """The shipped tiny model a token-tier vector names (``model`` in its JSON)."""
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(VECTORS / "models" / "tiny-llama", dtype=torch.float32).eval()
+    meta, _ = _load(case)
+    return AutoModelForCausalLM.from_pretrained(VECTORS / meta["model"], dtype=torch.float32).eval()
 
 
 def _encode_options(meta):
-    opts = dict(meta["options"])
+    """The vector's encoder options as ``encode`` takes them (its ``tokens`` are given separately)."""
+    opts = {k: v for k, v in meta["options"].items() if k != "tokens"}
     if "attention_mask" in opts:
         opts["attention_mask"] = torch.tensor(opts["attention_mask"])
     return opts
@@ -95,12 +98,30 @@ def _load(case):
     return json.loads((VECTORS / f"{case}.json").read_text()), (VECTORS / f"{case}.kvz").read_bytes()
 
 
-def _tensors(path) -> kvcodec.KVCache:
+def _tensors(path, data: bytes | None = None) -> kvcodec.KVCache:
+    """A ``.regen.safetensors`` / ``.input.safetensors`` cache; layer states (``state.<layer>.<index>``) as the
+    header of the vector's file ``data`` names them."""
     from safetensors.torch import load_file
 
+    from kvcodec.state import LayerState
+
     t = load_file(path)
-    n = sum(1 for k in t if k.startswith("keys."))
-    return kvcodec.KVCache([t[f"keys.{i}"] for i in range(n)], [t[f"values.{i}"] for i in range(n)])
+    if data is None:
+        n = sum(1 for k in t if k.startswith("keys."))
+        return kvcodec.KVCache([t[f"keys.{i}"] for i in range(n)], [t[f"values.{i}"] for i in range(n)])
+    layers = KvzReader(data).header.layers
+    states = []
+    for i, lay in enumerate(layers):
+        if lay.state is None:
+            states.append(None)
+            continue
+        conv, rec = [None] * lay.state.slots, [None] * lay.state.slots
+        for j, d in enumerate(lay.state.tensors):
+            (conv if d.name == "conv" else rec)[d.slot] = t[f"state.{i}.{j}"]
+        states.append(LayerState(lay.state.kind, lay.state.slots, conv, rec))
+    return kvcodec.KVCache([t[f"keys.{i}"] for i in range(len(layers))],
+                           [t[f"values.{i}"] for i in range(len(layers))],
+                           cumulative_length=[lay.cumulative_length for lay in layers], states=states)
 
 
 _NUMERICS: dict = {}
@@ -115,8 +136,8 @@ def _numerics_match(case) -> bool:
 
         meta, data = _load(case)
         plan = KvzReader(data).header.tier_info.plan()
-        here = kvcodec.to_canonical(replay(_vector_model(), torch.tensor(meta["tokens"]), plan))
-        _NUMERICS[case] = here.equal(_tensors(VECTORS / f"{case}.regen.safetensors"))
+        here = kvcodec.to_canonical(replay(_vector_model(case), torch.tensor(meta["tokens"]), plan))
+        _NUMERICS[case] = here.equal(_tensors(VECTORS / f"{case}.regen.safetensors", data))
     return _NUMERICS[case]
 
 
@@ -131,7 +152,7 @@ def test_token_tier_vector_container(case):
     """Portable: the file, its header and every checksum, read without a model; decoding asks for one."""
     meta, data = _load(case)
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
-    assert data[8:12] == b"\x01\x00\x01\x00"  # format 1.1
+    assert data[8:12] == (b"\x01\x00\x03\x00" if "state" in case else b"\x01\x00\x01\x00")  # 1.3 / 1.1
     info = kvcodec.inspect(data, verify_checksums=True)
     assert info["tier"] == meta["options"].get("tier", "exact")
     assert info["token_channel"]["token_model"] == meta["options"]["token_model"]
@@ -161,14 +182,17 @@ def test_token_tier_vector_residuals(case):
     """Portable: the residual channel applied to the recorded regenerated tensors gives the input cache (exact
     tier: its hashes; every tier: the per-slice tensor checksums the decoder checks)."""
     meta, data = _load(case)
-    regen = _tensors(VECTORS / f"{case}.regen.safetensors")
+    regen = _tensors(VECTORS / f"{case}.regen.safetensors", data)
     with kvcodec.open_kvz(data) as f:
         kv = f.to_kvcache(regenerated=regen)
     if meta["options"].get("tier", "exact") == "exact":
         assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
         assert [sha(t) for t in kv.values] == meta["values_sha256"]
-    if "residual" in case:  # the wrong schedule on purpose: the residual does real work here
+    if "residual" in case or "state" in case:  # on purpose: the residual / state section does real work here
         assert not kv.equal(regen)
+    if "states_sha256" in meta:
+        assert [None if st is None else [sha(t) for _, _, t in st.tensors()] for st in kv.states] \
+            == meta["states_sha256"]
 
 
 @pytest.mark.numerics
@@ -179,9 +203,9 @@ def test_decode_token_tier_vector(case):
     _require_numerics(case)
     meta, data = _load(case)
     if meta["options"].get("tier", "exact") == "exact":
-        check_vector(case, _vector_model())
+        check_vector(case, _vector_model(case))
     else:  # within the tolerance: the decoder checks every slice against its tensor checksum
-        assert kvcodec.decode(data, _vector_model(), output="kvcache").tokens.tolist() == meta["tokens"]
+        assert kvcodec.decode(data, _vector_model(case), output="kvcache").tokens.tolist() == meta["tokens"]
 
 
 @pytest.mark.numerics
@@ -192,7 +216,7 @@ def test_reencode_token_tier_vector(case):
     is the reconstruction within the tolerance; re-encoding it stores the same residual sections."""
     _require_numerics(case)
     meta, data = _load(case)
-    model = _vector_model()
+    model = _vector_model(case)
     kv = kvcodec.decode(data, model, output="kvcache")
     info = KvzReader(data).header.raw["info"]
     again = kvcodec.encode(kv, model, info=info, tokens=kv.tokens, **_encode_options(meta))

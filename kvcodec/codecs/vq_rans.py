@@ -501,6 +501,8 @@ def global_step(tensors, params: dict) -> float:
         zs.append(directions(sub, params["seed"])[1].ravel())
         comps += t.numel()
         vecs += x.shape[0]
+    if not zs:  # no token anywhere (state-space layers only, or an empty cache): no step is used
+        return 1.0
     side = 12.0 * vecs / max(comps, 1)  # fp16 norms coded by float_ctx_rans: ~12 bits each (measured)
     return step_for_rate(np.concatenate(zs), max(0.05, params["bits"] - side))
 

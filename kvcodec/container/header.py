@@ -25,6 +25,8 @@ from ..errors import FormatError, LimitExceeded, UnknownId
 from . import layout as L
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: the format minor version that introduced layer states (``layers[i].state``, ``state`` sections)
+STATE_MINOR = 3
 
 
 def is_hex64(text: str) -> bool:
@@ -38,6 +40,27 @@ def dumps(obj) -> bytes:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    name: str  # "conv" or "recurrent"
+    slot: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for x in self.shape:
+            n *= x
+        return n
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    kind: str  # "linear" or "hybrid" (kvcodec.state.KINDS)
+    slots: int
+    tensors: tuple[StateTensor, ...]
+
+
+@dataclass(frozen=True)
 class LayerInfo:
     kv_heads: int
     k_dim: int
@@ -45,6 +68,7 @@ class LayerInfo:
     seq_len: int
     sliding_window: int | None
     cumulative_length: int
+    state: StateInfo | None = None  # (1.3) recurrent / conv state
 
     def dim(self, part: int) -> int:
         """Head dimension of the keys (``part`` 0) or the values (1)."""
@@ -87,20 +111,33 @@ class Header:
         """Canonical section order: ``[((type, layer, part, chunk), optional), ...]`` (the tier's)."""
         return registry.tier(self.tier).sections(self)
 
+    def state_sections(self):
+        """``(layer, index)`` of every ``state`` section (1.3), in canonical order."""
+        return [(li, j) for li, lay in enumerate(self.layers) if lay.state is not None
+                for j in range(len(lay.state.tensors))]
+
+    @property
+    def has_state(self) -> bool:
+        return any(lay.state is not None for lay in self.layers)
+
     @property
     def min_minor(self) -> int:
-        """The lowest format minor version that can express this file (the tier's)."""
-        return registry.tier(self.tier).min_minor
+        """The lowest format minor version that can express this file (the tier's; 3 with layer states)."""
+        return max(registry.tier(self.tier).min_minor, STATE_MINOR if self.has_state else 0)
 
     @property
     def read_minor(self) -> int:
         """The lowest minor version a file of this tier may state (older revisions this decoder still reads)."""
         t = registry.tier(self.tier)
-        return t.min_minor if t.read_minor is None else t.read_minor
+        return max(t.min_minor if t.read_minor is None else t.read_minor, STATE_MINOR if self.has_state else 0)
 
     def output_bytes(self) -> int:
-        """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors plus 4 bytes per token id."""
-        return self.tensor_bytes() + 4 * self.batch * self.num_tokens
+        """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors, the layer states and 4
+        bytes per token id."""
+        return self.tensor_bytes() + self.state_bytes() + 4 * self.batch * self.num_tokens
+
+    def state_bytes(self) -> int:
+        return sum(t.nbytes() for lay in self.layers if lay.state is not None for t in lay.state.tensors)
 
     def tensor_bytes(self) -> int:
         return sum(self.batch * lay.kv_heads * lay.seq_len * (lay.k_dim + lay.v_dim) * self.itemsize
@@ -270,7 +307,8 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     layers = []
     for i, lr in enumerate(layers_raw):
         p = f"cache.layers[{i}]"
-        v.obj(lr, p, {"kv_heads", "k_dim", "v_dim", "seq_len", "sliding_window", "cumulative_length"}, {"repeat"})
+        v.obj(lr, p, {"kv_heads", "k_dim", "v_dim", "seq_len", "sliding_window", "cumulative_length"},
+              {"repeat", "state"})
         repeat = v.int(lr, "repeat", p, 2, lim["max_layers"], LimitExceeded) if "repeat" in lr else 1
         if len(layers) + repeat > lim["max_layers"]:
             v.fail(p, f"more than {lim['max_layers']} layers", LimitExceeded)
@@ -284,7 +322,11 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         cum = v.int(lr, "cumulative_length", p, seq, lim["max_seq_len"] + (1 << 32), LimitExceeded)
         if sw is None and cum != seq:
             v.fail(f"{p}.cumulative_length", "must equal seq_len for a full-attention layer")
-        layers += [LayerInfo(heads, kd, vd, seq, sw, cum)] * repeat
+        state = _parse_state(v, lr["state"], f"{p}.state", batch, lim) if "state" in lr else None
+        if state is not None and state.kind == "linear" and (heads, kd, vd, seq, sw, cum) != (1, 1, 1, 0, None, 0):
+            v.fail(p, "a linear (state-only) layer has kv_heads, k_dim, v_dim 1, seq_len and cumulative_length 0 "
+                      "and no sliding_window")
+        layers += [LayerInfo(heads, kd, vd, seq, sw, cum, state)] * repeat
     model = obj["model"]
     if model is not None:
         v.obj(model, "model", {"fingerprint"}, {"name", "architecture", "tokenizer"})
@@ -295,10 +337,54 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     if tier.header_key is not None and tier.header_key not in obj:
         v.fail(tier.header_key, f"missing: tier {tier_id!r} needs the {tier.header_key} object")
     hdr = replace(hdr, tier_info=tier.parse_header(v, hdr, lim))
-    if 2 * sum(lay.chunks(chunk) for lay in layers) + 2 + batch > L.MAX_SECTIONS:
+    if 2 * sum(lay.chunks(chunk) for lay in layers) + 2 + batch + len(hdr.state_sections()) > L.MAX_SECTIONS:
         v.fail("cache.chunk_tokens", f"the cache would need more than {L.MAX_SECTIONS} sections", LimitExceeded)
     if hdr.output_bytes() > lim["max_output_bytes"]:
-        v.fail("cache.layers", f"decoded tensors and token ids would take {hdr.output_bytes()} bytes, over the "
+        v.fail("cache.layers", f"decoded tensors, states and token ids would take {hdr.output_bytes()} bytes, over the "
                f"limit of "
                f"{lim['max_output_bytes']} (pass limits={{'max_output_bytes': ...}} to allow)", LimitExceeded)
     return hdr
+
+
+def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
+    """A layer's ``state`` object (1.3): kind, slots, and its tensors in canonical order."""
+    from ..state import KINDS, MAX_RANK, MAX_SLOTS, NAMES
+
+    v.obj(st, p, {"kind", "slots", "tensors"})
+    kind = v.str(st, "kind", p)
+    if kind not in KINDS:
+        v.fail(f"{p}.kind", f"{kind!r} is not one of {list(KINDS)}")
+    slots = v.int(st, "slots", p, 1, MAX_SLOTS)
+    raw = st["tensors"]
+    if not isinstance(raw, list):
+        v.fail(f"{p}.tensors", "must be a list")
+    out, last = [], (-1, -1)
+    for j, t in enumerate(raw):
+        q = f"{p}.tensors[{j}]"
+        v.obj(t, q, {"name", "slot", "dtype", "shape"})
+        name = v.str(t, "name", q)
+        if name not in NAMES:
+            v.fail(f"{q}.name", f"{name!r} is not one of {list(NAMES)}")
+        slot = v.int(t, "slot", q, 0, slots - 1)
+        if (slot, NAMES.index(name)) <= last:
+            v.fail(q, "state tensors must be in order of slot, conv before recurrent, each at most once")
+        last = (slot, NAMES.index(name))
+        dtype = v.str(t, "dtype", q)
+        if dtype not in DTYPES:
+            v.fail(f"{q}.dtype", f"unknown dtype {dtype!r}", UnknownId)
+        shape = t["shape"]
+        if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK:
+            v.fail(f"{q}.shape", f"must be a list of 1 to {MAX_RANK} integers")
+        dims = []
+        for k, x in enumerate(shape):
+            if not isinstance(x, int) or isinstance(x, bool):
+                v.fail(f"{q}.shape[{k}]", f"must be an integer, not {type(x).__name__}")
+            if not 0 <= x <= lim["max_seq_len"]:
+                v.fail(f"{q}.shape[{k}]", f"{x} outside [0, {lim['max_seq_len']}]",
+                       LimitExceeded if x > 0 else FormatError)
+            dims.append(x)
+        dims = tuple(dims)
+        if dims[0] != batch:
+            v.fail(f"{q}.shape[0]", f"{dims[0]} is not the batch size {batch}")
+        out.append(StateTensor(name, slot, dtype, dims))
+    return StateInfo(kind, slots, tuple(out))

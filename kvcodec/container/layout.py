@@ -18,9 +18,10 @@ MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
-FORMAT_VERSION_MINOR = 2  # the highest minor version this code reads and writes
+FORMAT_VERSION_MINOR = 3  # the highest minor version this code reads and writes
 # A writer stamps the lowest minor version that can express the file - each tier's ``min_minor`` (0 for the
-# lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier).
+# lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier), or 3
+# when a layer carries recurrent / conv state.
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")
@@ -36,10 +37,11 @@ SECTION_TOKEN_IDS = 2  # the cache's token ids, raw (not the token_stream)
 SECTION_TOKEN_STREAM = 3  # format 1.1
 SECTION_RESIDUAL = 4  # format 1.1
 SECTION_TENSOR_CHECKSUMS = 5  # format 1.1
+SECTION_STATE = 6  # format 1.3: one recurrent / conv state tensor
 SECTION_INDEX = 0xFFFF
 SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKEN_IDS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
                  SECTION_RESIDUAL: "residual", SECTION_TENSOR_CHECKSUMS: "tensor_checksums",
-                 SECTION_INDEX: "index"}
+                 SECTION_STATE: "state", SECTION_INDEX: "index"}
 
 FLAG_CRITICAL = 0x0001  # a reader that does not know the type must reject the file
 FLAGS_RESERVED = 0xFFFE

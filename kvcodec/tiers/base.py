@@ -40,6 +40,7 @@ from ..dtypes import DTYPES, from_bit_patterns
 from ..errors import ConfigError, FormatError
 from ..identity import model_record
 from ..parallel import run_ordered
+from ..state import LayerState, decode_payload, encode_payload
 from ..version import __version__
 
 __all__ = ["UNSET", "Options", "EncodeJob", "Fallback", "Tier", "DirectTier", "build_header", "slice_jobs"]
@@ -116,7 +117,8 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
             "layers": [
                 {"kv_heads": int(k.shape[1]), "k_dim": int(k.shape[3]), "v_dim": int(v.shape[3]),
                  "seq_len": int(k.shape[2]), "sliding_window": kv.sliding_window[i],
-                 "cumulative_length": int(kv.cumulative_length[i])}
+                 "cumulative_length": int(kv.cumulative_length[i]),
+                 **({} if kv.states[i] is None else {"state": kv.states[i].descriptor()})}
                 for i, (k, v) in enumerate(zip(kv.keys, kv.values))
             ],
         },
@@ -133,6 +135,34 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                 runs.append(dict(lay))
         h["cache"]["layers"] = runs
     return h
+
+
+def write_states(writer, kv: KVCache, which=None) -> None:
+    """One ``state`` section per state tensor of ``kv`` (1.3), in canonical order; ``which(layer, index)``
+    selects (token tiers: only the tensors regeneration does not reproduce)."""
+    for li, st in enumerate(kv.states):
+        if st is not None:
+            for j, (_n, _s, t) in enumerate(st.tensors()):
+                if which is None or which(li, j):
+                    writer.write_section(L.SECTION_STATE, encode_payload(t), layer=li, part=j)
+
+
+def read_states(f, layers) -> dict:
+    """``{layer: LayerState}`` of the listed layers of the open file ``f`` that carry state, decoded from
+    their ``state`` sections (each checked against the header's dtype and shape)."""
+    h, r = f.header, f.reader
+    out = {}
+    for li in layers:
+        info = h.layers[li].state
+        if info is None:
+            continue
+        conv, rec = [None] * info.slots, [None] * info.slots
+        for j, t in enumerate(info.tensors):
+            e = r.entry(L.SECTION_STATE, li, j, 0)
+            (conv if t.name == "conv" else rec)[t.slot] = decode_payload(r.read_payload(e), t.dtype, t.shape,
+                                                                         e.payload_offset)
+        out[li] = LayerState(info.kind, info.slots, conv, rec)
+    return out
 
 
 def tensor_slice(kv: KVCache, li: int, part: int, where: Slice) -> torch.Tensor:
@@ -192,7 +222,8 @@ class Tier:
         """The sections a file must hold, in order: ``[((type, layer, part, chunk), optional), ...]``.
         Default: the token ids (if any), then one ``kv`` section per slice."""
         out = [((L.SECTION_TOKEN_IDS, 0, 0, 0), False)] if header.num_tokens else []
-        return out + [((L.SECTION_KV, *s), False) for s in header.slices()]
+        out += [((L.SECTION_KV, *s), False) for s in header.slices()]
+        return out + [((L.SECTION_STATE, li, j, 0), False) for li, j in header.state_sections()]
 
     # -- decoder ------------------------------------------------------------------------------------
     def decoder(self, f):
@@ -264,6 +295,7 @@ class DirectTier(Tier):
                 put(j, payload)
                 if job.progress:
                     job.progress(1)
+        write_states(writer, kv)
         return writer.close()
 
     def decoder(self, f):
@@ -285,6 +317,9 @@ class _DirectDecoder:
                               field="Payload_Length", offset=e.offset + 16)
         ids = np.frombuffer(r.read_payload(e), dtype="<u4").astype(np.int64)
         return torch.from_numpy(ids.reshape(h.batch, h.num_tokens))
+
+    def states(self, layers) -> dict:
+        return read_states(self.f, layers)
 
     def layers(self, layers, progress=None) -> dict:
         f, h = self.f, self.f.header

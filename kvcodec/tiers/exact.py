@@ -56,7 +56,8 @@ from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import expand, runs
 from ..tokens.static import StaticTokenCoder
-from .base import UNSET, EncodeJob, Fallback, Options, Tier, tensor_slice
+from ..state import decode_payload
+from .base import UNSET, EncodeJob, Fallback, Options, Tier, tensor_slice, write_states
 
 TOKEN_MODELS = ("lm", "static", "draft")
 PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
@@ -139,10 +140,19 @@ class ExactTier(Tier):
                     target = bit_patterns(orig)
                 sums.append(checksum(target))
                 payloads.append(((li, part, c), payload))
+            # layer states (1.3): checked like slices; stored whole where regeneration does not reproduce them
+            differs = set()
+            for li, (st, rs) in enumerate(zip(kv.states, enc.regen.states)):
+                if st is not None:
+                    for j, ((_n, _s, t), (_m, _r, u)) in enumerate(zip(st.tensors(), rs.tensors())):
+                        sums.append(checksum(bit_patterns(t)))
+                        if not torch.equal(bit_patterns_t(t), bit_patterns_t(u)):
+                            differs.add((li, j))
             writer.write_section(L.SECTION_TENSOR_CHECKSUMS, np.asarray(sums, dtype="<u8").tobytes())
             for (li, part, c), payload in payloads:
                 if payload is not None:
                     writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
+            write_states(writer, kv, lambda li, j: (li, j) in differs)
         return writer.close()
 
     # -- container ----------------------------------------------------------------------------------
@@ -175,6 +185,8 @@ class ExactTier(Tier):
         if header.start_position != 0:
             v.fail("cache.start_position", f"tier {tier!r} regenerates from position 0; start_position must be 0")
         for i, lay in enumerate(header.layers):
+            if lay.state is not None and lay.state.kind == "linear":
+                continue  # state only: no attention tokens
             if lay.cumulative_length != ntok or (lay.sliding_window is None and lay.seq_len != ntok):
                 v.fail(f"cache.layers[{i}]", f"tier {tier!r}: every layer must have seen all {ntok} tokens")
         schedule_runs = t["schedule"]
@@ -210,6 +222,8 @@ class ExactTier(Tier):
         if header.tier_info.has_residual:  # checksums of every slice; residuals only where non-zero
             out.append(((L.SECTION_TENSOR_CHECKSUMS, 0, 0, 0), False))
             out += [((L.SECTION_RESIDUAL, *s), True) for s in header.slices()]
+            # (1.3) a state tensor is stored only where regeneration does not reproduce it
+            out += [((L.SECTION_STATE, li, j, 0), True) for li, j in header.state_sections()]
         return out
 
     # -- decoder ------------------------------------------------------------------------------------
@@ -236,6 +250,13 @@ class ExactTier(Tier):
 
 
 # --- encoding ---------------------------------------------------------------------------------------
+def bit_patterns_t(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as a same-size integer tensor (NaN payloads compare as bits)."""
+    from ..dtypes import of
+
+    return t.contiguous().view(of(t.dtype).int_view)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
     a, b = a.double(), b.double()
     scale = a.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
@@ -269,18 +290,24 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
                           "the cache was made with (same dtype)")
     if kv.start_position != 0:
         raise Fallback(f"the cache starts at position {kv.start_position}; regeneration needs every token from 0")
-    n = max(kv.cumulative_length)
-    if any(c != n for c in kv.cumulative_length) or any(
-            sw is None and k.shape[2] != n for k, sw in zip(kv.keys, kv.sliding_window)):
+    attn = [i for i, st in enumerate(kv.states) if st is None or st.kind != "linear"]  # layers with attention
+    n = max(kv.cumulative_length[i] for i in attn) if attn else None
+    if n is None:
+        if job.tokens is None:
+            raise Fallback("the cache has no attention layer (state-space layers only) to recover the tokens "
+                           "from; pass tokens=")
+        n = int(torch.as_tensor(job.tokens).reshape(kv.batch, -1).shape[1])
+    if any(kv.cumulative_length[i] != n for i in attn) or any(
+            kv.sliding_window[i] is None and kv.keys[i].shape[2] != n for i in attn):
         raise Fallback("layers have seen different numbers of tokens")
     tokens = job.tokens
     if tokens is None and kv.tokens is not None and kv.tokens.shape[1] == n:
         tokens = kv.tokens
     if tokens is None:
-        if kv.keys[0].shape[2] != n:
-            raise Fallback("layer 0 no longer holds every token (sliding window); pass tokens=")
+        if kv.keys[attn[0]].shape[2] != n:
+            raise Fallback(f"layer {attn[0]} no longer holds every token (sliding window); pass tokens=")
         try:
-            rec = recover(kv, mdl)
+            rec = recover(kv, mdl, attn[0])
         except ConfigError as e:
             raise Fallback(f"token recovery: {e}") from None
         if not rec.ok:
@@ -327,10 +354,13 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     if token_model == "draft":
         procedure["draft_numerics"] = {**numerics.profile(split_model(opts.draft)[0]), "step_threads": STEP_THREADS}
     if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
-                                                                                   kv.keys + kv.values)):
+                                                                                   kv.keys + kv.values)) or any(
+            (a is None) != (b is None) or (a is not None and a.descriptor() != b.descriptor())
+            for a, b in zip(regen.states, kv.states)):
         raise Fallback("the regenerated cache has another shape (another model layout?)")
-    # verify the tokens: layer-0 values depend on the token only, whatever the schedule or the engine
-    if not _close(regen.values[0], kv.values[0]):
+    # verify the tokens: the first attention layer's values depend on the token only (most models), whatever
+    # the schedule or the engine
+    if attn and attn[0] == 0 and not _close(regen.values[0], kv.values[0]):
         raise Fallback("the tokens do not regenerate the cache's layer-0 values: the cache was modified "
                        "(quantized, pruned) or was made with another model")
     dev = 0.0
@@ -460,12 +490,48 @@ class _TokenDecoder:
     def _checksums(self) -> dict:
         h, r = self.f.header, self.f.reader
         e = r.entry(L.SECTION_TENSOR_CHECKSUMS)
-        slices = h.slices()
+        slices = h.slices() + [("state", li, j) for li, j in h.state_sections()]
         if e.length != 8 * len(slices):
             raise FormatError(f"tensor_checksums has {e.length} bytes, the header implies {8 * len(slices)}",
                               field="Payload_Length", offset=e.offset + 16)
         sums = np.frombuffer(r.read_payload(e), dtype="<u8").tolist()
         return {s: (x, e.payload_offset + 8 * i) for i, (s, x) in enumerate(zip(slices, sums))}
+
+    def states(self, layers, regen: KVCache | None = None) -> dict:
+        """Layer states (1.3) of ``layers``: the regenerated ones, replaced by the file's ``state`` sections
+        where it has them, each checked against its Tensor_Checksum."""
+        from ..state import LayerState
+
+        h, r = self.f.header, self.f.reader
+        if not h.has_state:
+            return {}
+        regen = self.regenerated()[1] if regen is None else regen
+        sums = self._checksums() if h.tier_info.has_residual and not self._recompute else None
+        out = {}
+        for li in layers:
+            info, got = h.layers[li].state, regen.states[li]
+            if info is None:
+                continue
+            if got is None or got.descriptor() != {"kind": info.kind, "slots": info.slots, "tensors": [
+                    {"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]}:
+                raise ModelMismatch(f"layer {li}: the model regenerates another state than the header describes")
+            conv, rec = list(got.conv), list(got.recurrent)
+            for j, t in enumerate(info.tensors):
+                tensor, at = (conv if t.name == "conv" else rec)[t.slot], None
+                if r.has(L.SECTION_STATE, li, j, 0):
+                    e = r.entry(L.SECTION_STATE, li, j, 0)
+                    tensor, at = decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset), e.payload_offset
+                if sums is not None:
+                    digest, where = sums["state", li, j]
+                    if checksum(bit_patterns(tensor)) != digest:
+                        raise ChecksumMismatch(
+                            f"layer {li} {t.name} state {t.slot}: the restored tensor's checksum differs from the "
+                            "original's - this decoder regenerates the cache differently from the encoder"
+                            + ("" if at is None else ", or the state section is corrupt"),
+                            field="Tensor_Checksums", offset=where)
+                (conv if t.name == "conv" else rec)[t.slot] = tensor
+            out[li] = LayerState(info.kind, info.slots, conv, rec)
+        return out
 
     def layers(self, layers, progress=None, regen: KVCache | None = None) -> dict:
         """Keys and values of ``layers``: the regenerated tensors (``regen``, else the model's) with the residuals

@@ -79,6 +79,13 @@ def new_cache(model, plan: Plan):
 
     if plan.windows is None:
         return DynamicCache(config=model.config)
+    try:  # the model's own layer kinds (state-space layers included) when they have the planned windows
+        own = DynamicCache(config=model.config)
+        if len(own.layers) == len(plan.windows) and all(
+                getattr(la, "sliding_window", None) == w for la, w in zip(own.layers, plan.windows)):
+            return own
+    except Exception:  # a config DynamicCache cannot read: the planned kinds below
+        pass
     cache = DynamicCache()
     if plan.windows:
         cache.layers = [DynamicSlidingWindowLayer(sliding_window=w) if w else DynamicLayer() for w in plan.windows]
@@ -220,7 +227,7 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[
             return plan, "given" if given_schedule else "verified: one prefill", regen
     if given_schedule is not None:
         return plans[0], "given (not verified)", first
-    if n < 3 or any(lay.shape[2] != n for lay in kv.keys):
+    if n < 3 or any(lay.shape[2] != n for lay in kv.keys) or kv.has_state:  # states have no prefix to probe
         return plans[0], "unknown: one prefill assumed", first
     # "one prefill of P tokens, then single steps" (generate()): positions >= P pass the single-step probe
     for plan in plans:

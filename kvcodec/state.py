@@ -1,0 +1,205 @@
+"""Recurrent and convolution state: what linear-attention / state-space layers cache instead of (or beside)
+keys and values (Mamba, Jamba, Zamba2, FalconH1, Qwen3-Next's gated delta net).
+
+transformers keeps it in ``LinearAttentionLayer`` (no attention: Mamba layers) and in
+``LinearAttentionAndFullAttentionLayer`` / ``LinearAttentionAndSlidingWindowAttentionLayer`` (attention beside
+a state-space mixer: FalconH1, Zamba2's hybrid blocks).  Each holds ``number_of_states`` slots, each with an
+optional convolution state ``[batch, channels, kernel]`` and an optional recurrent state (any shape with the
+batch first; float32 even in bf16 models).  Their size does not grow with the context.
+
+kvcodec stores every such tensor exactly, typed (spec section 5.6: ``state`` sections, format 1.3), and
+restores the same layer classes with ``has_previous_state`` set, so ``generate()`` continues identically.  A
+layer recording its past for ``crop()`` (speculative decoding) is refused by name: its conv state then holds
+more than the kernel and the rollback bookkeeping is not stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from .dtypes import DTYPES, bit_patterns, from_bit_patterns, of
+from .errors import FormatError, UnsupportedCache
+
+__all__ = ["LayerState", "KINDS", "encode_payload", "decode_payload", "from_layer", "to_layer"]
+
+#: ``state.kind`` of a layer: ``linear`` (state only, no attention: its keys/values hold 0 tokens) or
+#: ``hybrid`` (attention and state)
+KINDS = ("linear", "hybrid")
+#: state tensor names, in the order a slot's tensors are stored
+NAMES = ("conv", "recurrent")
+MAX_SLOTS = 256
+MAX_RANK = 8
+
+#: ``Coding`` byte of a state payload
+CODING_RAW, CODING_ZSTD = 0, 1
+PAYLOAD_HEAD = 8  # Coding (u8) and 7 reserved zero bytes
+ZSTD_LEVEL = 19  # states are small (constant in the context length): the slow level costs little
+
+
+@dataclass
+class LayerState:
+    """The state of one layer: ``slots`` slots, each with an optional ``conv`` and ``recurrent`` tensor."""
+
+    kind: str
+    slots: int
+    conv: list[torch.Tensor | None]
+    recurrent: list[torch.Tensor | None]
+
+    def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
+        """``(name, slot, tensor)`` in storage order: by slot, conv before recurrent, absent ones skipped."""
+        out = []
+        for s in range(self.slots):
+            for name, t in (("conv", self.conv[s]), ("recurrent", self.recurrent[s])):
+                if t is not None:
+                    out.append((name, s, t))
+        return out
+
+    def descriptor(self) -> dict:
+        """The header's ``layers[i].state`` object."""
+        return {"kind": self.kind, "slots": self.slots,
+                "tensors": [{"name": n, "slot": s, "dtype": of(t.dtype).name, "shape": [int(x) for x in t.shape]}
+                            for n, s, t in self.tensors()]}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, _, t in self.tensors())
+
+    def equal(self, other: "LayerState | None") -> bool:
+        if other is None or (self.kind, self.slots) != (other.kind, other.slots):
+            return False
+        mine, theirs = self.tensors(), other.tensors()
+        return len(mine) == len(theirs) and all(
+            (a[0], a[1]) == (b[0], b[1]) and a[2].dtype == b[2].dtype and a[2].shape == b[2].shape
+            and torch.equal(a[2].contiguous().view(of(a[2].dtype).int_view),
+                            b[2].contiguous().view(of(b[2].dtype).int_view)) for a, b in zip(mine, theirs))
+
+    def check(self, i: int, batch: int) -> None:
+        """Types, dtypes, ranks and batch size (``ValueError`` / ``TypeError`` naming the layer)."""
+        if self.kind not in KINDS:
+            raise ValueError(f"layer {i}: state kind {self.kind!r} is not one of {KINDS}")
+        if not 1 <= self.slots <= MAX_SLOTS or len(self.conv) != self.slots or len(self.recurrent) != self.slots:
+            raise ValueError(f"layer {i}: {self.slots} state slots with {len(self.conv)} conv and "
+                             f"{len(self.recurrent)} recurrent entries")
+        for name, s, t in self.tensors():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"layer {i} {name} state {s}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in {d.torch for d in DTYPES.values()}:
+                raise TypeError(f"layer {i} {name} state {s}: dtype {t.dtype} is not supported")
+            if not 1 <= t.dim() <= MAX_RANK or t.shape[0] != batch:
+                raise ValueError(f"layer {i} {name} state {s}: shape {tuple(t.shape)} (expected the batch "
+                                 f"{batch} first, at most {MAX_RANK} dimensions)")
+
+
+# -- payloads ------------------------------------------------------------------------------------------
+
+def encode_payload(t: torch.Tensor) -> bytes:
+    """A ``state`` section payload: Coding, 7 zero bytes, the tensor's bit patterns (LE, C order) raw or as
+    one zstd frame, whichever is smaller."""
+    raw = bit_patterns(t).astype(f"<u{of(t.dtype).itemsize}", copy=False).tobytes()
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
+    if len(packed) < len(raw):
+        return bytes([CODING_ZSTD]) + bytes(7) + packed
+    return bytes([CODING_RAW]) + bytes(7) + raw
+
+
+def decode_payload(payload: bytes, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """The tensor of a ``state`` payload that starts at file offset ``offset``; :class:`FormatError` naming
+    the field for a bad Coding, reserved bytes, or data of the wrong size (zstd output is bounded by the size
+    the header declares before any allocation beyond it)."""
+    dt = DTYPES[dtype]
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if len(payload) < PAYLOAD_HEAD:
+        raise FormatError(f"state payload of {len(payload)} bytes is shorter than its {PAYLOAD_HEAD}-byte head",
+                          field="State.Coding", offset=offset)
+    coding = payload[0]
+    if any(payload[1:PAYLOAD_HEAD]):
+        raise FormatError("state payload reserved bytes are not zero", field="State.Reserved", offset=offset + 1)
+    data = payload[PAYLOAD_HEAD:]
+    if coding == CODING_RAW:
+        if len(data) != n:
+            raise FormatError(f"raw state data of {len(data)} bytes, the header declares {n}", field="State.Data",
+                              offset=offset + PAYLOAD_HEAD)
+    elif coding == CODING_ZSTD:
+        data = _bounded_zstd(data, n, offset + PAYLOAD_HEAD)
+    else:
+        raise FormatError(f"state Coding {coding} is not 0 (raw) or 1 (zstd)", field="State.Coding", offset=offset)
+    arr = np.frombuffer(data, dtype=f"<u{dt.itemsize}").astype(dt.uint).reshape(shape)
+    return from_bit_patterns(arr, dt.torch)
+
+
+def _bounded_zstd(data: bytes, n: int, offset: int) -> bytes:
+    """One zstd frame whose header declares exactly ``n`` content bytes and nothing after it: the size is
+    checked before decompressing, so a hostile frame cannot make the decoder allocate more."""
+    try:
+        declared = zstandard.get_frame_parameters(data).content_size
+    except zstandard.ZstdError as e:
+        raise FormatError(f"state zstd frame header: {e}", field="State.Data", offset=offset) from None
+    if declared != n:
+        raise FormatError(f"state zstd frame declares {declared if declared != zstandard.CONTENTSIZE_UNKNOWN else 'no'}"
+                          f" content size; the header declares {n} bytes", field="State.Data", offset=offset)
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=n, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"state zstd frame: {e}", field="State.Data", offset=offset) from None
+    if len(out) != n:
+        raise FormatError(f"state zstd frame decodes to {len(out)} bytes, not {n}", field="State.Data", offset=offset)
+    return out
+
+
+# -- transformers layers ----------------------------------------------------------------------------------
+
+def from_layer(i: int, layer) -> LayerState:
+    """The state of a transformers ``LinearAttention*`` layer (exact classes; the caller checked)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    if layer.record_past:
+        raise UnsupportedCache(f"layer {i}: {type(layer).__name__} records its past for crop() "
+                               "(activate_past_recording): call cache.crop(0) before storing it")
+    n = int(layer.number_of_states)
+    conv = [layer.conv_states[s] if layer.is_conv_states_initialized[s] else None for s in range(n)]
+    rec = [layer.recurrent_states[s] if layer.is_recurrent_states_initialized[s] else None for s in range(n)]
+    for s in range(n):
+        if conv[s] is not None and int(layer.conv_kernel_size[s]) != conv[s].shape[-1]:
+            raise UnsupportedCache(f"layer {i}: conv state {s} holds {conv[s].shape[-1]} positions, its kernel "
+                                   f"{layer.conv_kernel_size[s]}")
+        if (conv[s] is not None or rec[s] is not None) and not layer.has_previous_state[s]:
+            raise UnsupportedCache(f"layer {i}: state {s} is initialised but has_previous_state is False")
+    return LayerState("linear" if type(layer) is LinearAttentionLayer else "hybrid", n, conv, rec)
+
+
+def to_layer(state: LayerState, sliding_window: int | None):
+    """A transformers layer holding copies of ``state``'s tensors (transformers updates states in place, so
+    generating from the layer must not change the caller's) and nothing else: the caller sets a ``hybrid``
+    layer's attention tensors."""
+    from transformers.cache_utils import (
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
+        LinearAttentionLayer,
+    )
+
+    if state.kind == "linear":
+        layer = LinearAttentionLayer(number_of_states=state.slots)
+    elif sliding_window is None:
+        layer = LinearAttentionAndFullAttentionLayer(number_of_states=state.slots)
+    else:
+        layer = LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=sliding_window,
+                                                              number_of_states=state.slots)
+    for s in range(state.slots):
+        c, r = state.conv[s], state.recurrent[s]
+        c, r = (None if t is None else t.clone() for t in (c, r))
+        if c is not None:
+            layer.conv_states[s] = c
+            layer.is_conv_states_initialized[s] = True
+            layer.conv_kernel_size[s] = int(c.shape[-1])
+        if r is not None:
+            layer.recurrent_states[s] = r
+            layer.is_recurrent_states_initialized[s] = True
+        if c is not None or r is not None:
+            layer.has_previous_state[s] = True
+            first = c if c is not None else r
+            if layer.device is None:
+                layer.dtype, layer.device = first.dtype, first.device
+    return layer
