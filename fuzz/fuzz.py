@@ -211,19 +211,46 @@ def random_cache(rng: random.Random):
     if rng.random() < 0.5:
         opts.update(context=rng.choice(["prev", "none"]), ways=rng.randint(1, 8), scale_bits=rng.randint(13, 15),
                     max_tables=rng.randint(1, 64))
+    if rng.random() < 0.3:  # layer states (format 1.3): hybrid layers with random slots, shapes and dtypes
+        from kvcodec.state import LayerState
+
+        def tensor(shape):
+            t = torch.randn(shape, generator=g) * rng.choice([0, 1e-3, 1, 1e3])
+            return t.to(rng.choice([torch.float32, torch.float16, torch.bfloat16]))
+
+        states = []
+        for _ in range(layers):
+            slots = rng.randint(1, 3)
+            if rng.random() < 0.5:
+                states.append(None)
+                continue
+            conv = [tensor((b, rng.randint(0, 9), rng.randint(1, 4))) if rng.random() < 0.6 else None
+                    for _ in range(slots)]
+            rec = [tensor((b, *[rng.randint(1, 5) for _ in range(rng.randint(0, 3))])) if rng.random() < 0.6
+                   else None for _ in range(slots)]
+            states.append(LayerState("hybrid", slots, conv, rec))
+        kv = kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], states=states)
     return kv, opts
 
 
 _MODEL = []
 
 
-def vector_model():
-    """The tiny model of the token-tier vectors, so mutated token-tier files reach the token decoders."""
+def vector_model(data: bytes | None = None):
+    """The tiny model of the token-tier vectors, so mutated token-tier files reach the token decoders: the
+    Mamba of ``exact_state`` for files whose header names it, else the Llama of the others."""
     if not _MODEL:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        _MODEL.append(LlamaForCausalLM.from_pretrained(ROOT / "spec" / "vectors" / "models" / "tiny-llama").eval())
-    return _MODEL[0]
+        vec = ROOT / "spec" / "vectors" / "models"
+        _MODEL.extend(AutoModelForCausalLM.from_pretrained(vec / name).eval() for name in ("tiny-llama", "tiny-mamba"))
+    try:  # a mutated header may be anything: bad JSON, deep nesting, bad UTF-8
+        h = header_of(data) if data is not None and len(data) >= 16 else None
+    except (ValueError, RecursionError, UnicodeDecodeError, struct.error):
+        h = None
+    m = h.get("model") if isinstance(h, dict) else None
+    arch = m.get("architecture") if isinstance(m, dict) else None
+    return _MODEL[1] if isinstance(arch, str) and "mamba" in arch.lower() else _MODEL[0]
 
 
 def mutate_payload(rng: random.Random, data: bytes) -> bytes:
@@ -250,7 +277,7 @@ def mutate_payload(rng: random.Random, data: bytes) -> bytes:
 def run_one(data: bytes, hang: float, bound: int, stats: dict):
     """Decode and inspect; return None, or a description of the finding.  ``stats`` collects the outcome
     (``ok`` or the KvzError subclass) and the largest peak allocation."""
-    model = vector_model()
+    model = vector_model(data)
     tracemalloc.start()
     t = time.perf_counter()
     outcome = "ok"
@@ -299,7 +326,7 @@ def main() -> int:
     counts = {}
     per = args.seconds / len(targets)
     for data in pool:  # JIT warm-up outside the clock: every kernel variant the seeds use compiles here
-        kvcodec.decode(data, vector_model(), output="kvcache", threads=1)
+        kvcodec.decode(data, vector_model(data), output="kvcache", threads=1)
     for target in targets:
         end = time.perf_counter() + per
         n = 0

@@ -116,8 +116,8 @@ class KVCache:
         return any(st is not None for st in self.states)
 
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values)) \
-            + sum(st.nbytes() for st in self.states if st is not None)
+        kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+        return kv + sum(st.nbytes() for st in self.states if st is not None)
 
     def equal(self, other: "KVCache") -> bool:
         """Bit-identical tensors (NaN payloads included), states included."""

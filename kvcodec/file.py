@@ -137,6 +137,11 @@ class KvzFile:
                 d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
                          tokens=[a, b], components=comps,
                          bits_per_component=round(8 * e.length / comps, 4) if comps else None)
+            if e.section_type == L.SECTION_STATE:
+                t = h.layers[e.layer].state.tensors[e.part]
+                head = r.read_payload_prefix(e, 1)
+                d.update(layer=e.layer, state=t.name, slot=t.slot, dtype=t.dtype, shape=list(t.shape),
+                         coding={0: "raw", 1: "zstd"}.get(head[0], head[0]) if head else None)
             d.update(self.tier.describe_section(r, e))
             sections.append(d)
         status = "header, index and footer checksums ok; payloads not read"
@@ -164,6 +169,11 @@ class KvzFile:
             "bits_per_component": round(8 * r.size / (raw / h.itemsize), 4) if raw else None,
             "info": h.raw.get("info"),
             "token_channel": None,
+            # (1.3) recurrent / conv state of state-space layers, stored exactly in every tier
+            "state": None if not h.has_state else {
+                "layers": {i: lay.state.kind for i, lay in enumerate(h.layers) if lay.state is not None},
+                "tensors": len(h.state_sections()), "raw_bytes": h.state_bytes(),
+                "stored_bytes": sum(e.length for e in r.sections if e.section_type == L.SECTION_STATE)},
             "checksums": status,
             "sections": sections,
         }

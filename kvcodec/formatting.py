@@ -39,6 +39,12 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
               f" = {tc['bits_per_token']} bits/token; schedule {tc['schedule']}, padding {tc['padding']}")
         out(f"  residual     : {human(tc['residual_bytes'])}, tolerance {tc['tolerance']}, max abs deviation of "
               f"a bare recompute at encode time {tc['max_abs_deviation']}")
+    st = info.get("state")
+    if st:
+        kinds = ", ".join(f"{i} {k}" for i, k in st["layers"].items())
+        out(f"  state        : {st['tensors']} recurrent/conv tensors (layers {kinds}): {human(st['raw_bytes'])} "
+            f"raw, {human(st['stored_bytes'])} stored exactly"
+            + (" (the others are regenerated)" if info.get("token_channel") else "") + ")")
     out(f"  checksums    : {info['checksums']}")
     out(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
     if not sections:
@@ -57,6 +63,9 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
                             if "fixed_width_bits_per_component" in c else ""))
             out(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
                   f"{s['bytes']:9d}  {s['bits_per_component']:<9}" + extra)
+        elif s["type"] == "state":
+            out(f"  {i:4d} {'state':6s} {s['layer']:5d} {s['state'][:7]:7s} {s['slot']:5d} {str(s['shape']):14s}"
+                f"{s['bytes']:9d}  {s['dtype']}, {s['coding']}")
         else:
             out(f"  {i:4d} {s['type']:6s} {'':5s} {'':7s} {'':5s} {'':14s}{s['bytes']:9d}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ MAX_RANK = 8
 #: ``Coding`` byte of a state payload
 CODING_RAW, CODING_ZSTD = 0, 1
 PAYLOAD_HEAD = 8  # Coding (u8) and 7 reserved zero bytes
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # RFC 8878 Magic_Number 0xFD2FB528, little-endian
 ZSTD_LEVEL = 19  # states are small (constant in the context length): the slow level costs little
 
 
@@ -88,9 +89,10 @@ class LayerState:
                 raise TypeError(f"layer {i} {name} state {s}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dtype not in {d.torch for d in DTYPES.values()}:
                 raise TypeError(f"layer {i} {name} state {s}: dtype {t.dtype} is not supported")
-            if not 1 <= t.dim() <= MAX_RANK or t.shape[0] != batch:
+            if not 1 <= t.dim() <= MAX_RANK or t.shape[0] != batch or (name == "conv" and t.dim() != 3):
                 raise ValueError(f"layer {i} {name} state {s}: shape {tuple(t.shape)} (expected the batch "
-                                 f"{batch} first, at most {MAX_RANK} dimensions)")
+                                 f"{batch} first, at most {MAX_RANK} dimensions, conv states [batch, channels, "
+                                 "kernel])")
 
 
 # -- payloads ------------------------------------------------------------------------------------------
@@ -133,10 +135,16 @@ def decode_payload(payload: bytes, dtype: str, shape: tuple[int, ...], offset: i
 def _bounded_zstd(data: bytes, n: int, offset: int) -> bytes:
     """One zstd frame whose header declares exactly ``n`` content bytes and nothing after it: the size is
     checked before decompressing, so a hostile frame cannot make the decoder allocate more."""
+    if data[:4] != ZSTD_MAGIC:
+        raise FormatError("state data is not a zstd frame (no frame magic; skippable frames are not allowed)",
+                          field="State.Data", offset=offset)
     try:
-        declared = zstandard.get_frame_parameters(data).content_size
+        params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError as e:
         raise FormatError(f"state zstd frame header: {e}", field="State.Data", offset=offset) from None
+    if params.dict_id:
+        raise FormatError(f"state zstd frame needs dictionary {params.dict_id}", field="State.Data", offset=offset)
+    declared = params.content_size
     if declared != n:
         raise FormatError(f"state zstd frame declares {declared if declared != zstandard.CONTENTSIZE_UNKNOWN else 'no'}"
                           f" content size; the header declares {n} bytes", field="State.Data", offset=offset)

@@ -146,9 +146,8 @@ def test_encode_a_cache_saved_as_safetensors(tmp_path, capsys):
     a, b = kvcodec.load(VEC, output="kvcache"), kvcodec.load(out, output="kvcache")
     assert a.equal(b) and a.start_position == b.start_position == 7
     bad = tmp_path / "bad.safetensors"
-    from safetensors.torch import save_file
-
     import torch
+    from safetensors.torch import save_file
 
     save_file({"weight": torch.zeros(2)}, str(bad))
     assert main(["encode", "--cache", str(bad), "--tier", "lossless", "-o", str(tmp_path / "b.kvz")]) == 1

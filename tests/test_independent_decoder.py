@@ -1,5 +1,6 @@
 """Every golden vector decodes with the independent implementation in tests/independent (written from spec/
-alone): container, lossless, lossy, static token streams, residuals applied to the recorded regenerations."""
+alone): container, lossless, lossy, static token streams, residuals applied to the recorded regenerations,
+(1.3) layer state tensors from state sections or the recorded regenerations."""
 
 import hashlib
 import json
@@ -26,10 +27,25 @@ def test_independent_decoder_reads_the_vector(case):
         st, w = load_file(str(rp)), info0["W"]
         n = len(info0["layers"])
         regen = ([np.ascontiguousarray(st[f"keys.{i}"]).view(f"<u{w}") for i in range(n)],
-                 [np.ascontiguousarray(st[f"values.{i}"]).view(f"<u{w}") for i in range(n)])
+                 [np.ascontiguousarray(st[f"values.{i}"]).view(f"<u{w}") for i in range(n)],
+                 # (1.3) state tensors, state.<layer>.<index> in state order (Appendix A)
+                 [None if x["state"] is None else
+                  [np.ascontiguousarray(st[f"state.{i}.{j}"]).view(f"<u{t['W']}")
+                   for j, t in enumerate(x["state"]["tensors"])]
+                  for i, x in enumerate(info0["layers"])])
     info, tokens, ks, vs, _notes = K.decode_file(buf, regen)
     if meta.get("tokens") is not None and tokens is not None and all(t is not None for t in tokens):
         assert tokens == meta["tokens"]
     w = info["W"]
     assert [hashlib.sha256(x.astype(f"<u{w}").tobytes()).hexdigest() for x in ks] == meta["keys_sha256"]
     assert [hashlib.sha256(x.astype(f"<u{w}").tobytes()).hexdigest() for x in vs] == meta["values_sha256"]
+    if "states_sha256" in meta:
+        states = info["states"]
+        assert states is not None
+        got = [None if x is None else
+               [hashlib.sha256(np.ascontiguousarray(a).astype(f"<u{a.dtype.itemsize}").tobytes()).hexdigest()
+                for a in x]
+               for x in states]
+        assert got == meta["states_sha256"]
+    else:
+        assert info["states"] is None or all(x is None for x in info["states"])

@@ -353,7 +353,7 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
     v.obj(st, p, {"kind", "slots", "tensors"})
     kind = v.str(st, "kind", p)
     if kind not in KINDS:
-        v.fail(f"{p}.kind", f"{kind!r} is not one of {list(KINDS)}")
+        v.fail(f"{p}.kind", f"{kind!r} is not one of {list(KINDS)}", UnknownId)
     slots = v.int(st, "slots", p, 1, MAX_SLOTS)
     raw = st["tensors"]
     if not isinstance(raw, list):
@@ -364,7 +364,7 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         v.obj(t, q, {"name", "slot", "dtype", "shape"})
         name = v.str(t, "name", q)
         if name not in NAMES:
-            v.fail(f"{q}.name", f"{name!r} is not one of {list(NAMES)}")
+            v.fail(f"{q}.name", f"{name!r} is not one of {list(NAMES)}", UnknownId)
         slot = v.int(t, "slot", q, 0, slots - 1)
         if (slot, NAMES.index(name)) <= last:
             v.fail(q, "state tensors must be in order of slot, conv before recurrent, each at most once")
@@ -386,5 +386,7 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         dims = tuple(dims)
         if dims[0] != batch:
             v.fail(f"{q}.shape[0]", f"{dims[0]} is not the batch size {batch}")
+        if name == "conv" and len(dims) != 3:
+            v.fail(f"{q}.shape", f"a conv state is [batch, channels, kernel], not {len(dims)}-dimensional")
         out.append(StateTensor(name, slot, dtype, dims))
     return StateInfo(kind, slots, tuple(out))

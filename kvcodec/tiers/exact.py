@@ -49,6 +49,7 @@ from ..errors import (
 )
 from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
+from ..state import decode_payload
 from ..tokens import lm
 from ..tokens.lm import LMTokenCoder
 from ..tokens.plan import STEP_THREADS, Plan, infer_plan, padding_candidates, replay, schedule_arg, step_threads
@@ -56,7 +57,6 @@ from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import expand, runs
 from ..tokens.static import StaticTokenCoder
-from ..state import decode_payload
 from .base import UNSET, EncodeJob, Fallback, Options, Tier, tensor_slice, write_states
 
 TOKEN_MODELS = ("lm", "static", "draft")

@@ -34,13 +34,20 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 2
+IMPL_MINOR = 3
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_INDEX = 1, 2, 3, 4, 5, 0xFFFF
-KNOWN_SEC = {1, 2, 3, 4, 5, 0xFFFF}
+SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_STATE, SEC_INDEX = 1, 2, 3, 4, 5, 6, 0xFFFF
+KNOWN_SEC = {1, 2, 3, 4, 5, 6, 0xFFFF}
+STATE_KINDS = ("linear", "hybrid")
+STATE_NAMES = ("conv", "recurrent")  # also their order inside a slot (state order, §4.2)
+ZSTD_MAGIC = 0xFD2FB528
+
+
+class ConfigError(KvzError):
+    pass
 
 
 # ----------------------------------------------------------------- JSON (§4)
@@ -216,7 +223,8 @@ def validate_header(h, minor):
     total = 0
     for i, L in enumerate(cache["layers"]):
         w = f"cache.layers[{i}]"
-        _keys(L, ["kv_heads", "k_dim", "v_dim", "seq_len", "sliding_window", "cumulative_length"], ["repeat"], w)
+        _keys(L, ["kv_heads", "k_dim", "v_dim", "seq_len", "sliding_window", "cumulative_length"],
+              ["repeat", "state"], w)
         H = _int(L, "kv_heads", 1, where=w, limit=65536)
         Dk = _int(L, "k_dim", 1, where=w, limit=65536)
         Dv = _int(L, "v_dim", 1, where=w, limit=65536)
@@ -235,7 +243,16 @@ def validate_header(h, minor):
         total += rep
         if total > 65536:
             raise LimitExceeded("more than 65536 layers")
-        runs.append((rep, dict(H=H, Dk=Dk, Dv=Dv, S=S, sw=sw, cl=cl)))
+        state = None
+        if "state" in L:
+            if minor < 3:
+                raise FormatError(f"{w}.state in a file stamped 1.{minor} (needs 1.3)")
+            state = validate_state(L["state"], B, f"{w}.state")
+            if state["kind"] == "linear" and not (H == 1 and Dk == 1 and Dv == 1 and S == 0 and cl == 0
+                                                  and sw is None):
+                raise FormatError(f"{w}: a linear layer needs kv_heads/k_dim/v_dim 1, seq_len 0, "
+                                  "cumulative_length 0, sliding_window null")
+        runs.append((rep, dict(H=H, Dk=Dk, Dv=Dv, S=S, sw=sw, cl=cl, state=state)))
     # output limit and section count, on counts
     isz = ITEMSIZE[cache["dtype"]]
     out = 4 * B * nt
@@ -244,6 +261,10 @@ def validate_header(h, minor):
     for rep, L in runs:
         out += rep * B * L["H"] * L["S"] * (L["Dk"] + L["Dv"]) * isz
         nsec += rep * 2 * (-(-L["S"] // C))
+        if L["state"] is not None:
+            for t in L["state"]["tensors"]:
+                out += rep * t["nbytes"]
+            nsec += rep * len(L["state"]["tensors"])
         maxS = max(maxS, L["S"])
     if out > OUTPUT_LIMIT:
         raise LimitExceeded("decoded size above output limit")
@@ -264,7 +285,8 @@ def validate_header(h, minor):
         if nt < 1:
             raise FormatError("token tiers need num_tokens >= 1")
         for rep, L in runs:
-            if L["cl"] != nt:
+            linear = L["state"] is not None and L["state"]["kind"] == "linear"
+            if L["cl"] != (0 if linear else nt):
                 raise FormatError("cumulative_length != N")
         validate_tokens(h["tokens"], tier, B, nt)
     else:
@@ -276,6 +298,63 @@ def validate_header(h, minor):
     for rep, L in runs:
         layers.extend([L] * rep)
     return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp)
+
+
+def validate_state(st, B, w):
+    """layers[i].state (§4.2). Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)])."""
+    _keys(st, ["kind", "slots", "tensors"], (), w)
+    kind = st["kind"]
+    if not isinstance(kind, str):
+        raise FormatError(f"{w}.kind")
+    if kind not in STATE_KINDS:
+        raise UnknownId(f"{w}.kind {kind!r}")
+    slots = _int(st, "slots", 1, 256, w)
+    tl = st["tensors"]
+    if not isinstance(tl, list):
+        raise FormatError(f"{w}.tensors")
+    if len(tl) > 2 * slots:
+        raise FormatError(f"{w}.tensors: more than 2*slots entries")
+    tensors = []
+    prev = None
+    for j, t in enumerate(tl):
+        wj = f"{w}.tensors[{j}]"
+        _keys(t, ["name", "slot", "dtype", "shape"], (), wj)
+        name, dt = t["name"], t["dtype"]
+        if not isinstance(name, str):
+            raise FormatError(f"{wj}.name")
+        if name not in STATE_NAMES:
+            raise UnknownId(f"{wj}.name {name!r}")
+        slot = _int(t, "slot", 0, slots - 1, wj)
+        if not isinstance(dt, str):
+            raise FormatError(f"{wj}.dtype")
+        if dt not in ITEMSIZE:
+            raise UnknownId(f"{wj}.dtype {dt!r}")
+        shape = t["shape"]
+        if not isinstance(shape, list) or not (1 <= len(shape) <= 8):
+            raise FormatError(f"{wj}.shape: a list of 1 to 8 integers")
+        for i, d in enumerate(shape):
+            if not _is_int(d) or d < 0:
+                raise FormatError(f"{wj}.shape[{i}]")
+            if d > 1 << 31:
+                raise LimitExceeded(f"{wj}.shape[{i}]={d} above 2^31")
+        if shape[0] != B:
+            raise FormatError(f"{wj}.shape[0]={shape[0]} is not batch {B}")
+        key = (slot, STATE_NAMES.index(name))
+        if prev is not None and key <= prev:
+            raise FormatError(f"{wj}: not in state order (by slot, conv before recurrent, each once)")
+        prev = key
+        n = 1
+        for d in shape:
+            n *= d
+        tensors.append(dict(name=name, slot=slot, dtype=dt, shape=tuple(shape), W=ITEMSIZE[dt],
+                            nbytes=n * ITEMSIZE[dt]))
+    return dict(kind=kind, slots=slots, tensors=tensors)
+
+
+def state_tensors(info):
+    """The state tensors of a file in canonical (state-tensor) order: (layer, j, tensor description)."""
+    return [(l, j, t) for l, L in enumerate(info["layers"]) if L["state"] is not None
+            for j, t in enumerate(L["state"]["tensors"])]
 
 
 def validate_tokens(t, tier, B, N):
@@ -469,6 +548,7 @@ def check_order(info, secs):
         if info["nt"] > 0:
             want.append((SEC_TOKENS, 0, 0, 0))
         want += [(SEC_KV, l, p, c) for (l, p, c, _, _) in sl]
+        want += [(SEC_STATE, l, j, 0) for (l, j, _) in state_tensors(info)]
         if got != want:
             raise OffsetError("sections not in canonical set/order")
     else:
@@ -483,12 +563,13 @@ def check_order(info, secs):
                 raise OffsetError("tensor_checksums section")
             rest = rest[1:]
             cand = [(SEC_RESID, l, p, c) for (l, p, c, _, _) in sl]
+            cand += [(SEC_STATE, l, j, 0) for (l, j, _) in state_tensors(info)]
             i = 0
             for r in rest:
                 while i < len(cand) and cand[i] != r:
                     i += 1
                 if i == len(cand):
-                    raise OffsetError("residual sections not a subsequence of slices")
+                    raise OffsetError("residual / state sections not a subsequence of slices, states")
                 i += 1
         elif rest:
             raise OffsetError("unexpected sections")
@@ -1096,8 +1177,82 @@ def decode_static_row(payload, n_expected, V, chunk_tokens):
     return toks, cks, (dec.pos, len(words))
 
 
+# ------------------------------------------------------------- state (§5.6)
+def zstd_frame_content_size(data):
+    """Parse an RFC 8878 Zstandard frame header; return (declared Frame_Content_Size or None, header length)."""
+    if len(data) < 5:
+        raise FormatError("state zstd frame: too short")
+    if struct.unpack_from("<I", data, 0)[0] != ZSTD_MAGIC:
+        raise FormatError("state zstd frame: not a Zstandard frame (magic)")
+    fhd = data[4]
+    fcs_flag = fhd >> 6
+    single = (fhd >> 5) & 1
+    if fhd & 0x08:
+        raise FormatError("state zstd frame: reserved bit set")
+    did_size = (0, 1, 2, 4)[fhd & 3]
+    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    pos = 5 + (0 if single else 1) + did_size
+    if len(data) < pos + fcs_size:
+        raise FormatError("state zstd frame: header truncated")
+    if fcs_size == 0:
+        return None, pos
+    v = int.from_bytes(data[pos:pos + fcs_size], "little")
+    if fcs_size == 2:
+        v += 256
+    return v, pos + fcs_size
+
+
+def decode_state_payload(payload, t):
+    """One state payload (§5.6) -> little-endian words array of the tensor's shape and dtype."""
+    n = t["nbytes"]
+    if len(payload) < 8:
+        raise FormatError("state payload shorter than 8 bytes")
+    coding = payload[0]
+    if any(payload[1:8]):
+        raise FormatError("state Reserved not zero")
+    data = payload[8:]
+    if coding == 0:
+        if len(data) != n:
+            raise FormatError(f"state Coding 0: {len(data)} data bytes, expected {n}")
+        raw = bytes(data)
+    elif coding == 1:
+        fcs, _ = zstd_frame_content_size(data)
+        if fcs is None:
+            raise FormatError("state zstd frame does not declare Frame_Content_Size")
+        if fcs != n:
+            raise FormatError(f"state zstd Frame_Content_Size {fcs}, expected {n}")
+        try:
+            dobj = zstandard.ZstdDecompressor().decompressobj()
+            raw = dobj.decompress(bytes(data))
+            if not dobj.eof:
+                raise FormatError("state zstd frame incomplete")
+            if dobj.unused_data:
+                raise FormatError("bytes after the state zstd frame")
+        except zstandard.ZstdError as e:
+            raise FormatError(f"state zstd: {e}")
+        if len(raw) != n:
+            raise FormatError("state zstd frame decompressed to the wrong size")
+    else:
+        raise FormatError(f"state Coding {coding}")
+    return np.frombuffer(raw, "<u%d" % t["W"]).reshape(t["shape"]).copy()
+
+
+def _regen_state(rs, l, j):
+    if rs is None:
+        return None
+    if isinstance(rs, dict):
+        return rs.get((l, j), rs.get(f"state.{l}.{j}"))
+    if l < len(rs) and rs[l] is not None and j < len(rs[l]):
+        return rs[l][j]
+    return None
+
+
 # ------------------------------------------------------------------- decode
 def decode_file(buf, regen=None):
+    """Returns (info, tokens, keys, values, notes); info["states"] holds the state tensors (1.3): per layer
+    None (no state) or a list of little-endian word arrays (uint16/uint32 of the tensor's dtype width) in state
+    order. regen (token tiers): (keys, values) or (keys, values, states), states per layer a list of word
+    arrays in state order (or None), or a dict keyed (layer, j) or "state.<layer>.<j>"."""
     info, secs = parse_container(buf)
     tier = info["tier"]
     B, W, dt = info["B"], info["W"], info["dtype"]
@@ -1106,7 +1261,10 @@ def decode_file(buf, regen=None):
     out_v = [np.zeros((B, x["H"], x["S"], x["Dv"]), {4: np.uint32, 2: np.uint16}[W]) for x in L]
     tokens = None
     notes = []
+    st_list = state_tensors(info)
+    info["states"] = None
     if tier in ("lossless", "lossy"):
+        states = [None if x["state"] is None else [None] * len(x["state"]["tensors"]) for x in L]
         i = 0
         if info["nt"] > 0:
             s = secs[0]
@@ -1115,6 +1273,10 @@ def decode_file(buf, regen=None):
             tokens = np.frombuffer(s["payload"], "<u4").reshape(B, info["nt"]).tolist()
             i = 1
         for s in secs[i:]:
+            if s["type"] == SEC_STATE:
+                states[s["layer"]][s["part"]] = decode_state_payload(
+                    s["payload"], L[s["layer"]]["state"]["tensors"][s["part"]])
+                continue
             lay = L[s["layer"]]
             D = lay["Dk"] if s["part"] == 0 else lay["Dv"]
             t0 = s["chunk"] * info["C"]
@@ -1125,6 +1287,7 @@ def decode_file(buf, regen=None):
             else:
                 arr = vq_payload(s["payload"], shape, dt, W, info["minor"])
             (out_k if s["part"] == 0 else out_v)[s["layer"]][:, :, t0:t1, :] = arr
+        info["states"] = states
         return info, tokens, out_k, out_v, notes
     # token tiers
     th = info["header"]["tokens"]
@@ -1141,16 +1304,34 @@ def decode_file(buf, regen=None):
             notes.append(f"row {r}: {th['token_model']} stream not decoded (needs model)")
     if regen is None:
         return info, tokens, None, None, notes
-    rk, rv = regen
+    rk, rv = regen[0], regen[1]
+    rs = regen[2] if len(regen) > 2 else None
+    states = [None if x["state"] is None else [None] * len(x["state"]["tensors"]) for x in L]
+    for l, j, t in st_list:
+        a = _regen_state(rs, l, j)
+        if a is not None:
+            a = np.ascontiguousarray(a)
+            if a.dtype.itemsize != t["W"] or tuple(a.shape) != t["shape"]:
+                raise ConfigError(f"regenerated state {l}.{j}: shape/width {a.shape}/{a.dtype} does not match "
+                                  f"the header's {t['shape']}/{t['dtype']}")
+            a = a.view("<u%d" % t["W"])
+        states[l][j] = a
     rest = secs[B:]
     if not rest:
+        # tokens.tolerance null: restore = recompute, states are the regeneration (§5), nothing to check
+        for l, j, t in st_list:
+            if states[l][j] is None:
+                raise ConfigError(f"no regeneration of state tensor {l}.{j}")
+        info["states"] = states
         return info, tokens, rk, rv, notes
     cks = rest[0]["payload"]
     sl = slices(info)
-    if len(cks) != 8 * len(sl):
+    nck = len(sl) + len(st_list)
+    if len(cks) != 8 * nck:
         raise FormatError("tensor_checksums length")
-    ck = struct.unpack("<%dQ" % len(sl), cks)
-    res = {(s["layer"], s["part"], s["chunk"]): s["payload"] for s in rest[1:]}
+    ck = struct.unpack("<%dQ" % nck, cks)
+    res = {(s["layer"], s["part"], s["chunk"]): s["payload"] for s in rest[1:] if s["type"] == SEC_RESID}
+    stsec = {(s["layer"], s["part"]): s["payload"] for s in rest[1:] if s["type"] == SEC_STATE}
     out_k = [x.copy() for x in rk]
     out_v = [x.copy() for x in rv]
     for i, (l, p, c, t0, t1) in enumerate(sl):
@@ -1161,4 +1342,13 @@ def decode_file(buf, regen=None):
             tgt[l][:, :, t0:t1, :] = sl_words
         if xxh(np.ascontiguousarray(sl_words).astype("<u%d" % W).tobytes()) != ck[i]:
             raise ChecksumMismatch(f"tensor checksum slice {i} (layer {l} part {p} chunk {c})")
+    for i, (l, j, t) in enumerate(st_list):
+        if (l, j) in stsec:
+            states[l][j] = decode_state_payload(stsec[(l, j)], t)
+            notes.append(f"state {l}.{j}: from its state section")
+        elif states[l][j] is None:
+            raise ConfigError(f"no regeneration of state tensor {l}.{j} and no state section")
+        if xxh(np.ascontiguousarray(states[l][j]).astype("<u%d" % t["W"]).tobytes()) != ck[len(sl) + i]:
+            raise ChecksumMismatch(f"tensor checksum of state tensor {l}.{j}")
+    info["states"] = states
     return info, tokens, out_k, out_v, notes
