@@ -31,7 +31,8 @@ __all__ = ["KVCache", "to_canonical", "SUPPORTED_LAYERS"]
 
 #: the transformers cache layer classes :func:`to_canonical` stores (exact classes, not subclasses)
 SUPPORTED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "LinearAttentionLayer",
-                    "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+                    "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer",
+                    "DynamicIndexedLayer")
 
 @dataclass
 class KVCache:
@@ -79,6 +80,9 @@ class KVCache:
                 st.check(i, b)
                 if st.kind == "linear" and (k.shape[2] or self.cumulative_length[i]):
                     raise ValueError(f"layer {i}: a linear (state-only) layer holds no attention tokens")
+                if st.kind == "indexed" and (st.indexer.shape[1] != k.shape[2] or self.sliding_window[i] is not None):
+                    raise ValueError(f"layer {i}: indexer keys {tuple(st.indexer.shape)} for {k.shape[2]} tokens "
+                                     "(one row per token, full attention)")
         if self.tokens is not None:
             t = self.tokens
             if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):
@@ -198,6 +202,8 @@ def to_canonical(cache) -> KVCache:
 
         from .state import from_layer
 
+        if getattr(cache, "offloading", False) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # offloaded layers are copied to the CPU with non_blocking=True
         keys, values, sw, cum, states = [], [], [], [], []
         placeholders = []  # linear layers: keys/values of 0 tokens, made once the cache's dtype is known
         for i, layer in enumerate(layers):
@@ -208,7 +214,8 @@ def to_canonical(cache) -> KVCache:
                 raise UnsupportedCache(f"layer {i}: {type(layer).__module__}.{type(layer).__qualname__} (in a "
                                        f"{type(cache).__name__}) is not supported: kvcodec stores "
                                        f"{', '.join(SUPPORTED_LAYERS)}; its other state would be lost")
-            state = from_layer(i, layer) if isinstance(layer, cu.LinearAttentionCacheLayerMixin) else None
+            state = from_layer(i, layer) if isinstance(layer, (cu.LinearAttentionCacheLayerMixin,
+                                                                cu.DynamicIndexedLayer)) else None
             states.append(state)
             if state is not None and state.kind == "linear":
                 keys.append(None)

@@ -1,5 +1,6 @@
-"""Recurrent and convolution state: what linear-attention / state-space layers cache instead of (or beside)
-keys and values (Mamba, Jamba, Zamba2, FalconH1, Qwen3-Next's gated delta net).
+"""Layer state beyond keys and values: the recurrent and convolution state of linear-attention /
+state-space layers (Mamba, Jamba, Zamba2, FalconH1, Qwen3-Next's gated delta net), and the indexer keys of
+sparse-attention layers (DeepSeek-V3.2's lightning indexer, ``DynamicIndexedLayer``).
 
 transformers keeps it in ``LinearAttentionLayer`` (no attention: Mamba layers) and in
 ``LinearAttentionAndFullAttentionLayer`` / ``LinearAttentionAndSlidingWindowAttentionLayer`` (attention beside
@@ -10,7 +11,9 @@ batch first; float32 even in bf16 models).  Their size does not grow with the co
 kvcodec stores every such tensor exactly, typed (spec section 5.6: ``state`` sections, format 1.3), and
 restores the same layer classes with ``has_previous_state`` set, so ``generate()`` continues identically.  A
 layer recording its past for ``crop()`` (speculative decoding) is refused by name: its conv state then holds
-more than the kernel and the rollback bookkeeping is not stored.
+more than the kernel and the rollback bookkeeping is not stored.  Indexed layers (kind ``indexed``) hold one
+more tensor, ``indexer_keys`` ``[batch, seq, index_dim]``, one row per cached token; their optional
+``indexer_position_ids`` (multimodal position ids, an integer tensor) are refused by name.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from .errors import FormatError, UnsupportedCache
 
 __all__ = ["LayerState", "KINDS", "encode_payload", "decode_payload", "from_layer", "to_layer"]
 
-#: ``state.kind`` of a layer: ``linear`` (state only, no attention: its keys/values hold 0 tokens) or
-#: ``hybrid`` (attention and state)
-KINDS = ("linear", "hybrid")
-#: state tensor names, in the order a slot's tensors are stored
-NAMES = ("conv", "recurrent")
+#: ``state.kind`` of a layer: ``linear`` (state only, no attention: its keys/values hold 0 tokens),
+#: ``hybrid`` (attention and state) or ``indexed`` (attention and indexer keys)
+KINDS = ("linear", "hybrid", "indexed")
+#: state tensor names, in the order a slot's tensors are stored (``indexer_keys``: kind ``indexed`` only)
+NAMES = ("conv", "recurrent", "indexer_keys")
 MAX_SLOTS = 256
 MAX_RANK = 8
 
@@ -49,15 +52,25 @@ class LayerState:
     slots: int
     conv: list[torch.Tensor | None]
     recurrent: list[torch.Tensor | None]
+    indexer: torch.Tensor | None = None  #: kind ``indexed``: ``[batch, seq, index_dim]``
 
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
-        """``(name, slot, tensor)`` in storage order: by slot, conv before recurrent, absent ones skipped."""
+        """``(name, slot, tensor)`` in storage order: by slot, conv before recurrent before indexer keys,
+        absent ones skipped."""
         out = []
         for s in range(self.slots):
-            for name, t in (("conv", self.conv[s]), ("recurrent", self.recurrent[s])):
+            for name, t in (("conv", self.conv[s]), ("recurrent", self.recurrent[s]),
+                            ("indexer_keys", self.indexer if s == 0 else None)):
                 if t is not None:
                     out.append((name, s, t))
         return out
+
+    def set(self, name: str, slot: int, t: torch.Tensor) -> None:
+        """Put tensor ``t`` in its place (the inverse of :meth:`tensors`)."""
+        if name == "indexer_keys":
+            self.indexer = t
+        else:
+            (self.conv if name == "conv" else self.recurrent)[slot] = t
 
     def descriptor(self) -> dict:
         """The header's ``layers[i].state`` object."""
@@ -70,6 +83,8 @@ class LayerState:
 
     def equal(self, other: "LayerState | None") -> bool:
         if other is None or (self.kind, self.slots) != (other.kind, other.slots):
+            return False
+        if (self.indexer is None) != (other.indexer is None):
             return False
         mine, theirs = self.tensors(), other.tensors()
         return len(mine) == len(theirs) and all(
@@ -84,15 +99,20 @@ class LayerState:
         if not 1 <= self.slots <= MAX_SLOTS or len(self.conv) != self.slots or len(self.recurrent) != self.slots:
             raise ValueError(f"layer {i}: {self.slots} state slots with {len(self.conv)} conv and "
                              f"{len(self.recurrent)} recurrent entries")
+        if (self.kind == "indexed") != (self.indexer is not None) or (
+                self.kind == "indexed" and (any(c is not None for c in self.conv)
+                                            or any(r is not None for r in self.recurrent) or self.slots != 1)):
+            raise ValueError(f"layer {i}: kind {self.kind!r}: indexer keys (one slot, nothing else) belong to "
+                             "kind 'indexed' and only to it")
         for name, s, t in self.tensors():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"layer {i} {name} state {s}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dtype not in {d.torch for d in DTYPES.values()}:
                 raise TypeError(f"layer {i} {name} state {s}: dtype {t.dtype} is not supported")
-            if not 1 <= t.dim() <= MAX_RANK or t.shape[0] != batch or (name == "conv" and t.dim() != 3):
+            if not 1 <= t.dim() <= MAX_RANK or t.shape[0] != batch or (name != "recurrent" and t.dim() != 3):
                 raise ValueError(f"layer {i} {name} state {s}: shape {tuple(t.shape)} (expected the batch "
                                  f"{batch} first, at most {MAX_RANK} dimensions, conv states [batch, channels, "
-                                 "kernel])")
+                                 "kernel], indexer keys [batch, seq, index_dim])")
 
 
 # -- payloads ------------------------------------------------------------------------------------------
@@ -160,8 +180,17 @@ def _bounded_zstd(data: bytes, n: int, offset: int) -> bytes:
 # -- transformers layers ----------------------------------------------------------------------------------
 
 def from_layer(i: int, layer) -> LayerState:
-    """The state of a transformers ``LinearAttention*`` layer (exact classes; the caller checked)."""
-    from transformers.cache_utils import LinearAttentionLayer
+    """The state of a transformers ``LinearAttention*`` or ``DynamicIndexedLayer`` (exact classes; the caller
+    checked)."""
+    from transformers.cache_utils import DynamicIndexedLayer, LinearAttentionLayer
+
+    if type(layer) is DynamicIndexedLayer:
+        if layer.indexer_position_ids is not None:
+            raise UnsupportedCache(f"layer {i}: DynamicIndexedLayer holds indexer_position_ids (multimodal "
+                                   "positions), which kvcodec does not store")
+        if not layer.is_indexer_initialized or layer.indexer_keys is None or layer.indexer_keys.dim() != 3:
+            raise UnsupportedCache(f"layer {i}: DynamicIndexedLayer holds no indexer keys (uninitialised)")
+        return LayerState("indexed", 1, [None], [None], layer.indexer_keys)
 
     if layer.record_past:
         raise UnsupportedCache(f"layer {i}: {type(layer).__name__} records its past for crop() "
@@ -183,11 +212,17 @@ def to_layer(state: LayerState, sliding_window: int | None):
     generating from the layer must not change the caller's) and nothing else: the caller sets a ``hybrid``
     layer's attention tensors."""
     from transformers.cache_utils import (
+        DynamicIndexedLayer,
         LinearAttentionAndFullAttentionLayer,
         LinearAttentionAndSlidingWindowAttentionLayer,
         LinearAttentionLayer,
     )
 
+    if state.kind == "indexed":
+        layer = DynamicIndexedLayer()
+        layer.lazy_initialization_indexer(state.indexer)
+        layer.indexer_keys = state.indexer.clone()
+        return layer
     if state.kind == "linear":
         layer = LinearAttentionLayer(number_of_states=state.slots)
     elif sliding_window is None:

@@ -84,8 +84,8 @@ def cases():
     yield "fp32_tables_q1", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
         {"context": "none", "ways": 4, "scale_bits": 14}
     # 7 (1.3): layer states - a linear (Mamba-like) layer, an attention layer, a hybrid layer with two slots
-    #    (slot 0: conv only, slot 1: recurrent only); bf16 conv states, fp32 recurrent states; one raw payload
-    #    (noise), the others zstd
+    #    (slot 0: conv only, slot 1: recurrent only), an indexed layer (DeepSeek-V3.2's indexer keys); bf16 conv
+    #    states, fp32 recurrent states; raw and zstd payloads
     from kvcodec.state import LayerState
 
     noise = from_bit_patterns(rng.integers(0, 2**16, size=(1, 6, 4), dtype=np.uint16), torch.bfloat16)
@@ -95,10 +95,11 @@ def cases():
     empty = torch.empty(1, 1, 0, 1, dtype=torch.bfloat16)
     kv = [(empty, empty)] + [(structured(rng, (1, 1, 6, 4), torch.bfloat16), structured(rng, (1, 1, 6, 4),
                                                                                      torch.bfloat16))
-                             for _ in range(2)]
+                             for _ in range(3)]
+    index = structured(rng, (1, 1, 6, 4), torch.bfloat16)[:, 0]
     states = [LayerState("linear", 1, [noise], [rec]), None,
-              LayerState("hybrid", 2, [conv2, None], [None, rec2])]
-    yield "lossless_state", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], cumulative_length=[0, 6, 6],
+              LayerState("hybrid", 2, [conv2, None], [None, rec2]), LayerState("indexed", 1, [None], [None], index)]
+    yield "lossless_state", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], cumulative_length=[0, 6, 6, 6],
                                             states=states), {}
 
 

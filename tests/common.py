@@ -31,6 +31,8 @@ _LAYOUTS = {
         num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=4, hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=VOCAB, activation_sparsity_pattern=[0.0, 0.0])),
+    "deepseek_v32": ("DeepseekV32", "DeepseekV32ForCausalLM", dict(  # MLA + lightning indexer keys
+        num_key_value_heads=4, **_MLA, **_MOE, index_head_dim=8, index_n_heads=2, index_topk=4)),
     "falcon_h1": ("FalconH1", "FalconH1ForCausalLM", dict(  # every layer: attention + Mamba2 side by side
         num_key_value_heads=2, head_dim=8, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32,
         mamba_n_groups=1, mamba_chunk_size=8)),

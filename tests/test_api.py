@@ -117,11 +117,10 @@ def test_transformers_quantized_cache_is_refused_not_truncated():
         kvcodec.encode(qc, m)  # the token tiers read the cache through the same adapter
 
 
-@pytest.mark.parametrize("layer_class", ["DynamicIndexedLayer", "subclass", "linear subclass"])
+@pytest.mark.parametrize("layer_class", ["indexed subclass", "subclass", "linear subclass"])
 def test_layers_with_extra_state_are_refused(layer_class):
-    """DeepSeek-V3.2's indexed layers (indexer keys) are DynamicLayer subclasses whose extra state keys/values
-    do not show; so may be any user subclass, of an attention or a state-space layer: refused by name, with
-    the list of what is stored."""
+    """A subclass of a supported layer may hold state its parent's tensors do not show (an attention, an
+    indexed or a state-space layer): refused by name, with the list of what is stored."""
     import transformers.cache_utils as cu
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -132,7 +131,7 @@ def test_layers_with_extra_state_are_refused(layer_class):
         layer = type("MyMambaLayer", (cu.LinearAttentionLayer,), {})()
         layer.update_conv_state(torch.randn(1, 6, 4))
     else:
-        layer = getattr(cu, layer_class)()
+        layer = type("MyIndexedLayer", (cu.DynamicIndexedLayer,), {})()
     if layer_class != "linear subclass":
         layer.lazy_initialization(k, k)
         layer.keys, layer.values = k, k.clone()

@@ -21,11 +21,12 @@ from kvcodec.errors import FallbackWarning
 from .common import VOCAB, greedy_from, model_cache, tiny_model
 
 ARCHS = ["llama", "mistral_sw", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "gpt_neox", "falcon", "opt",
-         "cohere", "stablelm", "deepseek_v3", "gemma3n", "falcon_h1", "jamba", "zamba2", "mamba", "qwen3_next"]
+         "cohere", "stablelm", "deepseek_v3", "deepseek_v32", "gemma3n", "falcon_h1", "jamba", "zamba2", "mamba",
+         "qwen3_next"]
 #: token recovery must work here: a first attention layer whose values (or, MLA, keys) identify the token
 #: (fused qkv, scaled embeddings, MLA, absolute positions, FalconH1's attention beside its Mamba mixer)
 RECOVERS = {"llama", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "falcon", "opt", "cohere", "stablelm",
-            "deepseek_v3", "falcon_h1"}
+            "deepseek_v3", "deepseek_v32", "falcon_h1"}
 #: why the others cannot recover (the fallback message must say so)
 REASONS = {"mistral_sw": "sliding window", "gemma2": "sliding window", "gemma3": "sliding window",
            "gemma3n": "sliding window", "mamba": "no attention layer", "zamba2": "depend on position",
@@ -76,10 +77,10 @@ def test_architecture_round_trips_or_says_why(arch, mode, dtype):
         assert kvcodec.decode(data, model, output="kvcache").equal(original)
 
 
-@pytest.mark.parametrize("arch", ["falcon_h1", "jamba", "zamba2", "mamba", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["falcon_h1", "jamba", "zamba2", "mamba", "qwen3_next", "deepseek_v32"])
 def test_state_space_layers_are_stored_whole(arch):
-    """Recurrent and conv states are part of the file (format 1.3): ``inspect`` lists them, the decoded layers
-    are the original classes, and a file of only the keys and values could not continue the same way."""
+    """Recurrent and conv states, and indexer keys, are part of the file (format 1.3): ``inspect`` lists them,
+    the decoded layers are the original classes, and a file without them could not continue the same way."""
     model = tiny_model(arch)
     cache, _, prompt = _cache(model, "prefill")
     data = kvcodec.encode(cache)
@@ -127,3 +128,24 @@ def test_a_made_up_layer_class_is_refused_by_name():
     cache.layers = [layer]
     with pytest.raises(kvcodec.ConfigError, match="MyCompressedLayer.*stores DynamicLayer, DynamicSlidingWindowLayer"):
         kvcodec.encode(cache)
+
+
+def test_offloaded_cache_is_read_after_its_copies_complete():
+    """``DynamicCache(offloading=True)`` keeps most layers on the CPU, copied there asynchronously; running a
+    model with it needs CUDA (transformers waits on CUDA streams), so here the cache is filled by hand: its
+    layers are ordinary DynamicLayers, stored like any (on a GPU, after a device synchronisation), restored as
+    a plain DynamicCache."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    model = tiny_model("llama")
+    plain, _, _ = _cache(model, "prefill")
+    off = DynamicCache(offloading=True)
+    off.layers = []
+    for layer in plain.layers:
+        copy_ = DynamicLayer()
+        copy_.lazy_initialization(layer.keys, layer.values)
+        copy_.keys, copy_.values = layer.keys.clone(), layer.values.clone()
+        off.layers.append(copy_)
+    data = kvcodec.encode(off, model)
+    assert kvcodec.inspect(data)["tier"] == "exact"
+    assert kvcodec.decode(data, model, output="kvcache").equal(kvcodec.to_canonical(plain))

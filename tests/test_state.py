@@ -32,7 +32,7 @@ def _state_header(mutate):
     (lambda ls: ls[0]["state"].update(kind="ssm"), kvcodec.UnknownId, "kind"),
     (lambda ls: ls[0]["state"]["tensors"][0].update(name="hidden"), kvcodec.UnknownId, "name"),
     (lambda ls: ls[0]["state"]["tensors"][0].update(dtype="int8"), kvcodec.UnknownId, "dtype"),
-    (lambda ls: ls[0]["state"]["tensors"][0].update(shape=[1, 24]), kvcodec.FormatError, "conv state"),
+    (lambda ls: ls[0]["state"]["tensors"][0].update(shape=[1, 24]), kvcodec.FormatError, "3-dimensional"),
     (lambda ls: ls[0]["state"]["tensors"][0].update(shape=[2, 6, 4]), kvcodec.FormatError, "batch"),
     (lambda ls: ls[0]["state"]["tensors"][1].update(shape=[1, 2 ** 31, 2 ** 31, 8]), kvcodec.LimitExceeded,
      "bytes"),
@@ -44,6 +44,10 @@ def _state_header(mutate):
     (lambda ls: ls[0].update(seq_len=3, cumulative_length=3), kvcodec.FormatError, "linear"),
     (lambda ls: ls[0]["state"].update(extra=1), kvcodec.FormatError, "unknown keys"),
     (lambda ls: ls[2].pop("state"), kvcodec.OffsetError, ""),  # its state sections are no longer expected
+    (lambda ls: ls[3]["state"]["tensors"][0].update(shape=[1, 5, 4]), kvcodec.FormatError, "one row per"),
+    (lambda ls: ls[3].update(sliding_window=4, cumulative_length=9), kvcodec.FormatError, "full-attention"),
+    (lambda ls: ls[2]["state"]["tensors"][0].update(name="indexer_keys"), kvcodec.FormatError, "indexer_keys"),
+    (lambda ls: ls[3]["state"]["tensors"][0].update(name="conv"), kvcodec.FormatError, "indexed"),
 ])
 def test_hostile_state_headers_are_refused_by_field(mutate, error, match):
     check_rejects(error, _state_header(mutate), match=match)
@@ -190,8 +194,9 @@ def test_decoded_state_is_not_changed_by_generating_from_it():
 
 def test_inspect_names_every_state_tensor():
     info = kvcodec.inspect(VECTORS / "lossless_state.kvz")
-    assert info["state"]["tensors"] == 4 and info["state"]["layers"] == {0: "linear", 2: "hybrid"}
+    assert info["state"]["tensors"] == 5 and info["state"]["layers"] == {0: "linear", 2: "hybrid", 3: "indexed"}
     states = [s for s in info["sections"] if s["type"] == "state"]
     assert [(s["layer"], s["state"], s["slot"], s["coding"]) for s in states] == [
-        (0, "conv", 0, "raw"), (0, "recurrent", 0, "zstd"), (2, "conv", 0, "raw"), (2, "recurrent", 1, "zstd")]
+        (0, "conv", 0, "raw"), (0, "recurrent", 0, "zstd"), (2, "conv", 0, "raw"), (2, "recurrent", 1, "zstd"),
+        (3, "indexer_keys", 0, "raw")]
     json.dumps(info)

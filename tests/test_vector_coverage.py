@@ -37,7 +37,8 @@ REQUIRED = {
     ("vq_exact_tail", "yes"), ("kivi_axis", 0), ("kivi_axis", 1), ("sign_rule", 1),
     # sections 4.2, 5.6 (1.3): both state kinds, both codings, several slots with a tensor missing, a state
     # dtype other than the cache's, a token-tier file with a stored and a regenerated state tensor
-    ("state_kind", "linear"), ("state_kind", "hybrid"), ("state_coding", 0), ("state_coding", 1),
+    ("state_kind", "linear"), ("state_kind", "hybrid"), ("state_kind", "indexed"), ("state_coding", 0),
+    ("state_coding", 1),
     ("state_slots", "several, one partial"), ("state_dtype", "differs"), ("state_token_tier", "stored"),
     ("state_token_tier", "regenerated"),
 }

@@ -323,6 +323,10 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         if sw is None and cum != seq:
             v.fail(f"{p}.cumulative_length", "must equal seq_len for a full-attention layer")
         state = _parse_state(v, lr["state"], f"{p}.state", batch, lim) if "state" in lr else None
+        if state is not None and state.kind == "indexed" and (
+                sw is not None or state.tensors[0].shape[1] != seq):
+            v.fail(f"{p}.state", "indexer_keys hold one row per cached token ([batch, seq_len, index_dim]) of a "
+                                 "full-attention layer")
         if state is not None and state.kind == "linear" and (heads, kd, vd, seq, sw, cum) != (1, 1, 1, 0, None, 0):
             v.fail(p, "a linear (state-only) layer has kv_heads, k_dim, v_dim 1, seq_len and cumulative_length 0 "
                       "and no sliding_window")
@@ -386,7 +390,12 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         dims = tuple(dims)
         if dims[0] != batch:
             v.fail(f"{q}.shape[0]", f"{dims[0]} is not the batch size {batch}")
-        if name == "conv" and len(dims) != 3:
-            v.fail(f"{q}.shape", f"a conv state is [batch, channels, kernel], not {len(dims)}-dimensional")
+        if name != "recurrent" and len(dims) != 3:
+            v.fail(f"{q}.shape", f"a {name} tensor is 3-dimensional, not {len(dims)}-dimensional")
+        if (name == "indexer_keys") != (kind == "indexed"):
+            v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (indexer_keys belong to kind 'indexed' "
+                                "and only to it)")
         out.append(StateTensor(name, slot, dtype, dims))
+    if kind == "indexed" and (slots != 1 or len(out) != 1):
+        v.fail(p, "a layer of kind 'indexed' has one slot holding exactly its indexer_keys")
     return StateInfo(kind, slots, tuple(out))

@@ -156,12 +156,11 @@ def read_states(f, layers) -> dict:
         info = h.layers[li].state
         if info is None:
             continue
-        conv, rec = [None] * info.slots, [None] * info.slots
+        st = LayerState(info.kind, info.slots, [None] * info.slots, [None] * info.slots)
         for j, t in enumerate(info.tensors):
             e = r.entry(L.SECTION_STATE, li, j, 0)
-            (conv if t.name == "conv" else rec)[t.slot] = decode_payload(r.read_payload(e), t.dtype, t.shape,
-                                                                         e.payload_offset)
-        out[li] = LayerState(info.kind, info.slots, conv, rec)
+            st.set(t.name, t.slot, decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset))
+        out[li] = st
     return out
 
 

@@ -515,9 +515,9 @@ class _TokenDecoder:
             if got is None or got.descriptor() != {"kind": info.kind, "slots": info.slots, "tensors": [
                     {"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]}:
                 raise ModelMismatch(f"layer {li}: the model regenerates another state than the header describes")
-            conv, rec = list(got.conv), list(got.recurrent)
-            for j, t in enumerate(info.tensors):
-                tensor, at = (conv if t.name == "conv" else rec)[t.slot], None
+            st = LayerState(got.kind, got.slots, list(got.conv), list(got.recurrent), got.indexer)
+            for j, (t, (_n, _s, regenerated)) in enumerate(zip(info.tensors, got.tensors())):
+                tensor, at = regenerated, None
                 if r.has(L.SECTION_STATE, li, j, 0):
                     e = r.entry(L.SECTION_STATE, li, j, 0)
                     tensor, at = decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset), e.payload_offset
@@ -529,8 +529,8 @@ class _TokenDecoder:
                             "original's - this decoder regenerates the cache differently from the encoder"
                             + ("" if at is None else ", or the state section is corrupt"),
                             field="Tensor_Checksums", offset=where)
-                (conv if t.name == "conv" else rec)[t.slot] = tensor
-            out[li] = LayerState(info.kind, info.slots, conv, rec)
+                st.set(t.name, t.slot, tensor)
+            out[li] = st
         return out
 
     def layers(self, layers, progress=None, regen: KVCache | None = None) -> dict:
