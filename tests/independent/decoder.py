@@ -41,8 +41,11 @@ MAX_SECTIONS = 1 << 22
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_STATE, SEC_INDEX = 1, 2, 3, 4, 5, 6, 0xFFFF
 KNOWN_SEC = {1, 2, 3, 4, 5, 6, 0xFFFF}
-STATE_KINDS = ("linear", "hybrid")
-STATE_NAMES = ("conv", "recurrent")  # also their order inside a slot (state order, §4.2)
+STATE_KINDS = ("linear", "hybrid", "indexed")
+STATE_NAMES = ("conv", "recurrent", "indexer_keys")  # also their order inside a slot (state order, §4.2)
+# which tensor names each kind may hold (§4.2): indexer_keys in `indexed` only, conv / recurrent never there
+STATE_KIND_NAMES = {"linear": ("conv", "recurrent"), "hybrid": ("conv", "recurrent"),
+                    "indexed": ("indexer_keys",)}
 ZSTD_MAGIC = 0xFD2FB528
 
 
@@ -247,7 +250,7 @@ def validate_header(h, minor):
         if "state" in L:
             if minor < 3:
                 raise FormatError(f"{w}.state in a file stamped 1.{minor} (needs 1.3)")
-            state = validate_state(L["state"], B, f"{w}.state")
+            state = validate_state(L["state"], B, S, sw, f"{w}.state")
             if state["kind"] == "linear" and not (H == 1 and Dk == 1 and Dv == 1 and S == 0 and cl == 0
                                                   and sw is None):
                 raise FormatError(f"{w}: a linear layer needs kv_heads/k_dim/v_dim 1, seq_len 0, "
@@ -300,8 +303,9 @@ def validate_header(h, minor):
     return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp)
 
 
-def validate_state(st, B, w):
-    """layers[i].state (§4.2). Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)])."""
+def validate_state(st, B, S, sw, w):
+    """layers[i].state (§4.2) of a layer with seq_len S and sliding_window sw.
+    Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)])."""
     _keys(st, ["kind", "slots", "tensors"], (), w)
     kind = st["kind"]
     if not isinstance(kind, str):
@@ -309,11 +313,16 @@ def validate_state(st, B, w):
     if kind not in STATE_KINDS:
         raise UnknownId(f"{w}.kind {kind!r}")
     slots = _int(st, "slots", 1, 256, w)
+    if kind == "indexed":
+        if slots != 1:
+            raise FormatError(f"{w}.slots={slots}: an indexed layer has 1 slot")
+        if sw is not None:
+            raise FormatError(f"{w}: an indexed layer has sliding_window null")
     tl = st["tensors"]
     if not isinstance(tl, list):
         raise FormatError(f"{w}.tensors")
-    if len(tl) > 2 * slots:
-        raise FormatError(f"{w}.tensors: more than 2*slots entries")
+    if len(tl) > 3 * slots:
+        raise FormatError(f"{w}.tensors: more than 3*slots entries")
     tensors = []
     prev = None
     for j, t in enumerate(tl):
@@ -339,15 +348,24 @@ def validate_state(st, B, w):
                 raise LimitExceeded(f"{wj}.shape[{i}]={d} above 2^31")
         if shape[0] != B:
             raise FormatError(f"{wj}.shape[0]={shape[0]} is not batch {B}")
+        if name in ("conv", "indexer_keys") and len(shape) != 3:
+            raise FormatError(f"{wj}.shape: a {name} tensor has exactly 3 dimensions")
+        if name == "indexer_keys" and shape[1] != S:
+            raise FormatError(f"{wj}.shape[1]={shape[1]} is not the layer's seq_len {S}")
+        if name not in STATE_KIND_NAMES[kind]:
+            raise FormatError(f"{wj}: a {name} tensor in a layer of kind {kind}")
         key = (slot, STATE_NAMES.index(name))
         if prev is not None and key <= prev:
-            raise FormatError(f"{wj}: not in state order (by slot, conv before recurrent, each once)")
+            raise FormatError(f"{wj}: not in state order (by slot, then conv, recurrent, indexer_keys; each once)")
         prev = key
         n = 1
         for d in shape:
             n *= d
         tensors.append(dict(name=name, slot=slot, dtype=dt, shape=tuple(shape), W=ITEMSIZE[dt],
                             nbytes=n * ITEMSIZE[dt]))
+    if kind == "indexed" and len(tensors) != 1:
+        raise FormatError(f"{w}.tensors: an indexed layer has exactly one tensor (indexer_keys), "
+                          f"not {len(tensors)}")
     return dict(kind=kind, slots=slots, tensors=tensors)
 
 
