@@ -117,6 +117,21 @@ def test_transformers_quantized_cache_is_refused_not_truncated():
         kvcodec.encode(qc, m)  # the token tiers read the cache through the same adapter
 
 
+@pytest.mark.parametrize("name", ["QuantoQuantizedLayer", "HQQQuantizedLayer"])
+def test_quanto_and_hqq_layers_are_refused_by_name(name):
+    """quanto and HQQ need packages this project does not install, so their layers are made without running
+    their constructors: whatever they hold, the adapter refuses them by class before reading anything."""
+    import transformers.cache_utils as cu
+    from transformers.cache_utils import DynamicCache
+
+    layer = object.__new__(getattr(cu, name))
+    layer.keys = layer.values = torch.zeros(1, 1, 7, 4)  # what such a layer shows: its unquantized tail only
+    layer.is_initialized = True
+    c = DynamicCache()
+    c.layers = [layer]
+    check_rejects(kvcodec.UnsupportedCache, c, match=name)
+
+
 @pytest.mark.parametrize("layer_class", ["indexed subclass", "subclass", "linear subclass"])
 def test_layers_with_extra_state_are_refused(layer_class):
     """A subclass of a supported layer may hold state its parent's tensors do not show (an attention, an
