@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dtypes import DTYPES, of
+from .dtypes import DTYPES, of, same_bits
 from .state import LayerState
 
 __all__ = ["KVCache", "to_canonical", "SUPPORTED_LAYERS"]
@@ -130,11 +130,7 @@ class KVCache:
         for a, b in zip(self.states, other.states):
             if (a is None) != (b is None) or (a is not None and not a.equal(b)):
                 return False
-        iv = of(self.dtype).int_view
-        for a, b in zip(self.keys + self.values, other.keys + other.values):
-            if a.shape != b.shape or not torch.equal(a.contiguous().view(iv), b.contiguous().view(iv)):
-                return False
-        return True
+        return all(same_bits(a, b) for a, b in zip(self.keys + self.values, other.keys + other.values))
 
     # -- conversions ----------------------------------------------------------
     def to_dynamic_cache(self, config=None):

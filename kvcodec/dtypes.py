@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["DType", "DTYPES", "by_name", "of", "parse", "bit_patterns", "from_bit_patterns"]
+__all__ = ["DType", "DTYPES", "by_name", "of", "parse", "bit_patterns", "from_bit_patterns", "same_bits"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,14 @@ def bit_patterns(t: torch.Tensor) -> np.ndarray:
     d = of(t.dtype)
     t = t.detach().to("cpu").contiguous()
     return t.view(d.int_view).numpy().view(d.uint)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bit patterns (NaN payloads and -0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    iv = of(a.dtype).int_view
+    return torch.equal(a.contiguous().view(iv), b.contiguous().view(iv))
 
 
 def from_bit_patterns(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .dtypes import DTYPES, bit_patterns, from_bit_patterns, of
+from .dtypes import DTYPES, bit_patterns, from_bit_patterns, of, same_bits
 from .errors import FormatError, UnsupportedCache
 
 __all__ = ["LayerState", "KINDS", "encode_payload", "decode_payload", "from_layer", "to_layer"]
@@ -87,10 +87,8 @@ class LayerState:
         if (self.indexer is None) != (other.indexer is None):
             return False
         mine, theirs = self.tensors(), other.tensors()
-        return len(mine) == len(theirs) and all(
-            (a[0], a[1]) == (b[0], b[1]) and a[2].dtype == b[2].dtype and a[2].shape == b[2].shape
-            and torch.equal(a[2].contiguous().view(of(a[2].dtype).int_view),
-                            b[2].contiguous().view(of(b[2].dtype).int_view)) for a, b in zip(mine, theirs))
+        return len(mine) == len(theirs) and all((a[0], a[1]) == (b[0], b[1]) and same_bits(a[2], b[2])
+                                                for a, b in zip(mine, theirs))
 
     def check(self, i: int, batch: int) -> None:
         """Types, dtypes, ranks and batch size (``ValueError`` / ``TypeError`` naming the layer)."""

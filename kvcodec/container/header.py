@@ -55,9 +55,15 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class StateInfo:
-    kind: str  # "linear" or "hybrid" (kvcodec.state.KINDS)
+    kind: str  # "linear", "hybrid" or "indexed" (kvcodec.state.KINDS)
     slots: int
     tensors: tuple[StateTensor, ...]
+
+    def descriptor(self) -> dict:
+        """The header's ``layers[i].state`` object (as :meth:`kvcodec.state.LayerState.descriptor` writes it)."""
+        return {"kind": self.kind, "slots": self.slots,
+                "tensors": [{"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)}
+                            for t in self.tensors]}
 
 
 @dataclass(frozen=True)

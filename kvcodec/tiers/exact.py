@@ -35,7 +35,7 @@ from ..codecs.int_residual_rans import IntResidualRans, checksum
 from ..container import layout as L
 from ..container.header import is_hex64
 from ..container.writer import KvzWriter
-from ..dtypes import DTYPES, bit_patterns, from_bit_patterns
+from ..dtypes import DTYPES, bit_patterns, from_bit_patterns, same_bits
 from ..errors import (
     ChecksumMismatch,
     ConfigError,
@@ -49,7 +49,7 @@ from ..errors import (
 )
 from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
-from ..state import decode_payload
+from ..state import LayerState, decode_payload
 from ..tokens import lm
 from ..tokens.lm import LMTokenCoder
 from ..tokens.plan import STEP_THREADS, Plan, infer_plan, padding_candidates, replay, schedule_arg, step_threads
@@ -146,7 +146,7 @@ class ExactTier(Tier):
                 if st is not None:
                     for j, ((_n, _s, t), (_m, _r, u)) in enumerate(zip(st.tensors(), rs.tensors())):
                         sums.append(checksum(bit_patterns(t)))
-                        if not torch.equal(bit_patterns_t(t), bit_patterns_t(u)):
+                        if not same_bits(t, u):
                             differs.add((li, j))
             writer.write_section(L.SECTION_TENSOR_CHECKSUMS, np.asarray(sums, dtype="<u8").tobytes())
             for (li, part, c), payload in payloads:
@@ -250,13 +250,6 @@ class ExactTier(Tier):
 
 
 # --- encoding ---------------------------------------------------------------------------------------
-def bit_patterns_t(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as a same-size integer tensor (NaN payloads compare as bits)."""
-    from ..dtypes import of
-
-    return t.contiguous().view(of(t.dtype).int_view)
-
-
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
     a, b = a.double(), b.double()
     scale = a.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
@@ -500,8 +493,6 @@ class _TokenDecoder:
     def states(self, layers, regen: KVCache | None = None) -> dict:
         """Layer states (1.3) of ``layers``: the regenerated ones, replaced by the file's ``state`` sections
         where it has them, each checked against its Tensor_Checksum."""
-        from ..state import LayerState
-
         h, r = self.f.header, self.f.reader
         if not h.has_state:
             return {}
@@ -512,8 +503,7 @@ class _TokenDecoder:
             info, got = h.layers[li].state, regen.states[li]
             if info is None:
                 continue
-            if got is None or got.descriptor() != {"kind": info.kind, "slots": info.slots, "tensors": [
-                    {"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]}:
+            if got is None or got.descriptor() != info.descriptor():
                 raise ModelMismatch(f"layer {li}: the model regenerates another state than the header describes")
             st = LayerState(got.kind, got.slots, list(got.conv), list(got.recurrent), got.indexer)
             for j, (t, (_n, _s, regenerated)) in enumerate(zip(info.tensors, got.tensors())):
