@@ -1,0 +1,538 @@
+"""``kvcodec.Store``: many caches on a local directory or object storage, each shared prefix stored once.
+
+A store keeps **sessions** (a token sequence and its cache) as content-addressed **chunks** of
+``chunk_tokens`` positions (default 256), so sessions that share a prefix - a system prompt, tool schemas,
+a conversation that branches - share its chunks.  Layout and bytes: ``spec/store.md``.
+
+* A chunk's key is a chained SHA-256 over (namespace, parent chunk's key, its token ids as u32 LE): equal
+  keys mean equal token prefixes, in every process and on every machine.  The **namespace** binds the model
+  fingerprint, tokenizer, dtype, tier and codec options and the chunk size: two models, dtypes or
+  configurations never share a chunk.  It is stored once (``namespace.json``), not in every chunk.
+* A chunk object is a ``.kvz`` file (tier ``lossless`` by default, or ``lossy``) of the chunk's keys and
+  values, ``start_position`` = its first position.  Inside every chunk, **prefix pointers** every
+  ``granularity`` tokens (default 16) let :meth:`Store.match` reuse part of a chunk.
+* A session is a small manifest (its token ids, zstd-coded) named by its last chunk's key, written after
+  its chunks: a reader never sees a session whose chunks are not all published.
+
+Safety: every object is published atomically (temporary file, fsync, rename on a local file system; one
+PUT on object storage), and content addressing makes concurrent writers of the same chunk write the same
+thing for the same tokens, so any interleaving leaves a valid store.  No index file: everything is found
+by key or by listing.  A corrupt object raises a named :class:`~kvcodec.errors.KvzError` from
+:meth:`get`, is moved to ``quarantine/`` and is never returned; :meth:`match` treats it as a miss.
+:meth:`gc` removes chunks no session references and the debris of interrupted writers, once they are
+older than ``grace_seconds`` (so it never races a writer that is still publishing).
+
+Limits (refused with :class:`~kvcodec.errors.UnsupportedCache`): batch 1 per session; caches that start at
+position 0 and whose every layer holds every token (sliding windows that dropped tokens and recurrent state
+have no per-token slices to share).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import zstandard
+
+from .cache import KVCache, to_canonical
+from .errors import ConfigError, FormatError, KvzError, UnsupportedCache, warn
+from .identity import model_record, split_model
+
+__all__ = ["Store", "chunk_key", "token_ids"]
+
+FORMAT = "kvz-store"
+VERSION = 1
+CHUNK_MAGIC = b"kvcodec-store-chunk-v1\x00"
+ROOT_PARENT = bytes(32)
+POINTER_BYTES = 36  # chunk key (32) + u32 LE token count
+MAX_MANIFEST_BYTES = 64 << 20
+#: tiers a store keeps chunks in (the direct tiers: restoring a chunk needs no model)
+CHUNK_TIERS = ("lossless", "lossy")
+
+
+def token_ids(tokens) -> np.ndarray:
+    """Token ids as a 1-D int64 array, from a sequence, a 1-D tensor or a ``[1, n]`` tensor (as tokenizers
+    return them)."""
+    t = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if t.ndim == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.ndim != 1:
+        raise ConfigError(f"tokens must be a 1-D sequence or a [1, n] tensor, not shape {tuple(t.shape)}")
+    if t.size and (not np.issubdtype(t.dtype, np.integer) or t.min() < 0 or t.max() >= 1 << 32):
+        raise ConfigError("token ids must be integers in [0, 2**32)")
+    return t.astype(np.int64)
+
+
+def chunk_key(namespace: bytes, parent: bytes, ids: np.ndarray) -> bytes:
+    """SHA-256 of ``CHUNK_MAGIC ‖ namespace id (32 bytes) ‖ parent key (32 bytes) ‖ ids as u32 LE``."""
+    return hashlib.sha256(CHUNK_MAGIC + namespace + parent + ids.astype("<u4").tobytes()).digest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Store:
+    """Sessions of one model (or of none) under ``url``: a local path, ``file://``, ``s3://bucket/prefix`` or
+    any fsspec URL (``storage_options`` go to fsspec; the AWS environment variables work as for any fsspec
+    user).
+
+    >>> # store = kvcodec.Store("s3://bucket/memory", model)
+    >>> # n, cache = store.match(ids)        # the longest stored prefix of ids, and its cache
+    >>> # key = store.put(cache, tokens=ids) # after running the model on ids[n:]
+
+    ``tier`` (``"lossless"`` or ``"lossy"``) and ``**tier_options`` are how chunks are coded (as
+    :func:`kvcodec.encode`); they are part of the namespace.
+    """
+
+    def __init__(self, url, model=None, storage_options: dict | None = None, *, chunk_tokens: int = 256,
+                 granularity: int = 16, tier: str = "lossless", grace_seconds: float = 3600.0, **tier_options):
+        import fsspec
+
+        if tier not in CHUNK_TIERS:
+            raise ConfigError(f"a store keeps chunks in tier {CHUNK_TIERS}, not {tier!r} (the token tiers are "
+                              "a session's own business: save() them)")
+        if not 1 <= chunk_tokens <= 1 << 20 or not 0 <= granularity < chunk_tokens:
+            raise ConfigError("chunk_tokens must be in [1, 2**20] and granularity in [0, chunk_tokens)")
+        url = os.fspath(url)
+        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.model = model
+        self.chunk_tokens, self.granularity, self.grace_seconds = chunk_tokens, granularity, grace_seconds
+        self.tier, self.tier_options = tier, dict(tier_options)
+        self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        from .api import Encoder
+
+        self._encoder = Encoder(tier=tier, chunk_tokens=chunk_tokens, **tier_options)
+        self._namespaces: dict[str, dict] = {}
+
+    # -- paths and objects --------------------------------------------------------------------------------
+    def _path(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _ns_dir(self, ns: str) -> str:
+        return self._path("ns", ns)
+
+    def _chunk_path(self, ns: str, key: bytes) -> str:
+        h = key.hex()
+        return self._path("ns", ns, "chunks", h[:2], h + ".kvz")
+
+    def _pointer_path(self, ns: str, key: bytes) -> str:
+        h = key.hex()
+        return self._path("ns", ns, "prefix", h[:2], h)
+
+    def _session_path(self, ns: str, key: str) -> str:
+        return self._path("ns", ns, "sessions", key[:2], key + ".json")
+
+    def _write(self, path: str, data: bytes) -> None:
+        """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT)."""
+        if self._local:
+            from .atomic import atomic_output
+
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_output(path) as f:
+                f.write(data)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _exists(self, path: str) -> bool:
+        try:
+            return bool(self.fs.exists(path))
+        except FileNotFoundError:
+            return False
+
+    def _quarantine(self, path: str, err: Exception) -> None:
+        """Move a corrupt object out of the way (it is never returned), with a warning naming it."""
+        rel = path[len(self.root) + 1:] if path.startswith(self.root + "/") else os.path.basename(path)
+        dest = self._path("quarantine", rel.replace("/", "_") + f".{int(time.time())}")
+        try:
+            if self._local:
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+            self.fs.mv(path, dest)
+        except OSError:  # gone meanwhile, or moved by another reader
+            pass
+        warn(f"kvcodec.Store: {rel} is corrupt ({err}); moved to quarantine/")
+
+    # -- namespaces ---------------------------------------------------------------------------------------
+    def namespace(self, model=None, dtype: torch.dtype | None = None) -> str:
+        """The namespace id (64 hex digits) of this store's configuration for ``model`` (default: the
+        store's) and ``dtype`` (default: the model's); its record is published on first use."""
+        model = self.model if model is None else model
+        if dtype is None:
+            if model is None:
+                raise ConfigError("a store without a model needs the cache (put) or dtype= to name its namespace")
+            dtype = next(split_model(model)[0].parameters()).dtype
+        rec = model_record(model)
+        record = {"format": FORMAT + "-namespace", "version": VERSION,
+                  "model": None if rec is None else {k: rec[k] for k in ("fingerprint", "tokenizer") if k in rec},
+                  "dtype": str(dtype).replace("torch.", ""), "tier": self.tier,
+                  "options": self._encoder_options(), "chunk_tokens": self.chunk_tokens,
+                  "granularity": self.granularity}
+        data = _canonical(record)
+        ns = hashlib.sha256(data).hexdigest()
+        if ns not in self._namespaces:
+            path = self._path("ns", ns, "namespace.json")
+            if self._read(path) != data:
+                self._write(path, data)
+            self._namespaces[ns] = record
+        return ns
+
+    def _encoder_options(self) -> dict:
+        return {k: self.tier_options[k] for k in sorted(self.tier_options)}
+
+    def namespaces(self) -> list[str]:
+        try:
+            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self._path("ns"), detail=False))
+        except FileNotFoundError:
+            return []
+
+    # -- put ----------------------------------------------------------------------------------------------
+    def put(self, cache, model=None, tokens=None, progress=None) -> str:
+        """Store one session's cache (batch 1) and return its key.  ``tokens`` (1-D or ``[1, n]``): the ids of
+        the positions the cache holds; else recovered from the cache with the model, as :func:`encode` does.
+        Chunks already stored (by this or any other session) are not written again."""
+        model = self.model if model is None else model
+        kv = to_canonical(cache)
+        n = self._check_storable(kv)
+        ids = self._session_tokens(kv, model, tokens, n)
+        ns = self.namespace(model, kv.dtype)
+        nsb = bytes.fromhex(ns)
+        parent = ROOT_PARENT
+        for a in range(0, n, self.chunk_tokens):
+            b = min(n, a + self.chunk_tokens)
+            key = chunk_key(nsb, parent, ids[a:b])
+            path = self._chunk_path(ns, key)
+            if not self._exists(path):
+                part = KVCache([k[:, :, a:b] for k in kv.keys], [v[:, :, a:b] for v in kv.values],
+                               start_position=a)
+                # a fixed info: the same tokens give the same bytes whatever the kvcodec version that wrote them
+                self._write(path, self._encoder.encode(part, info={"kvcodec_store": VERSION}))
+            for m in self._pointer_lengths(b - a):
+                pointer = self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + m]))
+                old = self._read(pointer)
+                # another chunk with the same first m tokens may own it; re-point it if that one was collected
+                if old is None or len(old) != POINTER_BYTES or not self._exists(self._chunk_path(ns, old[:32])):
+                    self._write(pointer, key + int(m).to_bytes(4, "little"))
+            parent = key
+            if progress:
+                progress(b - a)
+        session = parent.hex() if n else chunk_key(nsb, ROOT_PARENT, ids).hex()
+        manifest = _canonical({"format": FORMAT + "-session", "version": VERSION, "namespace": ns,
+                               "num_tokens": int(n), "ids": base64.b64encode(
+                                   zstandard.ZstdCompressor(level=19).compress(ids.astype("<u4").tobytes())).decode()})
+        path = self._session_path(ns, session)
+        if self._read(path) != manifest:
+            self._write(path, manifest)
+        return f"{ns}:{session}"
+
+    def _check_storable(self, kv: KVCache) -> int:
+        if kv.batch != 1:
+            raise UnsupportedCache(f"a store keeps one session per put: batch {kv.batch} (put each row)")
+        if kv.has_state:
+            raise UnsupportedCache("layers with recurrent / conv state or indexer keys have no per-token slices "
+                                   "to share between sessions: save() such a cache as one .kvz file")
+        n = kv.seq_len
+        if kv.start_position != 0 or any(k.shape[2] != n or c != n for k, c in zip(kv.keys, kv.cumulative_length)):
+            raise UnsupportedCache("a store chunks caches by position from 0: this cache does not start at 0 or a "
+                                   "sliding-window layer dropped tokens (save() it as one .kvz file)")
+        return n
+
+    def _session_tokens(self, kv: KVCache, model, tokens, n: int) -> np.ndarray:
+        if tokens is None and kv.tokens is not None:
+            tokens = kv.tokens
+        if tokens is None:
+            if model is None:
+                raise ConfigError("put() needs tokens= or a model to recover them from the cache")
+            from .tokens.recover import recover
+
+            rec = recover(kv, split_model(model)[0])
+            if not rec.ok:
+                raise ConfigError(f"put(): the cache's tokens could not be recovered ({rec.reason}); pass tokens=")
+            tokens = rec.tokens
+        ids = token_ids(tokens)
+        if ids.size != n:
+            raise ConfigError(f"{ids.size} token ids for a cache of {n} positions")
+        return ids
+
+    # -- match / get --------------------------------------------------------------------------------------
+    def match(self, tokens, model=None, *, dtype: torch.dtype | None = None, output: str = "dynamic"):
+        """``(n, cache)``: the longest prefix ``tokens[:n]`` whose cache is stored, and that cache (None when
+        n is 0), so the caller runs the model on ``tokens[n:]`` only.  Whole chunks are found by key, the
+        rest to ``granularity`` tokens inside the next chunk.  A store without a model needs ``dtype=``."""
+        ids = token_ids(tokens)
+        ns = self.namespace(model, dtype)
+        nsb = bytes.fromhex(ns)
+        plan = []  # (chunk key, tokens used from it)
+        parent, a = ROOT_PARENT, 0
+        while a < ids.size:
+            b = min(ids.size, a + self.chunk_tokens)
+            key = chunk_key(nsb, parent, ids[a:b])
+            if self._exists(self._chunk_path(ns, key)):
+                plan.append((key, b - a))
+                parent, a = key, b
+                continue
+            used = self._longest_pointer(ns, nsb, parent, ids[a:b])
+            if used:
+                plan.append(used)
+            break
+        parts, n = [], 0
+        for key, m in plan:
+            got = self._load_chunk(ns, key, n, m, strict=False)
+            if got is None:
+                break
+            parts.append(got)
+            n += m
+        if not n:
+            return 0, None
+        return n, self._output(parts, output)
+
+    def _pointer_lengths(self, n: int) -> range:
+        """The prefix lengths of a chunk of ``n`` tokens that get a pointer: every multiple of ``granularity`` up
+        to n (a whole chunk of ``chunk_tokens`` is found by its own key instead)."""
+        if not self.granularity:
+            return range(0)
+        return range(self.granularity, min(n, self.chunk_tokens - 1) + 1, self.granularity)
+
+    def _longest_pointer(self, ns: str, nsb: bytes, parent: bytes, ids: np.ndarray):
+        """(chunk key, m) for the largest multiple m of ``granularity`` with a pointer, or None.  Pointers of a
+        stored chunk exist for every multiple below its length, so the hits are a prefix: binary search."""
+        if not self.granularity:
+            return None
+        lo, hi, best = 1, min(ids.size, self.chunk_tokens - 1) // self.granularity, None  # m = k * granularity
+        while lo <= hi:
+            k = (lo + hi) // 2
+            raw = self._read(self._pointer_path(ns, chunk_key(nsb, parent, ids[:k * self.granularity])))
+            if raw is not None and len(raw) == POINTER_BYTES and int.from_bytes(raw[32:], "little") == k * self.granularity:
+                best, lo = (raw[:32], k * self.granularity), k + 1
+            else:
+                hi = k - 1
+        return best
+
+    def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool) -> KVCache | None:
+        """The first ``m`` positions of a chunk, checked (its start and length); a corrupt chunk is
+        quarantined and raises (``strict``) or reads as a miss."""
+        from .api import decode
+
+        path = self._chunk_path(ns, key)
+        data = self._read(path)
+        if data is None:
+            if strict:
+                raise FileNotFoundError(f"chunk {key.hex()} of this session is missing")
+            return None
+        try:
+            kv = decode(data, output="kvcache")
+            if kv.start_position != start or kv.seq_len < m:
+                raise FormatError(f"chunk {key.hex()[:16]}… holds positions {kv.start_position}.."
+                                  f"{kv.start_position + kv.seq_len}, expected {start}..{start + m}",
+                                  field="Header.cache.start_position")
+        except KvzError as e:
+            self._quarantine(path, e)
+            if strict:
+                raise
+            return None
+        return KVCache([k[:, :, :m] for k in kv.keys], [v[:, :, :m] for v in kv.values], start_position=start)
+
+    @staticmethod
+    def _output(parts: list[KVCache], output: str):
+        kv = KVCache([torch.cat([p.keys[i] for p in parts], 2) for i in range(parts[0].num_layers)],
+                     [torch.cat([p.values[i] for p in parts], 2) for i in range(parts[0].num_layers)])
+        if output == "kvcache":
+            return kv
+        if output != "dynamic":
+            raise ConfigError(f"output must be 'dynamic' or 'kvcache', not {output!r}")
+        return kv.to_dynamic_cache()
+
+    def _manifest(self, key: str) -> tuple[str, dict]:
+        ns, _, session = key.partition(":")
+        if len(ns) != 64 or len(session) != 64:
+            raise ConfigError(f"not a session key: {key!r} (expected '<namespace>:<session>', 64 hex digits each)")
+        path = self._session_path(ns, session)
+        raw = self._read(path)
+        if raw is None:
+            raise KeyError(key)
+        try:
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise FormatError(f"session manifest of {len(raw)} bytes", field="Session")
+            m = json.loads(raw)
+            if not isinstance(m, dict) or m.get("format") != FORMAT + "-session" or m.get("version") != VERSION \
+                    or m.get("namespace") != ns or not isinstance(m.get("num_tokens"), int):
+                raise FormatError("not a kvz-store session manifest of this version", field="Session.format")
+            n = m["num_tokens"]
+            blob = base64.b64decode(m["ids"], validate=True)
+            if zstandard.get_frame_parameters(blob).content_size != 4 * n:
+                raise FormatError("token ids do not match num_tokens", field="Session.ids")
+            ids = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob, max_output_size=4 * n),
+                                dtype="<u4").astype(np.int64)
+            if ids.size != n:
+                raise FormatError("token ids do not match num_tokens", field="Session.ids")
+        except (ValueError, TypeError, zstandard.ZstdError, FormatError) as e:
+            err = e if isinstance(e, FormatError) else FormatError(f"corrupt session manifest: {e}",
+                                                                   field="Session")
+            self._quarantine(path, err)
+            raise err from None
+        return ns, {**m, "ids": ids}
+
+    def tokens(self, key: str) -> torch.Tensor:
+        """A stored session's token ids ``[1, n]``."""
+        return torch.from_numpy(self._manifest(key)[1]["ids"])[None]
+
+    def get(self, key: str, *, output: str = "dynamic"):
+        """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens).  A missing
+        or corrupt chunk raises (the corrupt one is quarantined)."""
+        ns, m = self._manifest(key)
+        ids, nsb, parent, parts = m["ids"], bytes.fromhex(ns), ROOT_PARENT, []
+        for a in range(0, ids.size, self.chunk_tokens):
+            b = min(ids.size, a + self.chunk_tokens)
+            parent = chunk_key(nsb, parent, ids[a:b])
+            parts.append(self._load_chunk(ns, parent, a, b - a, strict=True))
+        if not parts:
+            raise ConfigError(f"session {key} holds no tokens")
+        kv = self._output(parts, "kvcache")
+        if output == "dynamic":
+            return kv.to_dynamic_cache()
+        if output != "kvcache":
+            raise ConfigError(f"output must be 'dynamic' or 'kvcache', not {output!r}")
+        kv.tokens = torch.from_numpy(ids)[None]
+        return kv
+
+    # -- listing, deletion, gc ----------------------------------------------------------------------------
+    def _find(self, *parts: str) -> list[str]:
+        try:
+            return sorted(self.fs.find(self._path(*parts)))
+        except FileNotFoundError:
+            return []
+
+    def sessions(self) -> list[str]:
+        """Every stored session's key."""
+        out = []
+        for ns in self.namespaces():
+            for p in self._find("ns", ns, "sessions"):
+                name = os.path.basename(p)
+                if name.endswith(".json") and len(name) == 69:
+                    out.append(f"{ns}:{name[:-5]}")
+        return out
+
+    def __iter__(self):
+        return iter(self.sessions())
+
+    def __contains__(self, key: str) -> bool:
+        ns, _, session = key.partition(":")
+        return self._exists(self._session_path(ns, session))
+
+    def delete(self, key: str) -> None:
+        """Remove a session (its chunks stay until :meth:`gc` finds them unreferenced)."""
+        ns, _, session = key.partition(":")
+        path = self._session_path(ns, session)
+        if not self._exists(path):
+            raise KeyError(key)
+        self.fs.rm(path)
+
+    def _referenced(self) -> set[str]:
+        """Paths of every chunk and pointer some session needs."""
+        keep = set()
+        for key in self.sessions():
+            try:
+                ns, m = self._manifest(key)
+            except (KeyError, KvzError):
+                continue
+            ids, nsb, parent = m["ids"], bytes.fromhex(ns), ROOT_PARENT
+            for a in range(0, ids.size, self.chunk_tokens):
+                b = min(ids.size, a + self.chunk_tokens)
+                key_ = chunk_key(nsb, parent, ids[a:b])
+                keep.add(self._chunk_path(ns, key_))
+                if self.granularity:
+                    keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + g]))
+                                for g in self._pointer_lengths(b - a))
+                parent = key_
+        return keep
+
+    def _age(self, path: str) -> float:
+        info = self.fs.info(path)
+        t = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if hasattr(t, "timestamp"):
+            t = t.timestamp()
+        return time.time() - float(t) if t is not None else float("inf")
+
+    def gc(self, grace_seconds: float | None = None) -> dict:
+        """Remove chunks and pointers no session references, and interrupted writers' temporary files, once
+        they are older than ``grace_seconds`` (default: the store's): a writer still publishing is never
+        collected.  Returns what it removed."""
+        grace = self.grace_seconds if grace_seconds is None else grace_seconds
+        keep = {p.lstrip("/") for p in self._referenced()}
+        removed = {"chunks": 0, "pointers": 0, "temporary": 0, "bytes": 0}
+        for ns in self.namespaces():
+            for kind, sub in (("chunks", "chunks"), ("pointers", "prefix")):
+                for p in self._find("ns", ns, sub):
+                    name = os.path.basename(p)
+                    temp = name.startswith(".") and name.endswith(".kvz-tmp")
+                    if (temp or p.lstrip("/") not in keep) and self._age(p) >= grace:
+                        size = self.fs.info(p).get("size", 0)
+                        self.fs.rm(p)
+                        removed["temporary" if temp else kind] += 1
+                        removed["bytes"] += size
+            for p in self._find("ns", ns, "sessions"):
+                name = os.path.basename(p)
+                if name.startswith(".") and name.endswith(".kvz-tmp") and self._age(p) >= grace:
+                    self.fs.rm(p)
+                    removed["temporary"] += 1
+        return removed
+
+    def stats(self) -> dict:
+        """Counts and bytes: sessions, chunks, pointers, quarantined objects, per namespace and in total."""
+        out = {"url": self.root, "namespaces": {}, "sessions": 0, "chunks": 0, "pointers": 0, "bytes": 0}
+        for ns in self.namespaces():
+            d = {"sessions": 0, "chunks": 0, "pointers": 0, "chunk_bytes": 0, "session_bytes": 0}
+            for kind, sub, size_key in (("chunks", "chunks", "chunk_bytes"), ("pointers", "prefix", None),
+                                        ("sessions", "sessions", "session_bytes")):
+                try:
+                    found = self.fs.find(self._path("ns", ns, sub), detail=True)
+                except FileNotFoundError:
+                    found = {}
+                for p, info in found.items():
+                    if os.path.basename(p).startswith("."):
+                        continue
+                    d[kind] += 1
+                    if size_key:
+                        d[size_key] += int(info.get("size", 0))
+            rec = self._read(self._path("ns", ns, "namespace.json"))
+            d["record"] = json.loads(rec) if rec else None
+            out["namespaces"][ns] = d
+            for k in ("sessions", "chunks", "pointers"):
+                out[k] += d[k]
+            out["bytes"] += d["chunk_bytes"] + d["session_bytes"]
+        out["quarantined"] = len(self._find("quarantine"))
+        return out
+
+    # -- the reuse loop -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, tokens, model=None, **generate_kwargs):
+        """Persisted agent memory in one call: the longest stored prefix of ``tokens`` is restored, the model
+        runs on the rest and generates (``generate_kwargs`` go to ``model.generate``), and the whole session
+        - prompt and answer - is stored.  Returns ``(output ids [1, n + new], session key, tokens reused)``."""
+        from .tokens.plan import cache_kwarg
+
+        model = self.model if model is None else model
+        if model is None:
+            raise ConfigError("Store.generate needs a model")
+        mdl, _ = split_model(model)
+        ids = torch.from_numpy(token_ids(tokens))[None].to(next(mdl.parameters()).device)
+        n, cache = self.match(ids[:, :-1], model)  # generate() must feed at least the last prompt token
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=mdl.config) if cache is None else cache
+        out = mdl.generate(ids, **{cache_kwarg(mdl): cache}, return_dict_in_generate=True, **generate_kwargs)
+        seq = out.sequences
+        held = to_canonical(out.past_key_values).seq_len
+        key = self.put(out.past_key_values, model, tokens=seq[:, :held])
+        return seq, key, n

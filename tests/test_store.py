@@ -1,0 +1,293 @@
+"""kvcodec.Store: sessions as content-addressed chunks on a local directory and on a real S3-compatible server
+(moto, started on loopback), through fsspec as users would; crash and concurrency safety with real processes
+killed by SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.store import token_ids
+
+from .common import VOCAB, greedy_from, model_cache, tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _session(prefix, tail, layers=2, heads=2, dim=8, seed=0, dtype=torch.bfloat16):
+    """A cache whose position i is a function of (token i, its predecessors' count): equal prefixes give
+    equal tensors, as a model's cache would."""
+    ids = torch.cat([prefix, tail], 1)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(VOCAB, layers, 2, heads, dim, generator=g)
+    pos = torch.arange(ids.shape[1], dtype=torch.float32)[:, None, None, None, None] * 1e-3
+    t = (table[ids[0]] + pos).to(dtype)  # [n, layers, 2, heads, dim]
+    keys = [t[:, i, 0].permute(1, 0, 2)[None].contiguous() for i in range(layers)]
+    values = [t[:, i, 1].permute(1, 0, 2)[None].contiguous() for i in range(layers)]
+    return kvcodec.KVCache(keys, values), ids
+
+
+def _ids(n, seed):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
+    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    prefix = _ids(100, 1)
+    keys, caches = [], []
+    for i in range(6):
+        kv, ids = _session(prefix, _ids(10 + 5 * i, 100 + i))
+        keys.append(store.put(kv, tokens=ids))
+        caches.append(kv)
+    st = store.stats()
+    assert st["sessions"] == 6
+    # the 3 full chunks of the prefix once, then each session's own chunks from position 96 on
+    assert st["chunks"] == 3 + sum(-(-(kv.seq_len - 96) // 32) for kv in caches) == 3 + 8
+    for key, kv in zip(keys, caches):  # every session back, bit for bit, with its tokens
+        back = store.get(key, output="kvcache")
+        assert back.equal(kv) and back.tokens.shape == (1, kv.seq_len)
+    assert store.put(caches[0], tokens=store.tokens(keys[0])) == keys[0]  # idempotent: same key, nothing new
+    assert store.stats()["chunks"] == st["chunks"]
+
+
+def test_match_finds_the_longest_stored_prefix_to_the_granularity(tmp_path):
+    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    prefix = _ids(70, 2)
+    kv, ids = _session(prefix, _ids(30, 3))
+    store.put(kv, tokens=ids)
+    for shared, expect in ((100, 100), (70, 64), (75, 72), (31, 24), (5, 0)):
+        q = torch.cat([ids[:, :shared], _ids(12, 50 + shared)], 1) if shared < 100 else ids
+        n, cache = store.match(q, dtype=torch.bfloat16, output="kvcache")
+        assert n == expect, (shared, n)
+        if n:
+            assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(cache.keys, kv.keys))
+        else:
+            assert cache is None
+    assert store.match(ids[0].tolist(), dtype=torch.bfloat16)[0] == 100  # a plain list works too
+    # another dtype (or model, or codec configuration) is another namespace: nothing matches there
+    assert store.match(ids, dtype=torch.float16)[0] == 0
+
+
+def test_real_model_round_trip_and_the_reuse_loop(tmp_path):
+    """With a model: tokens recovered from the cache, match -> prefill the rest -> same logits as a full
+    prefill; Store.generate() continues as plain generate() and reuses more each turn."""
+    model = tiny_model("llama")
+    store = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+    ids = _ids(40, 5)
+    cache = model_cache(model, ids)
+    key = store.put(cache)  # tokens recovered from the cache
+    assert torch.equal(store.tokens(key), ids)
+    assert kvcodec.to_canonical(store.get(key)).equal(kvcodec.to_canonical(cache))
+    q = torch.cat([ids, _ids(6, 6)], 1)
+    n, restored = store.match(q)
+    assert n == 40
+    a, b = greedy_from(model, q, model_cache(model, q[:, :40]), restored, 5)
+    assert torch.equal(a, b)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    seq, key2, reused = store.generate(q, **kw)
+    assert reused == 40 and torch.equal(seq, model.generate(q, **kw))
+    seq2, _, reused2 = store.generate(torch.cat([seq, _ids(3, 7)], 1), **kw)
+    held = seq.shape[1] - 1  # the previous turn's cache: all but its last token (generate() never fed it)
+    assert held - 4 < reused2 <= held  # to the store's granularity (4 tokens here)
+    other = tiny_model("qwen2")  # another model: another namespace, never a hit
+    assert store.match(q, other)[0] == 0
+
+
+def test_caches_a_store_cannot_chunk_are_refused_by_name(tmp_path):
+    store = kvcodec.Store(tmp_path)
+    kv, ids = _session(_ids(4, 1), _ids(4, 2))
+    two = kvcodec.KVCache([torch.cat([k, k]) for k in kv.keys], [torch.cat([v, v]) for v in kv.values])
+    with pytest.raises(kvcodec.UnsupportedCache, match="batch 2"):
+        store.put(two, tokens=ids)
+    shifted = kvcodec.KVCache(kv.keys, kv.values, start_position=3)
+    with pytest.raises(kvcodec.UnsupportedCache, match="position"):
+        store.put(shifted, tokens=ids)
+    with pytest.raises(kvcodec.ConfigError, match="tokens"):
+        store.put(kv)  # no model to recover them
+    with pytest.raises(kvcodec.ConfigError, match="token ids"):
+        store.put(kv, tokens=ids[:, :3])
+    with pytest.raises(kvcodec.ConfigError, match="tier"):
+        kvcodec.Store(tmp_path, tier="exact")
+    with pytest.raises(kvcodec.ConfigError):
+        token_ids(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_lossy_store(tmp_path):
+    store = kvcodec.Store(tmp_path, tier="lossy", bits=4, chunk_tokens=64)
+    kv, ids = _session(_ids(100, 1), _ids(28, 2), dim=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny chunks cannot meet bits= (side information): not what is tested
+        key = store.put(kv, tokens=ids)
+    back = store.get(key, output="kvcache")
+    rel = max(float((a.float() - b.float()).norm() / a.float().norm()) for a, b in zip(kv.keys, back.keys))
+    assert 0 < rel < 0.2
+    assert kvcodec.Store(tmp_path).namespaces() == [key.split(":")[0]]
+
+
+def test_corrupt_objects_are_quarantined_never_returned(tmp_path):
+    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    kv, ids = _session(_ids(40, 1), _ids(8, 2))
+    key = store.put(kv, tokens=ids)
+    chunk = sorted((tmp_path / "ns").rglob("chunks/*/*.kvz"))[1]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n, _ = store.match(ids, dtype=torch.bfloat16)
+    assert n < 48 and any("quarantine" in str(w.message) for w in caught)
+    assert not chunk.exists() and store.stats()["quarantined"] == 1
+    with pytest.raises(FileNotFoundError):  # the chunk is gone: the session is incomplete, never wrong
+        store.get(key)
+    store.put(kv, tokens=ids)  # putting the session again repairs it
+    assert store.get(key, output="kvcache").equal(kv)
+    manifest = next((tmp_path / "ns").rglob("sessions/*/*.json"))
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    with pytest.raises(kvcodec.FormatError):
+        store.get(key)
+    with pytest.raises(KeyError):
+        store.get(key)  # quarantined: no longer there
+
+
+def test_gc_removes_only_unreferenced_objects_older_than_the_grace(tmp_path):
+    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    kept, ids = _session(_ids(30, 1), _ids(10, 2))
+    gone, ids2 = _session(_ids(30, 3), _ids(10, 4))
+    k1, k2 = store.put(kept, tokens=ids), store.put(gone, tokens=ids2)
+    store.delete(k2)
+    assert store.gc()["chunks"] == 0  # younger than the default grace (a writer may be publishing them)
+    removed = store.gc(grace_seconds=0)
+    assert removed["chunks"] == 3 and removed["pointers"] > 0
+    assert store.get(k1, output="kvcache").equal(kept) and list(store) == [k1]
+    with pytest.raises(KeyError):
+        store.delete(k2)
+
+
+# -- processes: concurrency and kill -9 ----------------------------------------------------------------------
+WRITER = textwrap.dedent("""
+    import os, random, signal, sys, time
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {root!r})
+    import kvcodec
+    from tests.test_store import _session, _ids
+    store = kvcodec.Store({url!r}, chunk_tokens=32, granularity=8)
+    mode = {mode!r}
+    prefix = _ids(200, 1)
+    def put(i):
+        kv, ids = _session(prefix, _ids(20 + i % 50, 1000 + i), layers=4, heads=4, dim=32)
+        store.put(kv, tokens=ids)
+    put(0)  # JIT and imports done before the first fork
+    if mode == "concurrent":
+        kids = []
+        for w in range(4):
+            pid = os.fork()
+            if pid == 0:
+                for i in range(12):
+                    put(w * 7 + i)  # overlapping sessions between writers
+                os._exit(0)
+            kids.append(pid)
+        sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids))
+    rng = random.Random(7)
+    for trial in range({trials}):
+        pid = os.fork()
+        if pid == 0:
+            i = trial * 1000
+            while True:
+                put(i)
+                i += 1
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    print("trials done")
+""")
+
+
+def _run_writer(url, mode, trials=0, timeout=600):
+    code = WRITER.format(root=str(ROOT), url=str(url), mode=mode, trials=trials)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def _check_every_session(store):
+    for key in store:
+        kv = store.get(key, output="kvcache")
+        prefix = _ids(200, 1)
+        tail = kv.tokens[:, 200:]
+        want, _ = _session(prefix, tail, layers=4, heads=4, dim=32)
+        assert kv.equal(want), key
+
+
+def test_concurrent_writers_of_the_same_chunks(tmp_path):
+    r = _run_writer(tmp_path, "concurrent")
+    assert r.returncode == 0, r.stderr[-3000:]
+    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    assert len(store.sessions()) == 33  # sessions 0 .. 32, most written by two writers at once
+    _check_every_session(store)
+    assert store.gc(grace_seconds=0)["temporary"] == 0
+
+
+def test_a_writer_killed_at_any_moment_leaves_no_visible_partial_entry(tmp_path):
+    """50 writers killed by SIGKILL at random moments of their puts: every visible session decodes exactly,
+    and gc removes the debris (temporary files, chunks of sessions never published)."""
+    r = _run_writer(tmp_path, "kill", trials=50)
+    assert r.returncode == 0 and "trials done" in r.stdout, r.stderr[-3000:]
+    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    temps = [p for p in tmp_path.rglob("*") if p.name.endswith(".kvz-tmp")]
+    _check_every_session(store)
+    removed = store.gc(grace_seconds=0)
+    assert removed["temporary"] == len(temps)
+    assert removed["temporary"] + removed["chunks"] + removed["pointers"] > 0, "no kill landed inside a put"
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".kvz-tmp")]
+    _check_every_session(store)
+    assert store.gc(grace_seconds=0) == {"chunks": 0, "pointers": 0, "temporary": 0, "bytes": 0}
+
+
+# -- S3: a real S3-compatible server on loopback ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3_server():
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": endpoint})
+    fs.mkdir("kvz-test")
+    yield endpoint
+    server.stop()
+
+
+def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server}}
+    store = kvcodec.Store("s3://kvz-test/memory", storage_options=opts, chunk_tokens=16, granularity=4)
+    prefix = _ids(40, 1)
+    keys, caches = [], []
+    for i in range(3):
+        kv, ids = _session(prefix, _ids(9 + i, 10 + i))
+        keys.append(store.put(kv, tokens=ids))
+        caches.append(kv)
+    assert store.stats()["chunks"] == 2 + 3 * 2  # 2 shared full chunks, then each tail's 2 chunks
+    for key, kv in zip(keys, caches):
+        assert store.get(key, output="kvcache").equal(kv)
+    n, _ = store.match(torch.cat([prefix, _ids(5, 99)], 1), dtype=torch.bfloat16)
+    assert n == 40
+    # the standard AWS environment variables, as for any fsspec user
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    again = kvcodec.Store("s3://kvz-test/memory", chunk_tokens=16, granularity=4)
+    assert sorted(again) == sorted(keys)
+    store.delete(keys[0])
+    removed = again.gc(grace_seconds=0)
+    assert removed["chunks"] == 2 and store.get(keys[1], output="kvcache").equal(caches[1])
