@@ -312,9 +312,10 @@ class Store:
         lo, hi, best = 1, min(ids.size, self.chunk_tokens - 1) // self.granularity, None  # m = k * granularity
         while lo <= hi:
             k = (lo + hi) // 2
-            raw = self._read(self._pointer_path(ns, chunk_key(nsb, parent, ids[:k * self.granularity])))
-            if raw is not None and len(raw) == POINTER_BYTES and int.from_bytes(raw[32:], "little") == k * self.granularity:
-                best, lo = (raw[:32], k * self.granularity), k + 1
+            m = k * self.granularity
+            raw = self._read(self._pointer_path(ns, chunk_key(nsb, parent, ids[:m])))
+            if raw is not None and len(raw) == POINTER_BYTES and int.from_bytes(raw[32:], "little") == m:
+                best, lo = (raw[:32], m), k + 1
             else:
                 hi = k - 1
         return best

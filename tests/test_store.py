@@ -2,12 +2,9 @@
 (moto, started on loopback), through fsspec as users would; crash and concurrency safety with real processes
 killed by SIGKILL."""
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 
