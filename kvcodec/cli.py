@@ -7,6 +7,7 @@
     kvz verify FILE
     kvz bench [--out DIR] [--tokens N] [--genres ...]
     kvz claims [--out docs]           the seed paper's claims, measured (docs/claims.md)
+    kvz store ls|stats|put|get|rm|gc URL ...      many sessions, shared prefixes stored once (spec/store.md)
 
 Errors print one line and exit non-zero (2 for bad or missing input files and unwritable outputs, 1
 otherwise).  ``--json`` makes every verb that reports print one JSON object.  Existing output
@@ -219,6 +220,90 @@ def cmd_eval(args) -> int:
     return run_eval(args)
 
 
+def cmd_store(args) -> int:
+    from .store import Store
+
+    opts = json.loads(args.storage_options) if args.storage_options else None
+    if opts is not None and not isinstance(opts, dict):
+        raise ConfigError("--storage-options must be a JSON object")
+    if args.action in ("ls", "stats", "gc", "rm", "get"):
+        store = Store(args.url, storage_options=opts)
+    if args.action == "ls":
+        keys = store.sessions()
+        if args.json:
+            print(json.dumps(keys))
+        else:
+            for key in keys:
+                print(key)
+        return 0
+    if args.action == "stats":
+        st = store.stats()
+        if args.json:
+            print(json.dumps(st, indent=2))
+            return 0
+        print(f"{args.url}: {st['sessions']} sessions, {st['chunks']} chunks, {st['pointers']} prefix pointers, "
+              f"{_human(st['bytes'])}, {st['quarantined']} quarantined")
+        for ns, d in st["namespaces"].items():
+            rec = d["record"] or {}
+            model = (rec.get("model") or {}).get("fingerprint", "none")[:16]
+            print(f"  namespace {ns[:16]}…: model {model}…, {rec.get('dtype')}, tier {rec.get('tier')} "
+                  f"{json.dumps(rec.get('options', {}))}, chunks of {rec.get('chunk_tokens')} tokens: "
+                  f"{d['sessions']} sessions, {d['chunks']} chunks ({_human(d['chunk_bytes'])})")
+        return 0
+    if args.action == "gc":
+        removed = store.gc(args.grace)
+        _report(args, f"removed {removed['chunks']} chunks, {removed['pointers']} pointers, {removed['temporary']} "
+                f"temporary files ({_human(removed['bytes'])})", **removed)
+        return 0
+    if args.action == "rm":
+        for key in args.keys:
+            try:
+                store.delete(key)
+            except KeyError:
+                raise ConfigError(f"no session {key}") from None
+        _report(args, f"removed {len(args.keys)} sessions (their chunks go at the next gc)", removed=args.keys)
+        return 0
+    if args.action == "get":
+        from safetensors.torch import save_file
+
+        if len(args.keys) != 1 or not args.output:
+            raise ConfigError("kvz store get URL KEY -o OUT.safetensors")
+        try:
+            kv = store.get(args.keys[0], output="kvcache")
+        except KeyError:
+            raise ConfigError(f"no session {args.keys[0]}") from None
+        if Path(args.output).exists() and not args.force:
+            raise ConfigError(f"{args.output} exists (use -f to replace it)")
+        tensors = {f"layers.{i}.{p}": t.contiguous() for i, (k, v) in enumerate(zip(kv.keys, kv.values))
+                   for p, t in (("keys", k), ("values", v))}
+        tensors["tokens"] = kv.tokens
+        save_file(tensors, args.output)
+        _report(args, f"{args.output}: {kv.seq_len} tokens, {kv.num_layers} layers", file=args.output,
+                tokens=kv.seq_len)
+        return 0
+    # put: a model's cache over a text file, or a cache saved as safetensors
+    from .models import prefill, tokenize
+
+    if (args.text is None) == (args.cache is None):
+        raise ConfigError("kvz store put URL (--text FILE | --cache FILE.safetensors)")
+    if args.cache is not None:
+        kv = _cache_from_safetensors(args.cache)
+        model = _load_model(args.model, kv.dtype_name) if kv.tokens is None else None
+        cache, ids = kv, kv.tokens
+    else:
+        model = _load_model(args.model, args.dtype)
+        ids = tokenize(model[1], Path(args.text).read_text(encoding="utf-8"), args.max_tokens)
+        cache = prefill(model[0], ids)
+    store = Store(args.url, model, storage_options=opts, chunk_tokens=args.chunk_tokens)
+    n = store.match(ids, model, dtype=None if model else cache.dtype)[0] if ids is not None else 0
+    bar = _progress(int(ids.shape[-1]) if ids is not None else 0, "storing", "token")
+    key = store.put(cache, model, tokens=ids, progress=bar.update)
+    bar.close()
+    _report(args, f"{key}  ({n} of {int(ids.shape[-1]) if ids is not None else '?'} tokens were already stored)",
+            key=key, already_stored=n)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .lab.demo import run_demo
 
@@ -334,6 +419,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files", nargs="*", help="corpus file names (default: all)")
     s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")
     s.set_defaults(func=cmd_claims)
+
+    s = sub.add_parser("store", help="many sessions on a directory or object storage, each shared prefix stored "
+                                     "once (spec/store.md)")
+    s.add_argument("action", choices=["ls", "stats", "put", "get", "rm", "gc"],
+                   help="ls: session keys; stats: counts and bytes; put: store a session; get: a session to "
+                        "safetensors; rm: delete sessions; gc: remove unreferenced chunks and debris")
+    s.add_argument("url", help="the store: a directory, file://..., s3://bucket/prefix or any fsspec URL")
+    s.add_argument("keys", nargs="*", help="get / rm: session keys (as ls prints them)")
+    s.add_argument("--text", help="put: UTF-8 text file: the model's cache over its first --max-tokens tokens")
+    s.add_argument("--cache", help="put: a cache saved as safetensors, as `kvz decode` writes it (with tokens, or "
+                                   "the model recovers them)")
+    s.add_argument("--model", default="smollm2", help="put: embedded model name or local model directory")
+    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="put --text: the model's dtype")
+    s.add_argument("--max-tokens", type=int, default=2048, help="put --text: tokens of the text to run")
+    s.add_argument("--chunk-tokens", type=int, default=256, help="put: positions per chunk (part of the namespace)")
+    s.add_argument("-o", "--output", help="get: the safetensors file to write")
+    s.add_argument("-f", "--force", action="store_true", help="get: replace an existing output file")
+    s.add_argument("--grace", type=float, default=None,
+                   help="gc: only remove objects older than this many seconds (default 3600)")
+    s.add_argument("--storage-options", default=None,
+                   help='fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\'')
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_store)
 
     s = sub.add_parser("demo", help="the main job: SmolLM2 cache -> .kvz -> back, bit-identical, generation identical")
     s.add_argument("--text", help="text file (default: a shipped public-domain excerpt)")

@@ -73,6 +73,14 @@ def chunk_key(namespace: bytes, parent: bytes, ids: np.ndarray) -> bytes:
     return hashlib.sha256(CHUNK_MAGIC + namespace + parent + ids.astype("<u4").tobytes()).digest()
 
 
+def _pointer_lengths(n: int, chunk_tokens: int, granularity: int) -> range:
+    """The prefix lengths of a chunk of ``n`` tokens that get a pointer: every multiple of ``granularity`` up
+    to n (a whole chunk of ``chunk_tokens`` is found by its own key instead); none for granularity 0."""
+    if not granularity:
+        return range(0)
+    return range(granularity, min(n, chunk_tokens - 1) + 1, granularity)
+
+
 def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -91,12 +99,15 @@ class Store:
     """
 
     def __init__(self, url, model=None, storage_options: dict | None = None, *, chunk_tokens: int = 256,
-                 granularity: int = 16, tier: str = "lossless", grace_seconds: float = 3600.0, **tier_options):
+                 granularity: int | None = None, tier: str = "lossless", grace_seconds: float = 3600.0,
+                 **tier_options):
         import fsspec
 
         if tier not in CHUNK_TIERS:
             raise ConfigError(f"a store keeps chunks in tier {CHUNK_TIERS}, not {tier!r} (the token tiers are "
                               "a session's own business: save() them)")
+        if granularity is None:  # 16 tokens, or half a chunk for small chunks
+            granularity = 16 if chunk_tokens > 16 else chunk_tokens // 2
         if not 1 <= chunk_tokens <= 1 << 20 or not 0 <= granularity < chunk_tokens:
             raise ConfigError("chunk_tokens must be in [1, 2**20] and granularity in [0, chunk_tokens)")
         url = os.fspath(url)
@@ -188,6 +199,31 @@ class Store:
             self._namespaces[ns] = record
         return ns
 
+    def record(self, ns: str) -> dict:
+        """A namespace's record (``namespace.json``, checked against its id): what its sessions were written
+        with - ``chunk_tokens`` and ``granularity`` included - whatever this Store object was opened with."""
+        if ns not in self._namespaces:
+            path = self._path("ns", ns, "namespace.json")
+            raw = self._read(path)
+            if raw is None:
+                raise KeyError(f"namespace {ns}")
+            try:
+                if hashlib.sha256(raw).hexdigest() != ns:
+                    raise FormatError("namespace.json does not hash to its namespace id", field="Namespace")
+                rec = json.loads(raw)
+                if rec.get("format") != FORMAT + "-namespace" or rec.get("version") != VERSION or not (
+                        isinstance(rec.get("chunk_tokens"), int) and 1 <= rec["chunk_tokens"] <= 1 << 20
+                        and isinstance(rec.get("granularity"), int)
+                        and 0 <= rec["granularity"] < rec["chunk_tokens"]):
+                    raise FormatError("not a kvz-store namespace record of this version", field="Namespace.format")
+            except (ValueError, FormatError) as e:
+                err = e if isinstance(e, FormatError) else FormatError(f"corrupt namespace record: {e}",
+                                                                       field="Namespace")
+                self._quarantine(path, err)
+                raise err from None
+            self._namespaces[ns] = rec
+        return self._namespaces[ns]
+
     def _encoder_options(self) -> dict:
         return {k: self.tier_options[k] for k in sorted(self.tier_options)}
 
@@ -218,7 +254,7 @@ class Store:
                                start_position=a)
                 # a fixed info: the same tokens give the same bytes whatever the kvcodec version that wrote them
                 self._write(path, self._encoder.encode(part, info={"kvcodec_store": VERSION}))
-            for m in self._pointer_lengths(b - a):
+            for m in _pointer_lengths(b - a, self.chunk_tokens, self.granularity):
                 pointer = self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + m]))
                 old = self._read(pointer)
                 # another chunk with the same first m tokens may own it; re-point it if that one was collected
@@ -227,7 +263,7 @@ class Store:
             parent = key
             if progress:
                 progress(b - a)
-        session = parent.hex() if n else chunk_key(nsb, ROOT_PARENT, ids).hex()
+        session = parent.hex()
         manifest = _canonical({"format": FORMAT + "-session", "version": VERSION, "namespace": ns,
                                "num_tokens": int(n), "ids": base64.b64encode(
                                    zstandard.ZstdCompressor(level=19).compress(ids.astype("<u4").tobytes())).decode()})
@@ -243,6 +279,8 @@ class Store:
             raise UnsupportedCache("layers with recurrent / conv state or indexer keys have no per-token slices "
                                    "to share between sessions: save() such a cache as one .kvz file")
         n = kv.seq_len
+        if n == 0:
+            raise ConfigError("an empty cache is not a session")
         if kv.start_position != 0 or any(k.shape[2] != n or c != n for k, c in zip(kv.keys, kv.cumulative_length)):
             raise UnsupportedCache("a store chunks caches by position from 0: this cache does not start at 0 or a "
                                    "sliding-window layer dropped tokens (save() it as one .kvz file)")
@@ -296,13 +334,6 @@ class Store:
         if not n:
             return 0, None
         return n, self._output(parts, output)
-
-    def _pointer_lengths(self, n: int) -> range:
-        """The prefix lengths of a chunk of ``n`` tokens that get a pointer: every multiple of ``granularity`` up
-        to n (a whole chunk of ``chunk_tokens`` is found by its own key instead)."""
-        if not self.granularity:
-            return range(0)
-        return range(self.granularity, min(n, self.chunk_tokens - 1) + 1, self.granularity)
 
     def _longest_pointer(self, ns: str, nsb: bytes, parent: bytes, ids: np.ndarray):
         """(chunk key, m) for the largest multiple m of ``granularity`` with a pointer, or None.  Pointers of a
@@ -393,8 +424,9 @@ class Store:
         or corrupt chunk raises (the corrupt one is quarantined)."""
         ns, m = self._manifest(key)
         ids, nsb, parent, parts = m["ids"], bytes.fromhex(ns), ROOT_PARENT, []
-        for a in range(0, ids.size, self.chunk_tokens):
-            b = min(ids.size, a + self.chunk_tokens)
+        size = self.record(ns)["chunk_tokens"]
+        for a in range(0, ids.size, size):
+            b = min(ids.size, a + size)
             parent = chunk_key(nsb, parent, ids[a:b])
             parts.append(self._load_chunk(ns, parent, a, b - a, strict=True))
         if not parts:
@@ -439,24 +471,30 @@ class Store:
             raise KeyError(key)
         self.fs.rm(path)
 
-    def _referenced(self) -> set[str]:
-        """Paths of every chunk and pointer some session needs."""
-        keep = set()
+    def _referenced(self) -> tuple[set[str], set[str]]:
+        """Paths of every chunk and pointer some session needs, and the namespaces whose record cannot be read
+        (nothing in them may be collected: which chunks their sessions need is unknown)."""
+        keep, unknown = set(), set()
         for key in self.sessions():
             try:
-                ns, m = self._manifest(key)
+                ns, m = self._manifest(key)  # a corrupt manifest is quarantined: its session is gone
             except (KeyError, KvzError):
                 continue
+            try:
+                rec = self.record(ns)
+            except (KeyError, KvzError):
+                unknown.add(ns)
+                continue
             ids, nsb, parent = m["ids"], bytes.fromhex(ns), ROOT_PARENT
-            for a in range(0, ids.size, self.chunk_tokens):
-                b = min(ids.size, a + self.chunk_tokens)
+            size, step = rec["chunk_tokens"], rec["granularity"]
+            for a in range(0, ids.size, size):
+                b = min(ids.size, a + size)
                 key_ = chunk_key(nsb, parent, ids[a:b])
                 keep.add(self._chunk_path(ns, key_))
-                if self.granularity:
-                    keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + g]))
-                                for g in self._pointer_lengths(b - a))
+                keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + g]))
+                            for g in _pointer_lengths(b - a, size, step))
                 parent = key_
-        return keep
+        return keep, unknown
 
     def _age(self, path: str) -> float:
         info = self.fs.info(path)
@@ -470,9 +508,12 @@ class Store:
         they are older than ``grace_seconds`` (default: the store's): a writer still publishing is never
         collected.  Returns what it removed."""
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
-        keep = {p.lstrip("/") for p in self._referenced()}
+        keep, unknown = self._referenced()
+        keep = {p.lstrip("/") for p in keep}
         removed = {"chunks": 0, "pointers": 0, "temporary": 0, "bytes": 0}
         for ns in self.namespaces():
+            if ns in unknown:
+                continue
             for kind, sub in (("chunks", "chunks"), ("pointers", "prefix")):
                 for p in self._find("ns", ns, sub):
                     name = os.path.basename(p)

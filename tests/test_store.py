@@ -288,3 +288,36 @@ def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     store.delete(keys[0])
     removed = again.gc(grace_seconds=0)
     assert removed["chunks"] == 2 and store.get(keys[1], output="kvcache").equal(caches[1])
+
+
+def test_command_line(tmp_path, capsys):
+    import json
+
+    from safetensors.torch import save_file
+
+    from kvcodec.cli import main
+
+    kv, ids = _session(_ids(40, 1), _ids(9, 2))
+    t = {f"layers.{i}.{p}": x for i, (k, v) in enumerate(zip(kv.keys, kv.values))
+         for p, x in (("keys", k), ("values", v))}
+    save_file({**t, "tokens": ids}, str(tmp_path / "c.safetensors"))
+    url = str(tmp_path / "store")
+    put = ["store", "put", url, "--cache", str(tmp_path / "c.safetensors"), "--chunk-tokens", "16", "--json"]
+    assert main(put) == 0 and json.loads(capsys.readouterr().out)["already_stored"] == 0
+    assert main(put) == 0 and json.loads(capsys.readouterr().out)["already_stored"] == 49
+    assert main(["store", "ls", url, "--json"]) == 0
+    (key,) = json.loads(capsys.readouterr().out)
+    assert main(["store", "stats", url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["sessions"] == 1 and st["chunks"] == 4
+    out = tmp_path / "back.safetensors"
+    assert main(["store", "get", url, key, "-o", str(out)]) == 0
+    from kvcodec.cli import _cache_from_safetensors
+
+    assert _cache_from_safetensors(str(out)).equal(kv)
+    assert main(["store", "rm", url, key]) == 0
+    assert main(["store", "gc", url, "--grace", "0", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["store", "get", url, key, "-o", str(out), "-f"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no session" in err[0]
