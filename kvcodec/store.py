@@ -157,6 +157,15 @@ class Store:
         except FileNotFoundError:
             return None
 
+    def _touch(self, path: str) -> None:
+        """Mark a chunk as used now (its modification time: what ``gc(max_bytes=)`` evicts by).  Local file
+        systems only: object stores have no cheap way to update a time, so there eviction is by age."""
+        if self._local:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
     def _exists(self, path: str) -> bool:
         try:
             return bool(self.fs.exists(path))
@@ -373,7 +382,21 @@ class Store:
             if strict:
                 raise
             return None
+        self._touch(path)
         return KVCache([k[:, :, :m] for k in kv.keys], [v[:, :, :m] for v in kv.values], start_position=start)
+
+    @torch.no_grad()
+    def _recompute(self, model, parts: list[KVCache], ids: np.ndarray, a: int) -> KVCache:
+        """Positions ``a ..`` of a session, computed by the model on top of the stored ``parts`` (one call)."""
+        from .tokens.plan import cache_kwarg
+
+        mdl, _ = split_model(model)
+        prefix = self._output(parts, "dynamic") if parts else None
+        kw = {} if prefix is None else {cache_kwarg(mdl): prefix}
+        out = mdl(torch.from_numpy(ids[a:])[None].to(next(mdl.parameters()).device), use_cache=True, **kw)
+        full = to_canonical(out.past_key_values)
+        return KVCache([k[:, :, a:].cpu() for k in full.keys], [v[:, :, a:].cpu() for v in full.values],
+                       start_position=a)
 
     @staticmethod
     def _output(parts: list[KVCache], output: str):
@@ -419,16 +442,29 @@ class Store:
         """A stored session's token ids ``[1, n]``."""
         return torch.from_numpy(self._manifest(key)[1]["ids"])[None]
 
-    def get(self, key: str, *, output: str = "dynamic"):
-        """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens).  A missing
-        or corrupt chunk raises (the corrupt one is quarantined)."""
+    def get(self, key: str, model=None, *, output: str = "dynamic"):
+        """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens).
+
+        A session whose chunks were evicted (``gc(max_bytes=)``) or quarantined is **cold**: with a model (this
+        store's or ``model=``) the missing positions are recomputed on top of the stored prefix - a valid cache
+        of the session's tokens, equal to the original where the engine computes the same way; without one,
+        the missing chunk raises (``FileNotFoundError``; a corrupt one its :class:`KvzError`)."""
+        model = self.model if model is None else model
         ns, m = self._manifest(key)
         ids, nsb, parent, parts = m["ids"], bytes.fromhex(ns), ROOT_PARENT, []
         size = self.record(ns)["chunk_tokens"]
         for a in range(0, ids.size, size):
             b = min(ids.size, a + size)
             parent = chunk_key(nsb, parent, ids[a:b])
-            parts.append(self._load_chunk(ns, parent, a, b - a, strict=True))
+            try:
+                parts.append(self._load_chunk(ns, parent, a, b - a, strict=True))
+            except (FileNotFoundError, KvzError) as e:
+                if model is None:
+                    if isinstance(e, FileNotFoundError):
+                        raise FileNotFoundError(f"{e} (evicted or quarantined): pass model= to recompute it") from None
+                    raise
+                parts.append(self._recompute(model, parts, ids, a))
+                break
         if not parts:
             raise ConfigError(f"session {key} holds no tokens")
         kv = self._output(parts, "kvcache")
@@ -503,10 +539,13 @@ class Store:
             t = t.timestamp()
         return time.time() - float(t) if t is not None else float("inf")
 
-    def gc(self, grace_seconds: float | None = None) -> dict:
+    def gc(self, grace_seconds: float | None = None, max_bytes: int | None = None) -> dict:
         """Remove chunks and pointers no session references, and interrupted writers' temporary files, once
         they are older than ``grace_seconds`` (default: the store's): a writer still publishing is never
-        collected.  Returns what it removed."""
+        collected.  With ``max_bytes``, then evict the least recently used chunks (local file systems: last
+        read or written; object stores: written) until the chunks take at most that many bytes: their
+        sessions become cold - :meth:`get` recomputes what is missing with the model, :meth:`match` stops
+        before it.  Returns what it removed."""
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
         keep, unknown = self._referenced()
         keep = {p.lstrip("/") for p in keep}
@@ -528,7 +567,29 @@ class Store:
                 if name.startswith(".") and name.endswith(".kvz-tmp") and self._age(p) >= grace:
                     self.fs.rm(p)
                     removed["temporary"] += 1
+        if max_bytes is not None:
+            removed["evicted"], removed["evicted_bytes"] = self._evict(int(max_bytes))
         return removed
+
+    def _evict(self, max_bytes: int) -> tuple[int, int]:
+        """Delete the least recently used chunks until the chunks of every namespace take ``max_bytes``."""
+        chunks = []
+        for ns in self.namespaces():
+            try:
+                found = self.fs.find(self._path("ns", ns, "chunks"), detail=True)
+            except FileNotFoundError:
+                continue
+            for p, info in found.items():
+                if not os.path.basename(p).startswith("."):
+                    t = info.get("mtime") or info.get("LastModified") or 0
+                    chunks.append((t.timestamp() if hasattr(t, "timestamp") else float(t), p, int(info.get("size", 0))))
+        total, count, freed = sum(c[2] for c in chunks), 0, 0
+        for _t, p, size in sorted(chunks):
+            if total <= max_bytes:
+                break
+            self.fs.rm(p)
+            total, count, freed = total - size, count + 1, freed + size
+        return count, freed
 
     def stats(self) -> dict:
         """Counts and bytes: sessions, chunks, pointers, quarantined objects, per namespace and in total."""

@@ -3,6 +3,7 @@
 killed by SIGKILL."""
 
 import subprocess
+import time
 import sys
 import textwrap
 import warnings
@@ -321,3 +322,36 @@ def test_command_line(tmp_path, capsys):
     assert main(["store", "get", url, key, "-o", str(out), "-f"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no session" in err[0]
+
+
+def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them(tmp_path):
+    model = tiny_model("llama")
+    store = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+    prefix = _ids(32, 1)
+    sessions = {}
+    for i in range(3):
+        ids = torch.cat([prefix, _ids(20, 10 + i)], 1)
+        cache = model_cache(model, ids)
+        sessions[store.put(cache, tokens=ids)] = (ids, kvcodec.to_canonical(cache))
+        time.sleep(0.02)  # distinct modification times
+    first = next(iter(sessions))
+    store.get(first)  # used now: its chunks are the most recent
+    before = store.stats()["namespaces"]
+    total = sum(d["chunk_bytes"] for d in before.values())
+    removed = store.gc(max_bytes=total // 2)
+    assert removed["evicted"] > 0 and removed["evicted_bytes"] >= total - total // 2 - 1
+    kept_first = store.get(first, output="kvcache")  # the recently used session is still whole
+    assert kept_first.equal(sessions[first][1])
+    cold = [k for k in sessions if k != first]
+    plain = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)  # no model: a cold session cannot be read
+    with pytest.raises(FileNotFoundError, match="model="):
+        for k in cold:
+            plain.get(k)
+    for k in cold:  # with the model, the missing positions are recomputed on top of what is stored
+        ids, original = sessions[k]
+        back = store.get(k, output="kvcache")
+        assert back.seq_len == original.seq_len
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(back.keys, original.keys))
+        a, b = greedy_from(model, torch.cat([ids, _ids(2, 3)], 1), original.to_dynamic_cache(),
+                           back.to_dynamic_cache(), 4)
+        assert torch.equal(a, b)
