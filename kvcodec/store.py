@@ -50,6 +50,7 @@ VERSION = 1
 CHUNK_MAGIC = b"kvcodec-store-chunk-v1\x00"
 ROOT_PARENT = bytes(32)
 POINTER_BYTES = 36  # chunk key (32) + u32 LE token count
+MAX_BASE_DEPTH = 64  # delta chunks on delta chunks: a bound a hostile store cannot exceed
 MAX_MANIFEST_BYTES = 64 << 20
 #: tiers a store keeps chunks in (the direct tiers: restoring a chunk needs no model)
 CHUNK_TIERS = ("lossless", "lossy")
@@ -259,10 +260,16 @@ class Store:
             key = chunk_key(nsb, parent, ids[a:b])
             path = self._chunk_path(ns, key)
             if not self._exists(path):
-                part = KVCache([k[:, :, a:b] for k in kv.keys], [v[:, :, a:b] for v in kv.values],
-                               start_position=a)
-                # a fixed info: the same tokens give the same bytes whatever the kvcodec version that wrote them
-                self._write(path, self._encoder.encode(part, info={"kvcodec_store": VERSION}))
+                # a stored chunk under the same parent that starts with the same tokens (a prefix pointer, then
+                # its token ids for the exact common length): store only what follows, as a delta chunk
+                base, m = self._common_prefix(ns, nsb, parent, ids[a:b], a)
+                m = min(m, b - a - 1)
+                info = {"kvcodec_store": VERSION}  # fixed: the same tokens give the same bytes in any version
+                if m > 0:
+                    info.update(base=base.hex(), base_tokens=int(m))
+                part = KVCache([k[:, :, a + m:b] for k in kv.keys], [v[:, :, a + m:b] for v in kv.values],
+                               torch.from_numpy(ids[a + m:b])[None], start_position=a + m)
+                self._write(path, self._encoder.encode(part, info=info))
             for m in _pointer_lengths(b - a, self.chunk_tokens, self.granularity):
                 pointer = self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + m]))
                 old = self._read(pointer)
@@ -329,9 +336,9 @@ class Store:
                 plan.append((key, b - a))
                 parent, a = key, b
                 continue
-            used = self._longest_pointer(ns, nsb, parent, ids[a:b])
-            if used:
-                plan.append(used)
+            base, m = self._common_prefix(ns, nsb, parent, ids[a:b], a)
+            if m:
+                plan.append((base, m))
             break
         parts, n = [], 0
         for key, m in plan:
@@ -360,30 +367,93 @@ class Store:
                 hi = k - 1
         return best
 
-    def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool) -> KVCache | None:
-        """The first ``m`` positions of a chunk, checked (its start and length); a corrupt chunk is
-        quarantined and raises (``strict``) or reads as a miss."""
-        from .api import decode
+    def _common_prefix(self, ns: str, nsb: bytes, parent: bytes, ids: np.ndarray, start: int) -> tuple[bytes, int]:
+        """(a stored chunk under ``parent``, how many of ``ids`` it starts with): the longest prefix pointer,
+        extended to the exact common length with that chunk's token ids; (b"", 0) when none."""
+        hit = self._longest_pointer(ns, nsb, parent, ids)
+        if hit is None:
+            return b"", 0
+        base, m = hit
+        try:
+            held = self._chunk_ids(ns, base, start)
+        except (FileNotFoundError, KvzError):
+            return b"", 0
+        n = min(held.size, ids.size)
+        diff = np.flatnonzero(held[:n] != ids[:n])
+        common = int(diff[0]) if diff.size else n
+        return (base, common) if common >= m else (b"", 0)
+
+    def _chunk_header(self, ns: str, key: bytes, start: int) -> tuple[int, bytes | None, int, np.ndarray]:
+        """(its first position, base chunk key or None, base tokens, the token ids it holds) of a chunk object,
+        read from its header and tokens section only (range reads on object storage)."""
+        from .file import KvzFile
+
+        path = self._chunk_path(ns, key)
+        try:
+            with self.fs.open(path, "rb") as fh, KvzFile(fh) as f:
+                h, ids = f.header, f.tokens()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"chunk {key.hex()} is not stored") from None
+        except KvzError as e:
+            self._quarantine(path, e)
+            raise
+        info = h.raw.get("info") or {}
+        base, m = info.get("base"), info.get("base_tokens", 0)
+        held = ids[0].numpy() if ids is not None else None
+        if held is None or h.batch != 1 or h.start_position != start + (m if base else 0) or (
+                base is not None and not (isinstance(base, str) and len(base) == 64 and isinstance(m, int) and m > 0)):
+            err = FormatError(f"chunk {key.hex()[:16]}… does not describe positions from {start} (start "
+                              f"{h.start_position}, base {base!r}, token ids "
+                              f"{'stored' if held is not None else 'missing'})", field="Header.info")
+            self._quarantine(path, err)
+            raise err
+        return h.start_position, None if base is None else bytes.fromhex(base), m if base else 0, held
+
+    def _chunk_ids(self, ns: str, key: bytes, start: int, depth: int = 0) -> np.ndarray:
+        """Every token id of a chunk (a delta chunk's base's first, then its own)."""
+        first, base, m, held = self._chunk_header(ns, key, start)
+        if base is None:
+            return held
+        if depth > MAX_BASE_DEPTH:
+            raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
+        return np.concatenate([self._chunk_ids(ns, base, start, depth + 1)[:m], held])
+
+    def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0) -> KVCache | None:
+        """The first ``m`` positions of a chunk, checked (its start and length; a delta chunk's first positions
+        from its base); a corrupt chunk is quarantined and raises (``strict``) or reads as a miss."""
+        from .file import KvzFile
 
         path = self._chunk_path(ns, key)
         data = self._read(path)
         if data is None:
             if strict:
-                raise FileNotFoundError(f"chunk {key.hex()} of this session is missing")
+                raise FileNotFoundError(f"chunk {key.hex()} of this session is not stored")
             return None
         try:
-            kv = decode(data, output="kvcache")
-            if kv.start_position != start or kv.seq_len < m:
+            with KvzFile(data) as f:
+                kv, info = f.to_kvcache(), f.header.raw.get("info")
+            info = info if isinstance(info, dict) else {}
+            base, bm = info.get("base"), info.get("base_tokens", 0) if info.get("base") else 0
+            if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH or (
+                    base is not None and not (isinstance(base, str) and len(base) == 64 and isinstance(bm, int)
+                                              and bm > 0)):
                 raise FormatError(f"chunk {key.hex()[:16]}… holds positions {kv.start_position}.."
-                                  f"{kv.start_position + kv.seq_len}, expected {start}..{start + m}",
-                                  field="Header.cache.start_position")
+                                  f"{kv.start_position + kv.seq_len} after {bm} of a base, expected {start}.."
+                                  f"{start + m}", field="Header.cache.start_position")
         except KvzError as e:
             self._quarantine(path, e)
             if strict:
                 raise
             return None
         self._touch(path)
-        return KVCache([k[:, :, :m] for k in kv.keys], [v[:, :, :m] for v in kv.values], start_position=start)
+        own = KVCache([k[:, :, :max(0, m - bm)] for k in kv.keys], [v[:, :, :max(0, m - bm)] for v in kv.values],
+                      start_position=start + bm)
+        if not bm:
+            return own
+        head = self._load_chunk(ns, bytes.fromhex(base), start, min(m, bm), strict, depth + 1)
+        if head is None or m <= bm:
+            return head
+        return self._output([head, own], "kvcache")
 
     @torch.no_grad()
     def _recompute(self, model, parts: list[KVCache], ids: np.ndarray, a: int) -> KVCache:
@@ -527,6 +597,16 @@ class Store:
                 b = min(ids.size, a + size)
                 key_ = chunk_key(nsb, parent, ids[a:b])
                 keep.add(self._chunk_path(ns, key_))
+                k = key_
+                for _ in range(MAX_BASE_DEPTH):  # a delta chunk needs its base (and the base's base ...)
+                    try:
+                        _first, base, _m, _ids = self._chunk_header(ns, k, a)
+                    except (FileNotFoundError, KvzError):
+                        break
+                    if base is None:
+                        break
+                    keep.add(self._chunk_path(ns, base))
+                    k = base
                 keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + g]))
                             for g in _pointer_lengths(b - a, size, step))
                 parent = key_

@@ -54,6 +54,9 @@ def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
         assert back.equal(kv) and back.tokens.shape == (1, kv.seq_len)
     assert store.put(caches[0], tokens=store.tokens(keys[0])) == keys[0]  # idempotent: same key, nothing new
     assert store.stats()["chunks"] == st["chunks"]
+    # each position is stored once, but the 4 prefix positions of chunk 3 (96..99): too few for a pointer
+    held = sum(kvcodec.inspect(p)["tokens"] for p in (tmp_path / "ns").rglob("chunks/*/*.kvz"))
+    assert held == 100 + sum(kv.seq_len - 100 for kv in caches) + 4 * (len(caches) - 1)
 
 
 def test_match_finds_the_longest_stored_prefix_to_the_granularity(tmp_path):
@@ -61,7 +64,8 @@ def test_match_finds_the_longest_stored_prefix_to_the_granularity(tmp_path):
     prefix = _ids(70, 2)
     kv, ids = _session(prefix, _ids(30, 3))
     store.put(kv, tokens=ids)
-    for shared, expect in ((100, 100), (70, 64), (75, 72), (31, 24), (5, 0)):
+    # exact once a pointer (every 8 tokens) finds the chunk: 70 shares only 6 tokens of its third chunk
+    for shared, expect in ((100, 100), (70, 64), (75, 75), (31, 31), (5, 0)):
         q = torch.cat([ids[:, :shared], _ids(12, 50 + shared)], 1) if shared < 100 else ids
         n, cache = store.match(q, dtype=torch.bfloat16, output="kvcache")
         assert n == expect, (shared, n)
@@ -288,7 +292,8 @@ def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     assert sorted(again) == sorted(keys)
     store.delete(keys[0])
     removed = again.gc(grace_seconds=0)
-    assert removed["chunks"] == 2 and store.get(keys[1], output="kvcache").equal(caches[1])
+    # the deleted session's last chunk goes; its third is the base of the others' delta chunks and stays
+    assert removed["chunks"] == 1 and store.get(keys[1], output="kvcache").equal(caches[1])
 
 
 def test_command_line(tmp_path, capsys):
