@@ -191,6 +191,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.store:
+        from .lab.bench_store import run_store_bench
+
+        return run_store_bench(args)
     if args.lossy:
         from .lab.bench_lossy import run_lossy_bench
 
@@ -392,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-tiers", action="store_true",
                    help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
     s.add_argument("--lossy", action="store_true", help="rate-distortion of the lossy tier (bench_lossy.md)")
+    s.add_argument("--store", action="store_true",
+                   help="the store on an agent workload from the corpus: bytes vs independent files, LMCache-style "
+                        "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
+    s.add_argument("--sessions", type=int, nargs="*", default=[10, 100], help="store: numbers of sessions")
+    s.add_argument("--prefix-tokens", type=int, default=1000, help="store: tokens of the shared prefix")
     s.add_argument("--peers", nargs="*", default=None, metavar="PEER",
                    help="lossy: also run these peer packages (none given: every one set up by "
                         "scripts/peers/setup.sh), each in its own venv")
