@@ -245,8 +245,8 @@ def cmd_store(args) -> int:
         if args.json:
             print(json.dumps(st, indent=2))
             return 0
-        print(f"{args.url}: {st['sessions']} sessions, {st['chunks']} chunks, {st['pointers']} prefix pointers, "
-              f"{_human(st['bytes'])}, {st['quarantined']} quarantined")
+        print(f"{args.url}: {st['sessions']} sessions, {st['chunks']} chunks (+ {st['cold_chunks']} cold), "
+              f"{st['pointers']} prefix pointers, {_human(st['bytes'])}, {st['quarantined']} quarantined")
         for ns, d in st["namespaces"].items():
             rec = d["record"] or {}
             model = (rec.get("model") or {}).get("fingerprint", "none")[:16]

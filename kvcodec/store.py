@@ -8,11 +8,17 @@ a conversation that branches - share its chunks.  Layout and bytes: ``spec/store
   keys mean equal token prefixes, in every process and on every machine.  The **namespace** binds the model
   fingerprint, tokenizer, dtype, tier and codec options and the chunk size: two models, dtypes or
   configurations never share a chunk.  It is stored once (``namespace.json``), not in every chunk.
-* A chunk object is a ``.kvz`` file (tier ``lossless`` by default, or ``lossy``) of the chunk's keys and
-  values, ``start_position`` = its first position.  Inside every chunk, **prefix pointers** every
-  ``granularity`` tokens (default 16) let :meth:`Store.match` reuse part of a chunk.
-* A session is a small manifest (its token ids, zstd-coded) named by its last chunk's key, written after
-  its chunks: a reader never sees a session whose chunks are not all published.
+* A chunk object is a ``.kvz`` file (tier ``lossless`` by default, or ``lossy``) of the chunk's keys,
+  values and token ids, ``start_position`` = its first position, linked to its parent chunk.  Inside every
+  chunk, **prefix pointers** every ``granularity`` tokens (default 16) let :meth:`Store.match` and
+  :meth:`Store.put` find a chunk that starts the same way; a new chunk that does is stored as a **delta
+  chunk** (only the positions after the exact common prefix, naming its base), so a shared prefix is stored
+  once to the token.
+* A session is a 12-byte object named by its last chunk's key, written after its chunks: a reader never
+  sees a session whose chunks are not all published; its tokens and chunks are found through the parents.
+* A byte budget (``gc(max_bytes=)``) evicts least recently used chunks to **cold** objects (token ids and
+  parent only): their sessions keep their tokens, and :meth:`Store.get` recomputes their tensors with the
+  model.
 
 Safety: every object is published atomically (temporary file, fsync, rename on a local file system; one
 PUT on object storage), and content addressing makes concurrent writers of the same chunk write the same
@@ -29,7 +35,6 @@ have no per-token slices to share).
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -50,8 +55,9 @@ VERSION = 1
 CHUNK_MAGIC = b"kvcodec-store-chunk-v1\x00"
 ROOT_PARENT = bytes(32)
 POINTER_BYTES = 36  # chunk key (32) + u32 LE token count
+SESSION_MAGIC = b"KVZSES1\x00"  # a session object: this, then num_tokens (u32): 12 bytes
+IDS_MAGIC = b"KVZIDS1\x00"  # a cold chunk: this, parent key (32), n (u32), one zstd frame of n u32 ids
 MAX_BASE_DEPTH = 64  # delta chunks on delta chunks: a bound a hostile store cannot exceed
-MAX_MANIFEST_BYTES = 64 << 20
 #: tiers a store keeps chunks in (the direct tiers: restoring a chunk needs no model)
 CHUNK_TIERS = ("lossless", "lossy")
 
@@ -72,6 +78,10 @@ def token_ids(tokens) -> np.ndarray:
 def chunk_key(namespace: bytes, parent: bytes, ids: np.ndarray) -> bytes:
     """SHA-256 of ``CHUNK_MAGIC ‖ namespace id (32 bytes) ‖ parent key (32 bytes) ‖ ids as u32 LE``."""
     return hashlib.sha256(CHUNK_MAGIC + namespace + parent + ids.astype("<u4").tobytes()).digest()
+
+
+def _hex64(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _pointer_lengths(n: int, chunk_tokens: int, granularity: int) -> range:
@@ -139,7 +149,11 @@ class Store:
         return self._path("ns", ns, "prefix", h[:2], h)
 
     def _session_path(self, ns: str, key: str) -> str:
-        return self._path("ns", ns, "sessions", key[:2], key + ".json")
+        return self._path("ns", ns, "sessions", key[:2], key + ".kvs")
+
+    def _ids_path(self, ns: str, key: bytes) -> str:
+        h = key.hex()
+        return self._path("ns", ns, "chunks", h[:2], h + ".ids")
 
     def _write(self, path: str, data: bytes) -> None:
         """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT)."""
@@ -264,7 +278,8 @@ class Store:
                 # its token ids for the exact common length): store only what follows, as a delta chunk
                 base, m = self._common_prefix(ns, nsb, parent, ids[a:b], a)
                 m = min(m, b - a - 1)
-                info = {"kvcodec_store": VERSION}  # fixed: the same tokens give the same bytes in any version
+                # fixed contents: the same tokens give the same bytes in any version
+                info = {"kvcodec_store": VERSION, "parent": parent.hex()}
                 if m > 0:
                     info.update(base=base.hex(), base_tokens=int(m))
                 part = KVCache([k[:, :, a + m:b] for k in kv.keys], [v[:, :, a + m:b] for v in kv.values],
@@ -280,12 +295,10 @@ class Store:
             if progress:
                 progress(b - a)
         session = parent.hex()
-        manifest = _canonical({"format": FORMAT + "-session", "version": VERSION, "namespace": ns,
-                               "num_tokens": int(n), "ids": base64.b64encode(
-                                   zstandard.ZstdCompressor(level=19).compress(ids.astype("<u4").tobytes())).decode()})
+        marker = SESSION_MAGIC + int(n).to_bytes(4, "little")  # the chunks hold the tokens and link to parents
         path = self._session_path(ns, session)
-        if self._read(path) != manifest:
-            self._write(path, manifest)
+        if self._read(path) != marker:
+            self._write(path, marker)
         return f"{ns}:{session}"
 
     def _check_storable(self, kv: KVCache) -> int:
@@ -383,9 +396,10 @@ class Store:
         common = int(diff[0]) if diff.size else n
         return (base, common) if common >= m else (b"", 0)
 
-    def _chunk_header(self, ns: str, key: bytes, start: int) -> tuple[int, bytes | None, int, np.ndarray]:
-        """(its first position, base chunk key or None, base tokens, the token ids it holds) of a chunk object,
-        read from its header and tokens section only (range reads on object storage)."""
+    def _chunk_header(self, ns: str, key: bytes, start: int | None) -> tuple[int, bytes | None, int, np.ndarray,
+                                                                               bytes]:
+        """(its first position, base chunk key or None, base tokens, the token ids it holds, its parent's key) of
+        a hot chunk object, read from its header and tokens section only (range reads on object storage)."""
         from .file import KvzFile
 
         path = self._chunk_path(ns, key)
@@ -398,25 +412,30 @@ class Store:
             self._quarantine(path, e)
             raise
         info = h.raw.get("info") or {}
-        base, m = info.get("base"), info.get("base_tokens", 0)
+        base, m, parent = info.get("base"), info.get("base_tokens", 0), info.get("parent")
         held = ids[0].numpy() if ids is not None else None
-        if held is None or h.batch != 1 or h.start_position != start + (m if base else 0) or (
-                base is not None and not (isinstance(base, str) and len(base) == 64 and isinstance(m, int) and m > 0)):
+        expected = h.start_position if start is None else start + (m if base else 0)
+        if held is None or h.batch != 1 or h.start_position != expected or not _hex64(parent) or (
+                base is not None and not (_hex64(base) and isinstance(m, int) and m > 0)):
             err = FormatError(f"chunk {key.hex()[:16]}… does not describe positions from {start} (start "
                               f"{h.start_position}, base {base!r}, token ids "
                               f"{'stored' if held is not None else 'missing'})", field="Header.info")
             self._quarantine(path, err)
             raise err
-        return h.start_position, None if base is None else bytes.fromhex(base), m if base else 0, held
+        return (h.start_position, None if base is None else bytes.fromhex(base), m if base else 0, held,
+                bytes.fromhex(parent))
 
     def _chunk_ids(self, ns: str, key: bytes, start: int, depth: int = 0) -> np.ndarray:
-        """Every token id of a chunk (a delta chunk's base's first, then its own)."""
-        first, base, m, held = self._chunk_header(ns, key, start)
+        """Every token id of a hot chunk (a delta chunk's base's first - hot or cold - then its own)."""
+        first, base, m, held, _parent = self._chunk_header(ns, key, start)
         if base is None:
             return held
         if depth > MAX_BASE_DEPTH:
             raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
-        return np.concatenate([self._chunk_ids(ns, base, start, depth + 1)[:m], held])
+        head = self._chunk_meta(ns, base, start, depth + 1)[1]
+        if head.size < m:
+            raise FormatError(f"chunk {key.hex()[:16]}…: its base holds {head.size} < {m} tokens", field="Header.info")
+        return np.concatenate([head[:m], held])
 
     def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0) -> KVCache | None:
         """The first ``m`` positions of a chunk, checked (its start and length; a delta chunk's first positions
@@ -479,34 +498,61 @@ class Store:
         return kv.to_dynamic_cache()
 
     def _manifest(self, key: str) -> tuple[str, dict]:
+        """(namespace, {"num_tokens", "ids", "chain"}) of a session: its 12-byte object, then its chunks walked
+        from the last to the first through their parent keys (each chunk's key recomputed from its parent and
+        ids, so a misplaced or altered chunk is caught)."""
         ns, _, session = key.partition(":")
-        if len(ns) != 64 or len(session) != 64:
+        if not (_hex64(ns) and _hex64(session)):
             raise ConfigError(f"not a session key: {key!r} (expected '<namespace>:<session>', 64 hex digits each)")
         path = self._session_path(ns, session)
         raw = self._read(path)
         if raw is None:
             raise KeyError(key)
+        if len(raw) != 12 or raw[:8] != SESSION_MAGIC or not int.from_bytes(raw[8:], "little"):
+            err = FormatError("not a kvz-store session object of this version", field="Session")
+            self._quarantine(path, err)
+            raise err
+        n = int.from_bytes(raw[8:], "little")
+        size = self.record(ns)["chunk_tokens"]
+        nsb, k, chain = bytes.fromhex(ns), bytes.fromhex(session), []
+        for c in range((n - 1) // size, -1, -1):
+            a = c * size
+            parent, ids = self._chunk_meta(ns, k, a)
+            if ids.size != min(n, a + size) - a or chunk_key(nsb, parent, ids) != k:
+                raise FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
+                                  "key says", field="Chunk")
+            chain.append((k, ids))
+            k = parent
+        if k != ROOT_PARENT:
+            raise FormatError(f"session {session[:16]}…: its first chunk has a parent", field="Chunk")
+        chain.reverse()
+        return ns, {"num_tokens": n, "ids": np.concatenate([ids for _, ids in chain]), "chain": chain}
+
+    def _chunk_meta(self, ns: str, key: bytes, start: int, depth: int = 0) -> tuple[bytes, np.ndarray]:
+        """(parent key, every token id) of a chunk, hot (its .kvz header and tokens) or cold (its .ids)."""
         try:
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise FormatError(f"session manifest of {len(raw)} bytes", field="Session")
-            m = json.loads(raw)
-            if not isinstance(m, dict) or m.get("format") != FORMAT + "-session" or m.get("version") != VERSION \
-                    or m.get("namespace") != ns or not isinstance(m.get("num_tokens"), int):
-                raise FormatError("not a kvz-store session manifest of this version", field="Session.format")
-            n = m["num_tokens"]
-            blob = base64.b64decode(m["ids"], validate=True)
-            if zstandard.get_frame_parameters(blob).content_size != 4 * n:
-                raise FormatError("token ids do not match num_tokens", field="Session.ids")
-            ids = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob, max_output_size=4 * n),
-                                dtype="<u4").astype(np.int64)
-            if ids.size != n:
-                raise FormatError("token ids do not match num_tokens", field="Session.ids")
-        except (ValueError, TypeError, zstandard.ZstdError, FormatError) as e:
-            err = e if isinstance(e, FormatError) else FormatError(f"corrupt session manifest: {e}",
-                                                                   field="Session")
+            parent = self._chunk_header(ns, key, start)[4]
+            return parent, self._chunk_ids(ns, key, start, depth)
+        except (FileNotFoundError, KvzError):
+            pass
+        path = self._ids_path(ns, key)
+        raw = self._read(path)
+        if raw is None:
+            raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are lost")
+        try:
+            if len(raw) < 44 or raw[:8] != IDS_MAGIC:
+                raise FormatError("not a cold chunk object", field="Ids")
+            n = int.from_bytes(raw[40:44], "little")
+            frame = raw[44:]
+            if n > self.record(ns)["chunk_tokens"] or zstandard.get_frame_parameters(frame).content_size != 4 * n:
+                raise FormatError("cold chunk: token count and frame disagree", field="Ids")
+            ids = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame, max_output_size=4 * n,
+                                                                        allow_extra_data=False), dtype="<u4")
+        except (FormatError, zstandard.ZstdError) as e:
+            err = e if isinstance(e, FormatError) else FormatError(f"cold chunk: {e}", field="Ids")
             self._quarantine(path, err)
             raise err from None
-        return ns, {**m, "ids": ids}
+        return raw[8:40], ids.astype(np.int64)
 
     def tokens(self, key: str) -> torch.Tensor:
         """A stored session's token ids ``[1, n]``."""
@@ -521,13 +567,11 @@ class Store:
         the missing chunk raises (``FileNotFoundError``; a corrupt one its :class:`KvzError`)."""
         model = self.model if model is None else model
         ns, m = self._manifest(key)
-        ids, nsb, parent, parts = m["ids"], bytes.fromhex(ns), ROOT_PARENT, []
-        size = self.record(ns)["chunk_tokens"]
-        for a in range(0, ids.size, size):
-            b = min(ids.size, a + size)
-            parent = chunk_key(nsb, parent, ids[a:b])
+        ids, parts, a = m["ids"], [], 0
+        for k, held in m["chain"]:
             try:
-                parts.append(self._load_chunk(ns, parent, a, b - a, strict=True))
+                parts.append(self._load_chunk(ns, k, a, held.size, strict=True))
+                a += held.size
             except (FileNotFoundError, KvzError) as e:
                 if model is None:
                     if isinstance(e, FileNotFoundError):
@@ -558,8 +602,8 @@ class Store:
         for ns in self.namespaces():
             for p in self._find("ns", ns, "sessions"):
                 name = os.path.basename(p)
-                if name.endswith(".json") and len(name) == 69:
-                    out.append(f"{ns}:{name[:-5]}")
+                if name.endswith(".kvs") and len(name) == 68:
+                    out.append(f"{ns}:{name[:-4]}")
         return out
 
     def __iter__(self):
@@ -578,38 +622,38 @@ class Store:
         self.fs.rm(path)
 
     def _referenced(self) -> tuple[set[str], set[str]]:
-        """Paths of every chunk and pointer some session needs, and the namespaces whose record cannot be read
-        (nothing in them may be collected: which chunks their sessions need is unknown)."""
+        """Paths of every chunk (hot and cold, with the bases of delta chunks) and pointer some session needs,
+        and the namespaces whose record cannot be read (nothing in them may be collected: which chunks their
+        sessions need is unknown)."""
         keep, unknown = set(), set()
         for key in self.sessions():
-            try:
-                ns, m = self._manifest(key)  # a corrupt manifest is quarantined: its session is gone
-            except (KeyError, KvzError):
-                continue
+            ns = key.partition(":")[0]
             try:
                 rec = self.record(ns)
             except (KeyError, KvzError):
                 unknown.add(ns)
                 continue
-            ids, nsb, parent = m["ids"], bytes.fromhex(ns), ROOT_PARENT
+            try:
+                _, m = self._manifest(key)  # a corrupt session object is quarantined: its session is gone
+            except (KeyError, KvzError, FileNotFoundError):  # (a lost chunk: its tokens are gone too)
+                continue
+            nsb, parent, a = bytes.fromhex(ns), ROOT_PARENT, 0
             size, step = rec["chunk_tokens"], rec["granularity"]
-            for a in range(0, ids.size, size):
-                b = min(ids.size, a + size)
-                key_ = chunk_key(nsb, parent, ids[a:b])
-                keep.add(self._chunk_path(ns, key_))
+            for key_, ids in m["chain"]:
+                keep.update((self._chunk_path(ns, key_), self._ids_path(ns, key_)))
                 k = key_
                 for _ in range(MAX_BASE_DEPTH):  # a delta chunk needs its base (and the base's base ...)
                     try:
-                        _first, base, _m, _ids = self._chunk_header(ns, k, a)
+                        base = self._chunk_header(ns, k, a)[1]
                     except (FileNotFoundError, KvzError):
                         break
                     if base is None:
                         break
                     keep.add(self._chunk_path(ns, base))
                     k = base
-                keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + g]))
-                            for g in _pointer_lengths(b - a, size, step))
-                parent = key_
+                keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
+                            for g in _pointer_lengths(ids.size, size, step))
+                parent, a = key_, a + ids.size
         return keep, unknown
 
     def _age(self, path: str) -> float:
@@ -660,22 +704,32 @@ class Store:
             except FileNotFoundError:
                 continue
             for p, info in found.items():
-                if not os.path.basename(p).startswith("."):
+                if not os.path.basename(p).startswith(".") and p.endswith(".kvz"):
                     t = info.get("mtime") or info.get("LastModified") or 0
                     chunks.append((t.timestamp() if hasattr(t, "timestamp") else float(t), p, int(info.get("size", 0))))
         total, count, freed = sum(c[2] for c in chunks), 0, 0
         for _t, p, size in sorted(chunks):
             if total <= max_bytes:
                 break
+            ns, key = p.split("/ns/")[-1].split("/")[0], bytes.fromhex(os.path.basename(p)[:64])
+            try:  # keep its tokens and its link to its parent: the session stays whole, cold
+                first, _base, m, _held, parent = self._chunk_header(ns, key, None)
+                ids = self._chunk_ids(ns, key, first - m)
+            except (FileNotFoundError, KvzError):
+                continue
+            frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(ids.astype("<u4").tobytes())
+            self._write(self._ids_path(ns, key), IDS_MAGIC + parent + int(ids.size).to_bytes(4, "little") + frame)
             self.fs.rm(p)
             total, count, freed = total - size, count + 1, freed + size
         return count, freed
 
     def stats(self) -> dict:
-        """Counts and bytes: sessions, chunks, pointers, quarantined objects, per namespace and in total."""
-        out = {"url": self.root, "namespaces": {}, "sessions": 0, "chunks": 0, "pointers": 0, "bytes": 0}
+        """Counts and bytes: sessions, hot chunks (keys and values), cold chunks (token ids only: evicted),
+        pointers, quarantined objects, per namespace and in total."""
+        out = {"url": self.root, "namespaces": {}, "sessions": 0, "chunks": 0, "cold_chunks": 0, "pointers": 0,
+               "bytes": 0}
         for ns in self.namespaces():
-            d = {"sessions": 0, "chunks": 0, "pointers": 0, "chunk_bytes": 0, "session_bytes": 0}
+            d = {"sessions": 0, "chunks": 0, "cold_chunks": 0, "pointers": 0, "chunk_bytes": 0, "session_bytes": 0}
             for kind, sub, size_key in (("chunks", "chunks", "chunk_bytes"), ("pointers", "prefix", None),
                                         ("sessions", "sessions", "session_bytes")):
                 try:
@@ -685,13 +739,13 @@ class Store:
                 for p, info in found.items():
                     if os.path.basename(p).startswith("."):
                         continue
-                    d[kind] += 1
+                    d["cold_chunks" if p.endswith(".ids") else kind] += 1
                     if size_key:
                         d[size_key] += int(info.get("size", 0))
             rec = self._read(self._path("ns", ns, "namespace.json"))
             d["record"] = json.loads(rec) if rec else None
             out["namespaces"][ns] = d
-            for k in ("sessions", "chunks", "pointers"):
+            for k in ("sessions", "chunks", "cold_chunks", "pointers"):
                 out[k] += d[k]
             out["bytes"] += d["chunk_bytes"] + d["session_bytes"]
         out["quarantined"] = len(self._find("quarantine"))

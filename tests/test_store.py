@@ -151,8 +151,8 @@ def test_corrupt_objects_are_quarantined_never_returned(tmp_path):
         store.get(key)
     store.put(kv, tokens=ids)  # putting the session again repairs it
     assert store.get(key, output="kvcache").equal(kv)
-    manifest = next((tmp_path / "ns").rglob("sessions/*/*.json"))
-    manifest.write_bytes(manifest.read_bytes()[:-20])
+    manifest = next((tmp_path / "ns").rglob("sessions/*/*.kvs"))
+    manifest.write_bytes(manifest.read_bytes()[:-2])
     with pytest.raises(kvcodec.FormatError):
         store.get(key)
     with pytest.raises(KeyError):
@@ -347,7 +347,10 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
     assert removed["evicted"] > 0 and removed["evicted_bytes"] >= total - total // 2 - 1
     kept_first = store.get(first, output="kvcache")  # the recently used session is still whole
     assert kept_first.equal(sessions[first][1])
+    st = store.stats()
+    assert st["cold_chunks"] == removed["evicted"]  # an evicted chunk keeps its token ids and parent
     cold = [k for k in sessions if k != first]
+    assert all(torch.equal(store.tokens(k), sessions[k][0]) for k in cold)  # so cold sessions keep their tokens
     plain = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)  # no model: a cold session cannot be read
     with pytest.raises(FileNotFoundError, match="model="):
         for k in cold:
