@@ -182,6 +182,10 @@ class Store:
                 pass
 
     def _exists(self, path: str) -> bool:
+        """Is ``path`` there now?  (Object-store clients cache listings; another process may have written or
+        collected the object since: the cached answer is dropped first.)"""
+        if not self._local:
+            self.fs.invalidate_cache(path)
         try:
             return bool(self.fs.exists(path))
         except FileNotFoundError:
@@ -235,7 +239,8 @@ class Store:
                 if hashlib.sha256(raw).hexdigest() != ns:
                     raise FormatError("namespace.json does not hash to its namespace id", field="Namespace")
                 rec = json.loads(raw)
-                if rec.get("format") != FORMAT + "-namespace" or rec.get("version") != VERSION or not (
+                if not isinstance(rec, dict) or rec.get("format") != FORMAT + "-namespace" \
+                        or rec.get("version") != VERSION or not (
                         isinstance(rec.get("chunk_tokens"), int) and 1 <= rec["chunk_tokens"] <= 1 << 20
                         and isinstance(rec.get("granularity"), int)
                         and 0 <= rec["granularity"] < rec["chunk_tokens"]):
@@ -252,10 +257,13 @@ class Store:
         return {k: self.tier_options[k] for k in sorted(self.tier_options)}
 
     def namespaces(self) -> list[str]:
+        """The namespace ids present (listed fresh: other processes write too)."""
+        self.fs.invalidate_cache()
         try:
-            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self._path("ns"), detail=False))
+            names = (os.path.basename(p.rstrip("/")) for p in self.fs.ls(self._path("ns"), detail=False))
         except FileNotFoundError:
             return []
+        return sorted(n for n in names if _hex64(n))
 
     # -- put ----------------------------------------------------------------------------------------------
     def put(self, cache, model=None, tokens=None, progress=None) -> str:
@@ -519,8 +527,12 @@ class Store:
             a = c * size
             parent, ids = self._chunk_meta(ns, k, a)
             if ids.size != min(n, a + size) - a or chunk_key(nsb, parent, ids) != k:
-                raise FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
+                err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
                                   "key says", field="Chunk")
+                for bad in (self._chunk_path(ns, k), self._ids_path(ns, k)):
+                    if self._exists(bad):
+                        self._quarantine(bad, err)  # so that putting the session again repairs it
+                raise err
             chain.append((k, ids))
             k = parent
         if k != ROOT_PARENT:

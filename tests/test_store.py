@@ -363,3 +363,29 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
         a, b = greedy_from(model, torch.cat([ids, _ids(2, 3)], 1), original.to_dynamic_cache(),
                            back.to_dynamic_cache(), 4)
         assert torch.equal(a, b)
+
+
+def test_a_chunk_under_another_name_or_a_bad_cold_object_is_caught(tmp_path):
+    """Every chunk a session reaches is checked against its key (recomputed from its parent and token ids):
+    a chunk copied over another's name is refused by field, and so is a malformed cold object."""
+    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    kv, ids = _session(_ids(30, 1), _ids(10, 2))
+    key = store.put(kv, tokens=ids)
+    other, ids2 = _session(_ids(30, 3), _ids(10, 4))
+    store.put(other, tokens=ids2)
+    ns = key.split(":")[0]
+    mine = store._manifest(key)[1]["chain"]
+    theirs = store._manifest(store.sessions()[0] if store.sessions()[0] != key else store.sessions()[1])[1]["chain"]
+    Path(store._chunk_path(ns, mine[1][0])).write_bytes(Path(store._chunk_path(ns, theirs[1][0])).read_bytes())
+    with pytest.warns(UserWarning, match="quarantine"), pytest.raises(kvcodec.FormatError, match="other tokens"):
+        store.get(key)
+    store.put(kv, tokens=ids)  # the quarantined chunk is written again
+    assert store.get(key, output="kvcache").equal(kv)
+    store.gc(max_bytes=0)  # everything cold: token ids and parents only
+    assert torch.equal(store.tokens(key), ids)
+    cold = Path(store._ids_path(ns, mine[0][0]))
+    cold.write_bytes(cold.read_bytes()[:-3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(kvcodec.FormatError, match="cold chunk"):
+            store.tokens(key)
