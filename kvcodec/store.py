@@ -601,6 +601,63 @@ class Store:
         kv.tokens = torch.from_numpy(ids)[None]
         return kv
 
+    def layers(self, key: str):
+        """Yield ``(i, keys, values)`` of a stored session layer by layer: each chunk's file is opened once and
+        only layer i's sections are read for layer i (range reads on object storage), so layer i is usable
+        while later layers are still being read.  Every chunk must be hot (:meth:`get` recomputes cold ones)."""
+        ns, m = self._manifest(key)
+        plan, a = [], 0
+        for k, held in m["chain"]:
+            plan.append((k, a, held.size))
+            a += held.size
+        files: dict = {}
+        try:
+            first = self._chunk_file(ns, plan[0][0], files)[0]
+            for i in range(len(first.header.layers)):
+                parts = [self._chunk_layer(ns, k, start, n, i, files) for k, start, n in plan]
+                yield i, torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
+        finally:
+            for f, fh, *_ in files.values():
+                f.close()
+                fh.close()
+
+    def _chunk_file(self, ns: str, key: bytes, files: dict):
+        """(KvzFile, file object, base key or None, base tokens) of a hot chunk, opened once per ``files``."""
+        from .file import KvzFile
+
+        if key not in files:
+            path = self._chunk_path(ns, key)
+            try:
+                fh = self.fs.open(path, "rb")
+            except FileNotFoundError:
+                raise FileNotFoundError(f"chunk {key.hex()} is not stored hot: get(key, model) recomputes it") \
+                    from None
+            f = KvzFile(fh)
+            info = f.header.raw.get("info") or {}
+            base = info.get("base")
+            bm = info.get("base_tokens", 0) if base is not None else 0
+            if base is not None and not (_hex64(base) and isinstance(bm, int) and bm > 0):
+                f.close()
+                fh.close()
+                raise FormatError(f"chunk {key.hex()[:16]}…: bad base", field="Header.info")
+            files[key] = (f, fh, None if base is None else bytes.fromhex(base), bm)
+        return files[key]
+
+    def _chunk_layer(self, ns: str, key: bytes, start: int, m: int, i: int, files: dict, depth: int = 0):
+        """Layer ``i``'s keys and values for the first ``m`` positions of a chunk (a delta chunk's from its
+        base first), from that layer's sections only."""
+        f, _fh, base, bm = self._chunk_file(ns, key, files)
+        if f.header.start_position != start + bm or depth > MAX_BASE_DEPTH:
+            raise FormatError(f"chunk {key.hex()[:16]}… does not start at {start + bm}",
+                              field="Header.cache.start_position")
+        k, v = f.layer(i)
+        own = max(0, m - bm)
+        k, v = k[:, :, :own], v[:, :, :own]
+        if not bm:
+            return k, v
+        hk, hv = self._chunk_layer(ns, base, start, min(m, bm), i, files, depth + 1)
+        return (torch.cat([hk, k], 2), torch.cat([hv, v], 2)) if own else (hk, hv)
+
     # -- listing, deletion, gc ----------------------------------------------------------------------------
     def _find(self, *parts: str) -> list[str]:
         try:

@@ -3,9 +3,9 @@
 killed by SIGKILL."""
 
 import subprocess
-import time
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -284,6 +284,8 @@ def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
         assert store.get(key, output="kvcache").equal(kv)
     n, _ = store.match(torch.cat([prefix, _ids(5, 99)], 1), dtype=torch.bfloat16)
     assert n == 40
+    for i, k, v in store.layers(keys[2]):  # layer by layer, with range reads of each chunk's sections
+        assert torch.equal(k, caches[2].keys[i]) and torch.equal(v, caches[2].values[i])
     # the standard AWS environment variables, as for any fsspec user
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
@@ -389,3 +391,19 @@ def test_a_chunk_under_another_name_or_a_bad_cold_object_is_caught(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(kvcodec.FormatError, match="cold chunk"):
             store.tokens(key)
+
+
+def test_layer_by_layer_reads_match_get(tmp_path):
+    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    prefix = _ids(30, 1)
+    kv0, ids0 = _session(prefix, _ids(9, 2), layers=3)
+    store.put(kv0, tokens=ids0)
+    kv, ids = _session(prefix, _ids(12, 3), layers=3)  # its third chunk is a delta chunk on kv0's
+    key = store.put(kv, tokens=ids)
+    got = list(store.layers(key))
+    assert [i for i, _, _ in got] == [0, 1, 2]
+    for i, k, v in got:
+        assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+    store.gc(max_bytes=0)
+    with pytest.raises(FileNotFoundError, match="hot"):
+        list(store.layers(key))
