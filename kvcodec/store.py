@@ -84,6 +84,21 @@ def _hex64(x) -> bool:
     return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
+def _chunk_links(info, key: bytes) -> tuple[bytes | None, int, bytes | None]:
+    """(base key or None, base tokens, parent key or None) from a chunk's header ``info`` (spec/store.md 4);
+    :class:`FormatError` when they are malformed."""
+    info = info if isinstance(info, dict) else {}
+    base, m, parent = info.get("base"), info.get("base_tokens"), info.get("parent")
+    if base is None:
+        m = 0
+    elif not (_hex64(base) and isinstance(m, int) and not isinstance(m, bool) and m > 0):
+        raise FormatError(f"chunk {key.hex()[:16]}…: malformed base {base!r} / base_tokens {m!r}",
+                          field="Header.info.base")
+    if parent is not None and not _hex64(parent):
+        raise FormatError(f"chunk {key.hex()[:16]}…: malformed parent {parent!r}", field="Header.info.parent")
+    return (None if base is None else bytes.fromhex(base)), m, (None if parent is None else bytes.fromhex(parent))
+
+
 def _pointer_lengths(n: int, chunk_tokens: int, granularity: int) -> range:
     """The prefix lengths of a chunk of ``n`` tokens that get a pointer: every multiple of ``granularity`` up
     to n (a whole chunk of ``chunk_tokens`` is found by its own key instead); none for granularity 0."""
@@ -419,19 +434,19 @@ class Store:
         except KvzError as e:
             self._quarantine(path, e)
             raise
-        info = h.raw.get("info") or {}
-        base, m, parent = info.get("base"), info.get("base_tokens", 0), info.get("parent")
-        held = ids[0].numpy() if ids is not None else None
-        expected = h.start_position if start is None else start + (m if base else 0)
-        if held is None or h.batch != 1 or h.start_position != expected or not _hex64(parent) or (
-                base is not None and not (_hex64(base) and isinstance(m, int) and m > 0)):
-            err = FormatError(f"chunk {key.hex()[:16]}… does not describe positions from {start} (start "
-                              f"{h.start_position}, base {base!r}, token ids "
-                              f"{'stored' if held is not None else 'missing'})", field="Header.info")
-            self._quarantine(path, err)
-            raise err
-        return (h.start_position, None if base is None else bytes.fromhex(base), m if base else 0, held,
-                bytes.fromhex(parent))
+        try:
+            base, m, parent = _chunk_links(h.raw.get("info"), key)
+            held = ids[0].numpy() if ids is not None else None
+            expected = h.start_position if start is None else start + m
+            if held is None or h.batch != 1 or h.start_position != expected or parent is None:
+                raise FormatError(f"chunk {key.hex()[:16]}… does not describe positions from {start} (start "
+                                  f"{h.start_position}, {m} from a base, token ids "
+                                  f"{'stored' if held is not None else 'missing'}, parent {parent is not None})",
+                                  field="Header.info")
+        except KvzError as e:
+            self._quarantine(path, e)
+            raise
+        return h.start_position, base, m, held, parent
 
     def _chunk_ids(self, ns: str, key: bytes, start: int, depth: int = 0) -> np.ndarray:
         """Every token id of a hot chunk (a delta chunk's base's first - hot or cold - then its own)."""
@@ -459,11 +474,8 @@ class Store:
         try:
             with KvzFile(data) as f:
                 kv, info = f.to_kvcache(), f.header.raw.get("info")
-            info = info if isinstance(info, dict) else {}
-            base, bm = info.get("base"), info.get("base_tokens", 0) if info.get("base") else 0
-            if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH or (
-                    base is not None and not (isinstance(base, str) and len(base) == 64 and isinstance(bm, int)
-                                              and bm > 0)):
+            base, bm, _parent = _chunk_links(info, key)
+            if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH:
                 raise FormatError(f"chunk {key.hex()[:16]}… holds positions {kv.start_position}.."
                                   f"{kv.start_position + kv.seq_len} after {bm} of a base, expected {start}.."
                                   f"{start + m}", field="Header.cache.start_position")
@@ -477,7 +489,7 @@ class Store:
                       start_position=start + bm)
         if not bm:
             return own
-        head = self._load_chunk(ns, bytes.fromhex(base), start, min(m, bm), strict, depth + 1)
+        head = self._load_chunk(ns, base, start, min(m, bm), strict, depth + 1)
         if head is None or m <= bm:
             return head
         return self._output([head, own], "kvcache")
@@ -632,15 +644,13 @@ class Store:
             except FileNotFoundError:
                 raise FileNotFoundError(f"chunk {key.hex()} is not stored hot: get(key, model) recomputes it") \
                     from None
-            f = KvzFile(fh)
-            info = f.header.raw.get("info") or {}
-            base = info.get("base")
-            bm = info.get("base_tokens", 0) if base is not None else 0
-            if base is not None and not (_hex64(base) and isinstance(bm, int) and bm > 0):
-                f.close()
+            try:
+                f = KvzFile(fh)
+                base, bm, _parent = _chunk_links(f.header.raw.get("info"), key)
+            except BaseException:
                 fh.close()
-                raise FormatError(f"chunk {key.hex()[:16]}…: bad base", field="Header.info")
-            files[key] = (f, fh, None if base is None else bytes.fromhex(base), bm)
+                raise
+            files[key] = (f, fh, base, bm)
         return files[key]
 
     def _chunk_layer(self, ns: str, key: bytes, start: int, m: int, i: int, files: dict, depth: int = 0):
