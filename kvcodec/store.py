@@ -60,6 +60,9 @@ IDS_MAGIC = b"KVZIDS1\x00"  # a cold chunk: this, parent key (32), n (u32), one 
 MAX_BASE_DEPTH = 64  # delta chunks on delta chunks: a bound a hostile store cannot exceed
 #: tiers a store keeps chunks in (the direct tiers: restoring a chunk needs no model)
 CHUNK_TIERS = ("lossless", "lossy")
+#: how match() restores a stored prefix: decode its chunks, recompute it with the model, or whichever this
+#: machine does faster (both rates measured: decoding as chunks are read, the model's prefill once)
+ROUTES = ("auto", "decode", "recompute")
 
 
 def token_ids(tokens) -> np.ndarray:
@@ -126,9 +129,12 @@ class Store:
 
     def __init__(self, url, model=None, storage_options: dict | None = None, *, chunk_tokens: int = 256,
                  granularity: int | None = None, tier: str = "lossless", grace_seconds: float = 3600.0,
-                 **tier_options):
+                 route: str = "auto", **tier_options):
         import fsspec
 
+        if route not in ROUTES:
+            raise ConfigError(f"route must be one of {ROUTES}, not {route!r}")
+        self.route, self._rates = route, {}
         if tier not in CHUNK_TIERS:
             raise ConfigError(f"a store keeps chunks in tier {CHUNK_TIERS}, not {tier!r} (the token tiers are "
                               "a session's own business: save() them)")
@@ -359,7 +365,9 @@ class Store:
     def match(self, tokens, model=None, *, dtype: torch.dtype | None = None, output: str = "dynamic"):
         """``(n, cache)``: the longest prefix ``tokens[:n]`` whose cache is stored, and that cache (None when
         n is 0), so the caller runs the model on ``tokens[n:]`` only.  Whole chunks are found by key, the
-        rest to ``granularity`` tokens inside the next chunk.  A store without a model needs ``dtype=``."""
+        rest to ``granularity`` tokens inside the next chunk, then to the exact token.  A store without a model
+        needs ``dtype=``.  With a model, ``route`` decides how the prefix is restored (decoding its chunks, or
+        recomputing it; ``"auto"``: whichever this machine measured faster - on a CPU, decoding)."""
         ids = token_ids(tokens)
         ns = self.namespace(model, dtype)
         nsb = bytes.fromhex(ns)
@@ -376,16 +384,51 @@ class Store:
             if m:
                 plan.append((base, m))
             break
+        total = sum(m for _, m in plan)
+        if total and self._recompute_is_faster(model, ns, plan):
+            mdl = split_model(self.model if model is None else model)[0]
+            return total, self._output([self._recompute(mdl, [], ids[:total], 0)], output)
         parts, n = [], 0
+        t0, read = time.perf_counter(), 0
         for key, m in plan:
             got = self._load_chunk(ns, key, n, m, strict=False)
             if got is None:
                 break
             parts.append(got)
             n += m
+            read += got.nbytes()
+        if read:
+            self._rates["decode_bytes_per_s"] = read / max(time.perf_counter() - t0, 1e-9)
         if not n:
             return 0, None
         return n, self._output(parts, output)
+
+    def _recompute_is_faster(self, model, ns: str, plan) -> bool:
+        """The cost model of ``route="auto"``: recompute when the model's measured prefill (tokens/s, on a
+        64-token probe, once) beats this store's measured decoding (bytes of cache/s) for this prefix."""
+        model = self.model if model is None else model
+        if self.route == "decode" or model is None:
+            return False
+        if self.route == "recompute":
+            return True
+        if "decode_bytes_per_s" not in self._rates:
+            return False  # measured on the first decode
+        mdl = split_model(model)[0]
+        if "prefill_tokens_per_s" not in self._rates:
+            ids = np.arange(64, dtype=np.int64) % max(2, int(mdl.config.vocab_size))
+            t0 = time.perf_counter()
+            probe = self._recompute(mdl, [], ids, 0)
+            self._rates["prefill_tokens_per_s"] = 64 / max(time.perf_counter() - t0, 1e-9)
+            self._rates["cache_bytes_per_token"] = probe.nbytes() / 64
+        tokens = sum(m for _, m in plan)
+        decode_s = tokens * self._rates["cache_bytes_per_token"] / self._rates["decode_bytes_per_s"]
+        return tokens / self._rates["prefill_tokens_per_s"] < decode_s
+
+    @property
+    def rates(self) -> dict:
+        """What ``route="auto"`` has measured on this machine: decoding (bytes of cache per second) and the
+        model's prefill (tokens per second)."""
+        return dict(self._rates)
 
     def _longest_pointer(self, ns: str, nsb: bytes, parent: bytes, ids: np.ndarray):
         """(chunk key, m) for the largest multiple m of ``granularity`` with a pointer, or None.  Pointers of a

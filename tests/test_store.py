@@ -407,3 +407,24 @@ def test_layer_by_layer_reads_match_get(tmp_path):
     store.gc(max_bytes=0)
     with pytest.raises(FileNotFoundError, match="hot"):
         list(store.layers(key))
+
+
+def test_match_routes_by_the_measured_cost(tmp_path):
+    """route="decode" reads the chunks; "recompute" runs the model over the matched prefix instead; "auto"
+    measures both rates on this machine (decoding as chunks are read, the model's prefill once) and takes
+    the faster - a valid cache of the prefix either way."""
+    model = tiny_model("llama")
+    ids = _ids(40, 8)
+    cache = model_cache(model, ids)
+    kvcodec.Store(tmp_path, model, chunk_tokens=16).put(cache, tokens=ids)
+    original = kvcodec.to_canonical(cache)
+    auto = kvcodec.Store(tmp_path, model, chunk_tokens=16, route="auto")
+    for store in (kvcodec.Store(tmp_path, model, chunk_tokens=16, route="decode"),
+                  kvcodec.Store(tmp_path, model, chunk_tokens=16, route="recompute"), auto, auto):
+        n, got = store.match(ids, output="kvcache")
+        assert n == 40
+        for a, b in zip(got.keys, original.keys):
+            assert torch.equal(a, b) if store.route == "decode" else torch.allclose(a, b, atol=1e-5)
+    assert set(auto.rates) == {"decode_bytes_per_s", "prefill_tokens_per_s", "cache_bytes_per_token"}
+    with pytest.raises(kvcodec.ConfigError, match="route"):
+        kvcodec.Store(tmp_path, route="fastest")
