@@ -298,7 +298,8 @@ def cmd_store(args) -> int:
         model = _load_model(args.model, args.dtype)
         ids = tokenize(model[1], Path(args.text).read_text(encoding="utf-8"), args.max_tokens)
         cache = prefill(model[0], ids)
-    store = Store(args.url, model, storage_options=opts, chunk_tokens=args.chunk_tokens)
+    store = Store(args.url, model, storage_options=opts, chunk_tokens=args.chunk_tokens,
+                  model_id=None if model is not None else args.model)  # a cache with its tokens: named by --model
     n = store.match(ids, model, dtype=None if model else cache.dtype)[0] if ids is not None else 0
     bar = _progress(int(ids.shape[-1]) if ids is not None else 0, "storing", "token")
     key = store.put(cache, model, tokens=ids, progress=bar.update)

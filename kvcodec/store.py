@@ -129,12 +129,12 @@ class Store:
 
     def __init__(self, url, model=None, storage_options: dict | None = None, *, chunk_tokens: int = 256,
                  granularity: int | None = None, tier: str = "lossless", grace_seconds: float = 3600.0,
-                 route: str = "auto", **tier_options):
+                 route: str = "auto", model_id: str | None = None, **tier_options):
         import fsspec
 
         if route not in ROUTES:
             raise ConfigError(f"route must be one of {ROUTES}, not {route!r}")
-        self.route, self._rates = route, {}
+        self.route, self._rates, self.model_id = route, {}, model_id
         if tier not in CHUNK_TIERS:
             raise ConfigError(f"a store keeps chunks in tier {CHUNK_TIERS}, not {tier!r} (the token tiers are "
                               "a session's own business: save() them)")
@@ -176,16 +176,55 @@ class Store:
         h = key.hex()
         return self._path("ns", ns, "chunks", h[:2], h + ".ids")
 
-    def _write(self, path: str, data: bytes) -> None:
-        """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT)."""
+    def _write(self, path: str, data: bytes, overwrite: bool = True) -> None:
+        """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT).
+        ``overwrite=False``: a chunk another writer published meanwhile is kept (locally: a hard link that
+        fails if the name exists; object stores have no such test through fsspec: the last PUT stays)."""
         if self._local:
             from .atomic import atomic_output
 
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_output(path) as f:
-                f.write(data)
+            try:
+                with atomic_output(path, overwrite=overwrite) as f:
+                    f.write(data)
+            except (FileExistsError, ConfigError):
+                if overwrite:
+                    raise
         else:
             self.fs.pipe_file(path, data)
+
+    def _refresh(self, ns: str, key: bytes, start: int) -> None:
+        """A chunk (and its bases) reused by a put: make it young, so that a gc whose snapshot predates the
+        put does not collect it (local file systems; object stores cannot touch an object cheaply)."""
+        k = key
+        for _ in range(MAX_BASE_DEPTH):
+            self._touch(self._chunk_path(ns, k))
+            try:
+                k = self._chunk_header(ns, k, start)[1]
+            except (FileNotFoundError, KvzError):
+                return
+            if k is None:
+                return
+
+    def _usable_base(self, ns: str, base: bytes, key: bytes, parent: bytes, start: int) -> bool:
+        """Can a new chunk ``key`` be a delta on ``base``: another chunk of the same parent, whose bases are all
+        hot, none of them ``key`` (no cycle), fewer than MAX_BASE_DEPTH - 1 of them (readers refuse longer
+        chains)?  Its chain is touched (see :meth:`_refresh`)."""
+        k = base
+        for _ in range(MAX_BASE_DEPTH - 1):
+            if k == key:
+                return False
+            try:
+                _first, nxt, _m, _held, par = self._chunk_header(ns, k, start)
+            except (FileNotFoundError, KvzError):
+                return False
+            if par != parent:
+                return False
+            self._touch(self._chunk_path(ns, k))
+            if nxt is None:
+                return True
+            k = nxt
+        return False
 
     def _read(self, path: str) -> bytes | None:
         try:
@@ -229,13 +268,16 @@ class Store:
         """The namespace id (64 hex digits) of this store's configuration for ``model`` (default: the
         store's) and ``dtype`` (default: the model's); its record is published on first use."""
         model = self.model if model is None else model
+        if model is None and self.model_id is None:
+            raise ConfigError("a store without a model needs model_id= (a name for the model its caches come from): "
+                              "caches of two models must never share a namespace")
         if dtype is None:
             if model is None:
                 raise ConfigError("a store without a model needs the cache (put) or dtype= to name its namespace")
             dtype = next(split_model(model)[0].parameters()).dtype
         rec = model_record(model)
-        record = {"format": FORMAT + "-namespace", "version": VERSION,
-                  "model": None if rec is None else {k: rec[k] for k in ("fingerprint", "tokenizer") if k in rec},
+        ident = {"id": self.model_id} if rec is None else {k: rec[k] for k in ("fingerprint", "tokenizer") if k in rec}
+        record = {"format": FORMAT + "-namespace", "version": VERSION, "model": ident,
                   "dtype": str(dtype).replace("torch.", ""), "tier": self.tier,
                   "options": self._encoder_options(), "chunk_tokens": self.chunk_tokens,
                   "granularity": self.granularity}
@@ -302,18 +344,22 @@ class Store:
             b = min(n, a + self.chunk_tokens)
             key = chunk_key(nsb, parent, ids[a:b])
             path = self._chunk_path(ns, key)
-            if not self._exists(path):
+            if self._exists(path):
+                self._refresh(ns, key, a)  # reused: younger than any gc's grace from now on
+            else:
                 # a stored chunk under the same parent that starts with the same tokens (a prefix pointer, then
-                # its token ids for the exact common length): store only what follows, as a delta chunk
+                # its token ids for the exact common length): store only what follows, as a delta chunk - on a
+                # base that is another chunk, whose chain of bases is hot, acyclic and short
                 base, m = self._common_prefix(ns, nsb, parent, ids[a:b], a)
                 m = min(m, b - a - 1)
-                # fixed contents: the same tokens give the same bytes in any version
+                if m > 0 and not self._usable_base(ns, base, key, parent, a):
+                    m = 0
                 info = {"kvcodec_store": VERSION, "parent": parent.hex()}
                 if m > 0:
                     info.update(base=base.hex(), base_tokens=int(m))
                 part = KVCache([k[:, :, a + m:b] for k in kv.keys], [v[:, :, a + m:b] for v in kv.values],
                                torch.from_numpy(ids[a + m:b])[None], start_position=a + m)
-                self._write(path, self._encoder.encode(part, info=info))
+                self._write(path, self._encoder.encode(part, info=info), overwrite=False)
             for m in _pointer_lengths(b - a, self.chunk_tokens, self.granularity):
                 pointer = self._pointer_path(ns, chunk_key(nsb, parent, ids[a:a + m]))
                 old = self._read(pointer)
@@ -345,6 +391,9 @@ class Store:
         return n
 
     def _session_tokens(self, kv: KVCache, model, tokens, n: int) -> np.ndarray:
+        if tokens is not None and kv.tokens is not None and not np.array_equal(token_ids(tokens),
+                                                                               token_ids(kv.tokens)):
+            raise ConfigError("tokens= differs from the token ids the cache carries")
         if tokens is None and kv.tokens is not None:
             tokens = kv.tokens
         if tokens is None:
@@ -503,7 +552,8 @@ class Store:
             raise FormatError(f"chunk {key.hex()[:16]}…: its base holds {head.size} < {m} tokens", field="Header.info")
         return np.concatenate([head[:m], held])
 
-    def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0) -> KVCache | None:
+    def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0,
+                    parent: bytes | None = None) -> KVCache | None:
         """The first ``m`` positions of a chunk, checked (its start and length; a delta chunk's first positions
         from its base); a corrupt chunk is quarantined and raises (``strict``) or reads as a miss."""
         from .file import KvzFile
@@ -517,8 +567,9 @@ class Store:
         try:
             with KvzFile(data) as f:
                 kv, info = f.to_kvcache(), f.header.raw.get("info")
-            base, bm, _parent = _chunk_links(info, key)
-            if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH:
+            base, bm, own_parent = _chunk_links(info, key)
+            if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH or (
+                    parent is not None and own_parent != parent):
                 raise FormatError(f"chunk {key.hex()[:16]}… holds positions {kv.start_position}.."
                                   f"{kv.start_position + kv.seq_len} after {bm} of a base, expected {start}.."
                                   f"{start + m}", field="Header.cache.start_position")
@@ -532,7 +583,7 @@ class Store:
                       start_position=start + bm)
         if not bm:
             return own
-        head = self._load_chunk(ns, base, start, min(m, bm), strict, depth + 1)
+        head = self._load_chunk(ns, base, start, min(m, bm), strict, depth + 1, own_parent)
         if head is None or m <= bm:
             return head
         return self._output([head, own], "kvcache")
@@ -564,9 +615,7 @@ class Store:
         """(namespace, {"num_tokens", "ids", "chain"}) of a session: its 12-byte object, then its chunks walked
         from the last to the first through their parent keys (each chunk's key recomputed from its parent and
         ids, so a misplaced or altered chunk is caught)."""
-        ns, _, session = key.partition(":")
-        if not (_hex64(ns) and _hex64(session)):
-            raise ConfigError(f"not a session key: {key!r} (expected '<namespace>:<session>', 64 hex digits each)")
+        ns, session = self._split_key(key)
         path = self._session_path(ns, session)
         raw = self._read(path)
         if raw is None:
@@ -634,6 +683,11 @@ class Store:
         the missing chunk raises (``FileNotFoundError``; a corrupt one its :class:`KvzError`)."""
         model = self.model if model is None else model
         ns, m = self._manifest(key)
+        recorded = self.record(ns).get("model") or {}
+        if model is not None and "fingerprint" in recorded:
+            from .identity import check_model
+
+            check_model(recorded, model)  # another model must not recompute this session's positions
         ids, parts, a = m["ids"], [], 0
         for k, held in m["chain"]:
             try:
@@ -731,13 +785,23 @@ class Store:
     def __iter__(self):
         return iter(self.sessions())
 
+    @staticmethod
+    def _split_key(key: str) -> tuple[str, str]:
+        ns, _, session = str(key).partition(":")
+        if not (_hex64(ns) and _hex64(session)):
+            raise ConfigError(f"not a session key: {key!r} (expected '<namespace>:<session>', 64 hex digits each)")
+        return ns, session
+
     def __contains__(self, key: str) -> bool:
-        ns, _, session = key.partition(":")
+        try:
+            ns, session = self._split_key(key)
+        except ConfigError:
+            return False
         return self._exists(self._session_path(ns, session))
 
     def delete(self, key: str) -> None:
         """Remove a session (its chunks stay until :meth:`gc` finds them unreferenced)."""
-        ns, _, session = key.partition(":")
+        ns, session = self._split_key(key)
         path = self._session_path(ns, session)
         if not self._exists(path):
             raise KeyError(key)
@@ -756,8 +820,11 @@ class Store:
                 unknown.add(ns)
                 continue
             try:
-                _, m = self._manifest(key)  # a corrupt session object is quarantined: its session is gone
-            except (KeyError, KvzError, FileNotFoundError):  # (a lost chunk: its tokens are gone too)
+                _, m = self._manifest(key)
+            except KeyError:  # deleted meanwhile
+                continue
+            except (KvzError, FileNotFoundError):  # unreadable: which objects it needs is unknown, so nothing
+                unknown.add(ns)                   # in its namespace is collected
                 continue
             nsb, parent, a = bytes.fromhex(ns), ROOT_PARENT, 0
             size, step = rec["chunk_tokens"], rec["granularity"]
@@ -771,7 +838,7 @@ class Store:
                         break
                     if base is None:
                         break
-                    keep.add(self._chunk_path(ns, base))
+                    keep.update((self._chunk_path(ns, base), self._ids_path(ns, base)))  # hot or cold
                     k = base
                 keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
                             for g in _pointer_lengths(ids.size, size, step))
@@ -779,11 +846,28 @@ class Store:
         return keep, unknown
 
     def _age(self, path: str) -> float:
-        info = self.fs.info(path)
-        t = info.get("mtime") or info.get("LastModified") or info.get("created")
+        """Seconds since the object was last written (or touched); 0 when unknown or gone (never collected
+        on a guess)."""
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return 0.0
+        t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
         if hasattr(t, "timestamp"):
             t = t.timestamp()
-        return time.time() - float(t) if t is not None else float("inf")
+        try:
+            return max(0.0, time.time() - float(t)) if t is not None else 0.0
+        except (TypeError, ValueError):
+            return 0.0
+
+    def _remove(self, path: str) -> int:
+        """Delete one object; its size, or -1 when another process removed it first."""
+        try:
+            size = int(self.fs.info(path).get("size", 0))
+            self.fs.rm(path)
+        except FileNotFoundError:
+            return -1
+        return size
 
     def gc(self, grace_seconds: float | None = None, max_bytes: int | None = None) -> dict:
         """Remove chunks and pointers no session references, and interrupted writers' temporary files, once
@@ -804,15 +888,14 @@ class Store:
                     name = os.path.basename(p)
                     temp = name.startswith(".") and name.endswith(".kvz-tmp")
                     if (temp or p.lstrip("/") not in keep) and self._age(p) >= grace:
-                        size = self.fs.info(p).get("size", 0)
-                        self.fs.rm(p)
-                        removed["temporary" if temp else kind] += 1
-                        removed["bytes"] += size
+                        size = self._remove(p)
+                        if size >= 0:
+                            removed["temporary" if temp else kind] += 1
+                            removed["bytes"] += size
             for p in self._find("ns", ns, "sessions"):
                 name = os.path.basename(p)
                 if name.startswith(".") and name.endswith(".kvz-tmp") and self._age(p) >= grace:
-                    self.fs.rm(p)
-                    removed["temporary"] += 1
+                    removed["temporary"] += self._remove(p) >= 0
         if max_bytes is not None:
             removed["evicted"], removed["evicted_bytes"] = self._evict(int(max_bytes))
         return removed
@@ -827,8 +910,9 @@ class Store:
                 continue
             for p, info in found.items():
                 if not os.path.basename(p).startswith(".") and p.endswith(".kvz"):
-                    t = info.get("mtime") or info.get("LastModified") or 0
-                    chunks.append((t.timestamp() if hasattr(t, "timestamp") else float(t), p, int(info.get("size", 0))))
+                    t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or 0
+                    t = t.timestamp() if hasattr(t, "timestamp") else float(t)
+                    chunks.append((t, p, int(info.get("size", 0))))
         total, count, freed = sum(c[2] for c in chunks), 0, 0
         for _t, p, size in sorted(chunks):
             if total <= max_bytes:
@@ -841,8 +925,8 @@ class Store:
                 continue
             frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(ids.astype("<u4").tobytes())
             self._write(self._ids_path(ns, key), IDS_MAGIC + parent + int(ids.size).to_bytes(4, "little") + frame)
-            self.fs.rm(p)
-            total, count, freed = total - size, count + 1, freed + size
+            if self._remove(p) >= 0:
+                total, count, freed = total - size, count + 1, freed + size
         return count, freed
 
     def stats(self) -> dict:

@@ -38,7 +38,7 @@ def _ids(n, seed):
 
 
 def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
-    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=8)
     prefix = _ids(100, 1)
     keys, caches = [], []
     for i in range(6):
@@ -60,7 +60,7 @@ def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
 
 
 def test_match_finds_the_longest_stored_prefix_to_the_granularity(tmp_path):
-    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=8)
     prefix = _ids(70, 2)
     kv, ids = _session(prefix, _ids(30, 3))
     store.put(kv, tokens=ids)
@@ -101,10 +101,12 @@ def test_real_model_round_trip_and_the_reuse_loop(tmp_path):
     assert held - 4 < reused2 <= held  # to the store's granularity (4 tokens here)
     other = tiny_model("qwen2")  # another model: another namespace, never a hit
     assert store.match(q, other)[0] == 0
+    with pytest.raises(kvcodec.ModelMismatch):  # and never recomputes a stored session's positions
+        store.get(key, other)
 
 
 def test_caches_a_store_cannot_chunk_are_refused_by_name(tmp_path):
-    store = kvcodec.Store(tmp_path)
+    store = kvcodec.Store(tmp_path, model_id="test")
     kv, ids = _session(_ids(4, 1), _ids(4, 2))
     two = kvcodec.KVCache([torch.cat([k, k]) for k in kv.keys], [torch.cat([v, v]) for v in kv.values])
     with pytest.raises(kvcodec.UnsupportedCache, match="batch 2"):
@@ -118,12 +120,16 @@ def test_caches_a_store_cannot_chunk_are_refused_by_name(tmp_path):
         store.put(kv, tokens=ids[:, :3])
     with pytest.raises(kvcodec.ConfigError, match="tier"):
         kvcodec.Store(tmp_path, tier="exact")
+    with pytest.raises(kvcodec.ConfigError, match="model_id"):  # two models must never share a namespace
+        kvcodec.Store(tmp_path).put(kv, tokens=ids)
+    with pytest.raises(kvcodec.ConfigError, match="differs"):
+        store.put(kvcodec.KVCache(kv.keys, kv.values, ids.flip(1)), tokens=ids)
     with pytest.raises(kvcodec.ConfigError):
         token_ids(torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_lossy_store(tmp_path):
-    store = kvcodec.Store(tmp_path, tier="lossy", bits=4, chunk_tokens=64)
+    store = kvcodec.Store(tmp_path, model_id="test", tier="lossy", bits=4, chunk_tokens=64)
     kv, ids = _session(_ids(100, 1), _ids(28, 2), dim=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny chunks cannot meet bits= (side information): not what is tested
@@ -135,7 +141,7 @@ def test_lossy_store(tmp_path):
 
 
 def test_corrupt_objects_are_quarantined_never_returned(tmp_path):
-    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     kv, ids = _session(_ids(40, 1), _ids(8, 2))
     key = store.put(kv, tokens=ids)
     chunk = sorted((tmp_path / "ns").rglob("chunks/*/*.kvz"))[1]
@@ -160,7 +166,7 @@ def test_corrupt_objects_are_quarantined_never_returned(tmp_path):
 
 
 def test_gc_removes_only_unreferenced_objects_older_than_the_grace(tmp_path):
-    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     kept, ids = _session(_ids(30, 1), _ids(10, 2))
     gone, ids2 = _session(_ids(30, 3), _ids(10, 4))
     k1, k2 = store.put(kept, tokens=ids), store.put(gone, tokens=ids2)
@@ -181,7 +187,7 @@ WRITER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import kvcodec
     from tests.test_store import _session, _ids
-    store = kvcodec.Store({url!r}, chunk_tokens=32, granularity=8)
+    store = kvcodec.Store({url!r}, model_id="test", chunk_tokens=32, granularity=8)
     mode = {mode!r}
     prefix = _ids(200, 1)
     def put(i):
@@ -230,7 +236,7 @@ def _check_every_session(store):
 def test_concurrent_writers_of_the_same_chunks(tmp_path):
     r = _run_writer(tmp_path, "concurrent")
     assert r.returncode == 0, r.stderr[-3000:]
-    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=8)
     assert len(store.sessions()) == 33  # sessions 0 .. 32, most written by two writers at once
     _check_every_session(store)
     assert store.gc(grace_seconds=0)["temporary"] == 0
@@ -241,7 +247,7 @@ def test_a_writer_killed_at_any_moment_leaves_no_visible_partial_entry(tmp_path)
     and gc removes the debris (temporary files, chunks of sessions never published)."""
     r = _run_writer(tmp_path, "kill", trials=50)
     assert r.returncode == 0 and "trials done" in r.stdout, r.stderr[-3000:]
-    store = kvcodec.Store(tmp_path, chunk_tokens=32, granularity=8)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=8)
     temps = [p for p in tmp_path.rglob("*") if p.name.endswith(".kvz-tmp")]
     _check_every_session(store)
     removed = store.gc(grace_seconds=0)
@@ -272,7 +278,8 @@ def s3_server():
 
 def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server}}
-    store = kvcodec.Store("s3://kvz-test/memory", storage_options=opts, chunk_tokens=16, granularity=4)
+    store = kvcodec.Store("s3://kvz-test/memory", model_id="test", storage_options=opts, chunk_tokens=16,
+                          granularity=4)
     prefix = _ids(40, 1)
     keys, caches = [], []
     for i in range(3):
@@ -290,7 +297,7 @@ def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    again = kvcodec.Store("s3://kvz-test/memory", chunk_tokens=16, granularity=4)
+    again = kvcodec.Store("s3://kvz-test/memory", model_id="test", chunk_tokens=16, granularity=4)
     assert sorted(again) == sorted(keys)
     store.delete(keys[0])
     removed = again.gc(grace_seconds=0)
@@ -370,7 +377,7 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
 def test_a_chunk_under_another_name_or_a_bad_cold_object_is_caught(tmp_path):
     """Every chunk a session reaches is checked against its key (recomputed from its parent and token ids):
     a chunk copied over another's name is refused by field, and so is a malformed cold object."""
-    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     kv, ids = _session(_ids(30, 1), _ids(10, 2))
     key = store.put(kv, tokens=ids)
     other, ids2 = _session(_ids(30, 3), _ids(10, 4))
@@ -394,7 +401,7 @@ def test_a_chunk_under_another_name_or_a_bad_cold_object_is_caught(tmp_path):
 
 
 def test_layer_by_layer_reads_match_get(tmp_path):
-    store = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     prefix = _ids(30, 1)
     kv0, ids0 = _session(prefix, _ids(9, 2), layers=3)
     store.put(kv0, tokens=ids0)
@@ -428,3 +435,18 @@ def test_match_routes_by_the_measured_cost(tmp_path):
     assert set(auto.rates) == {"decode_bytes_per_s", "prefill_tokens_per_s", "cache_bytes_per_token"}
     with pytest.raises(kvcodec.ConfigError, match="route"):
         kvcodec.Store(tmp_path, route="fastest")
+
+
+def test_a_writer_that_finds_its_own_chunk_meanwhile_never_makes_it_a_delta_of_itself(tmp_path, monkeypatch):
+    """Two writers of the same new chunk: the second saw it absent, then its pointer search finds the first
+    writer's copy.  It must not write the chunk as a delta on itself (a cycle: the session would be lost)."""
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
+    kv, ids = _session(_ids(20, 1), _ids(7, 2))
+    key = store.put(kv, tokens=ids)
+    real = store._exists
+    monkeypatch.setattr(store, "_exists", lambda p: False if p.endswith(".kvz") else real(p))
+    assert store.put(kv, tokens=ids) == key  # as the racing writer would
+    monkeypatch.setattr(store, "_exists", real)
+    assert store.get(key, output="kvcache").equal(kv)
+    for i, held in enumerate(store._manifest(key)[1]["chain"]):
+        assert store._chunk_header(key.split(":")[0], held[0], 16 * i)[1] != held[0]

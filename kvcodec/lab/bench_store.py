@@ -148,7 +148,7 @@ def run_store_bench(args) -> int:
         case["lmcache_raw_chunk_bytes"] = _lmcache_raw_bytes(sessions, 256, per_token)
         for tier, opts in (("lossless", {}), ("lossy", {"bits": 3.0})):
             with tempfile.TemporaryDirectory() as d:
-                store = Store(d, chunk_tokens=256, granularity=16, tier=tier, **opts)
+                store = Store(d, chunk_tokens=256, granularity=16, tier=tier, model_id="smollm2", **opts)
                 t = time.perf_counter()
                 for ids, kv in sessions:
                     store.put(kv, tokens=ids)
@@ -170,7 +170,8 @@ def run_store_bench(args) -> int:
         man = case["lossless"]["store_bytes"]["sessions"]
         case["cold_manifest_bytes_per_session"] = round(man / n_sessions, 1)
         with tempfile.TemporaryDirectory() as d:
-            case["local_latency"] = _time_store(Store(d, chunk_tokens=256), sessions, model, torch.bfloat16,
+            case["local_latency"] = _time_store(Store(d, chunk_tokens=256, model_id="smollm2"), sessions, model,
+                                                torch.bfloat16,
                                                 min(20, n_sessions))
         case["s3_latency"] = _s3_latency(sessions[:min(10, n_sessions)])
         results["cases"].append(case)
@@ -194,7 +195,7 @@ def _s3_latency(sessions) -> dict | str:
         host, port = server.get_host_and_port()
         opts = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
         s3fs.S3FileSystem(**opts).mkdir("kvz-bench")
-        store = Store("s3://kvz-bench/store", storage_options=opts, chunk_tokens=256)
+        store = Store("s3://kvz-bench/store", storage_options=opts, chunk_tokens=256, model_id="smollm2")
         return _time_store(store, sessions, None, torch.bfloat16, len(sessions))
     finally:
         server.stop()
@@ -208,7 +209,7 @@ def _restore_vs_recompute(model, tok, files) -> dict:
     text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     ids = tok(text, return_tensors="pt").input_ids[:, :2048]
     with tempfile.TemporaryDirectory() as d:
-        store = Store(d, chunk_tokens=256)
+        store = Store(d, chunk_tokens=256, model_id="smollm2")
         store.put(model(ids, use_cache=True).past_key_values, tokens=ids)
         restore, recompute = [], []
         for _ in range(3):
