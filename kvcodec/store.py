@@ -308,7 +308,7 @@ class Store:
                         and isinstance(rec.get("granularity"), int)
                         and 0 <= rec["granularity"] < rec["chunk_tokens"]):
                     raise FormatError("not a kvz-store namespace record of this version", field="Namespace.format")
-            except (ValueError, FormatError) as e:
+            except (ValueError, RecursionError, FormatError) as e:
                 err = e if isinstance(e, FormatError) else FormatError(f"corrupt namespace record: {e}",
                                                                        field="Namespace")
                 self._quarantine(path, err)
@@ -948,8 +948,10 @@ class Store:
                     d["cold_chunks" if p.endswith(".ids") else kind] += 1
                     if size_key:
                         d[size_key] += int(info.get("size", 0))
-            rec = self._read(self._path("ns", ns, "namespace.json"))
-            d["record"] = json.loads(rec) if rec else None
+            try:
+                d["record"] = self.record(ns)
+            except (KeyError, KvzError):
+                d["record"] = None
             out["namespaces"][ns] = d
             for k in ("sessions", "chunks", "cold_chunks", "pointers"):
                 out[k] += d[k]
