@@ -193,18 +193,23 @@ class Store:
         else:
             self.fs.pipe_file(path, data)
 
-    def _refresh(self, ns: str, key: bytes, start: int) -> None:
-        """A chunk (and its bases) reused by a put: make it young, so that a gc whose snapshot predates the
-        put does not collect it (local file systems; object stores cannot touch an object cheaply)."""
+    def _bases(self, ns: str, key: bytes, start: int):
+        """The keys of a chunk's bases, nearest first, as far as they are hot (at most MAX_BASE_DEPTH)."""
         k = key
         for _ in range(MAX_BASE_DEPTH):
-            self._touch(self._chunk_path(ns, k))
             try:
                 k = self._chunk_header(ns, k, start)[1]
             except (FileNotFoundError, KvzError):
                 return
             if k is None:
                 return
+            yield k
+
+    def _refresh(self, ns: str, key: bytes, start: int) -> None:
+        """A chunk (and its bases) reused by a put: make it young, so that a gc whose snapshot predates the
+        put does not collect it (local file systems; object stores cannot touch an object cheaply)."""
+        for k in (key, *self._bases(ns, key, start)):
+            self._touch(self._chunk_path(ns, k))
 
     def _usable_base(self, ns: str, base: bytes, key: bytes, parent: bytes, start: int) -> bool:
         """Can a new chunk ``key`` be a delta on ``base``: another chunk of the same parent, whose bases are all
@@ -829,17 +834,9 @@ class Store:
             nsb, parent, a = bytes.fromhex(ns), ROOT_PARENT, 0
             size, step = rec["chunk_tokens"], rec["granularity"]
             for key_, ids in m["chain"]:
-                keep.update((self._chunk_path(ns, key_), self._ids_path(ns, key_)))
-                k = key_
-                for _ in range(MAX_BASE_DEPTH):  # a delta chunk needs its base (and the base's base ...)
-                    try:
-                        base = self._chunk_header(ns, k, a)[1]
-                    except (FileNotFoundError, KvzError):
-                        break
-                    if base is None:
-                        break
-                    keep.update((self._chunk_path(ns, base), self._ids_path(ns, base)))  # hot or cold
-                    k = base
+                # a delta chunk needs its base (and the base's base ...), hot or cold
+                for k in (key_, *self._bases(ns, key_, a)):
+                    keep.update((self._chunk_path(ns, k), self._ids_path(ns, k)))
                 keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
                             for g in _pointer_lengths(ids.size, size, step))
                 parent, a = key_, a + ids.size
