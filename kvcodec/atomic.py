@@ -1,7 +1,7 @@
 """Crash- and race-safe file replacement for local paths.
 
 :func:`atomic_output` writes to a temporary file in the target's directory whose
-name is unique to the writer (``.<name>.<pid>-<random>.kvz-tmp``), flushes and
+name is unique to the writer (``.<name>.<host>-<pid>-<random>.kvz-tmp``), flushes and
 fsyncs it, renames it over the target (``os.replace``: atomic on POSIX and
 Windows) and fsyncs the directory, so that:
 
@@ -10,7 +10,10 @@ Windows) and fsyncs the directory, so that:
   wins and leaves a complete, valid file;
 * a failed write removes its temporary file; a writer killed outright
   (``kill -9``, power loss) can leave one behind, which the next write to the
-  same target removes once the process that made it is gone.
+  same target *on the same host* removes once the process that made it is gone
+  (``<host>`` is a hash of the host name: a process id says nothing about
+  another machine's writers on a shared file system, whose temporary files are
+  left to an age-based collector such as ``Store.gc``).
 
 URLs (fsspec) are written directly: object stores publish an object only when
 its upload completes.
@@ -19,17 +22,23 @@ its upload completes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
+import socket
 
 from .errors import ConfigError
 
 SUFFIX = ".kvz-tmp"
 
 
+#: this machine, in temporary file names (8 hex digits of the host name's SHA-256)
+HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
 def _temp_name(target: str) -> str:
     d, base = os.path.split(target)
-    return os.path.join(d, f".{base}.{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
+    return os.path.join(d, f".{base}.{HOST}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
 
 
 def _alive(pid: int) -> bool:
@@ -43,7 +52,8 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale(target: str) -> list[str]:
-    """Remove the temporary files that dead writers left for ``target``; returns their paths."""
+    """Remove the temporary files that dead writers *of this host* left for ``target``; returns their
+    paths (other hosts' are never judged by a local process id)."""
     d, base = os.path.split(os.path.abspath(target))
     prefix = f".{base}."
     gone = []
@@ -54,7 +64,10 @@ def sweep_stale(target: str) -> list[str]:
     for name in names:
         if not (name.startswith(prefix) and name.endswith(SUFFIX)):
             continue
-        pid = name[len(prefix):-len(SUFFIX)].split("-", 1)[0]
+        parts = name[len(prefix):-len(SUFFIX)].split("-")
+        if len(parts) != 3 or parts[0] != HOST:
+            continue
+        pid = parts[1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(d, name))

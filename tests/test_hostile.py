@@ -173,6 +173,21 @@ def test_killed_writer_leaves_the_old_file_and_its_temp_is_swept(tmp_path):
     assert [q.name for q in tmp_path.iterdir()] == ["c.kvz"] and p.read_bytes() == before, stale
 
 
+def test_another_hosts_temporary_file_is_never_swept_by_a_process_id(tmp_path):
+    """On a shared file system a process id says nothing about another machine's writer: its temporary file
+    (another host tag, a pid that is dead here) stays; this host's dead writer's goes."""
+    from kvcodec import atomic
+
+    p = tmp_path / "c.kvz"
+    dead = 2 ** 22 + 12345  # above Linux's pid_max: no such process here
+    other = tmp_path / f".c.kvz.{'0' * 8 if atomic.HOST != '0' * 8 else '1' * 8}-{dead}-abcd1234.kvz-tmp"
+    mine = tmp_path / f".c.kvz.{atomic.HOST}-{dead}-abcd1234.kvz-tmp"
+    other.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    kvcodec.save(p, random_cache(layers=1, seq=4))
+    assert other.exists() and not mine.exists()
+
+
 def test_save_onto_a_missing_directory_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError):
         kvcodec.save(tmp_path / "no" / "c.kvz", random_cache(layers=1, seq=4))
