@@ -231,7 +231,9 @@ def cmd_store(args) -> int:
     if opts is not None and not isinstance(opts, dict):
         raise ConfigError("--storage-options must be a JSON object")
     if args.action in ("ls", "stats", "gc", "rm", "get"):
-        store = Store(args.url, storage_options=opts)
+        # --with-model: model-coded cold chunks are decoded, evicted positions recomputed, evicted chunks coded
+        model = _load_model(args.model, args.dtype) if args.with_model else None
+        store = Store(args.url, model, storage_options=opts)
     if args.action == "ls":
         keys = store.sessions()
         if args.json:
@@ -255,9 +257,14 @@ def cmd_store(args) -> int:
                   f"{d['sessions']} sessions, {d['chunks']} chunks ({_human(d['chunk_bytes'])})")
         return 0
     if args.action == "gc":
-        removed = store.gc(args.grace)
+        bar = _progress(None, "evicting", "chunk") if args.max_bytes is not None else None
+        removed = store.gc(args.grace, args.max_bytes, cold=args.cold, progress=None if bar is None else bar.update)
+        if bar is not None:
+            bar.close()
+        evicted = (f"; evicted {removed['evicted']} chunks ({_human(removed['evicted_bytes'])}), "
+                   f"{removed['cold_lm']} of them model-coded") if args.max_bytes is not None else ""
         _report(args, f"removed {removed['chunks']} chunks, {removed['pointers']} pointers, {removed['temporary']} "
-                f"temporary files ({_human(removed['bytes'])})", **removed)
+                f"temporary files ({_human(removed['bytes'])}){evicted}", **removed)
         return 0
     if args.action == "rm":
         for key in args.keys:
@@ -276,6 +283,10 @@ def cmd_store(args) -> int:
             kv = store.get(args.keys[0], output="kvcache")
         except KeyError:
             raise ConfigError(f"no session {args.keys[0]}") from None
+        except (FileNotFoundError, ConfigError) as e:  # a cold session: the model decodes / recomputes it
+            if store.model is None and "model=" in str(e):
+                raise type(e)(f"{e} (on the command line: --with-model)") from None
+            raise
         if Path(args.output).exists() and not args.force:
             raise ConfigError(f"{args.output} exists (use -f to replace it)")
         tensors = {f"layers.{i}.{p}": t.contiguous() for i, (k, v) in enumerate(zip(kv.keys, kv.values))
@@ -402,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
     s.add_argument("--sessions", type=int, nargs="*", default=[10, 100], help="store: numbers of sessions")
     s.add_argument("--prefix-tokens", type=int, default=1000, help="store: tokens of the shared prefix")
+    s.add_argument("--cold-sessions", type=int, default=10,
+                   help="store: measure the cold tier (every chunk evicted, model-coded ids) for N up to this")
     s.add_argument("--peers", nargs="*", default=None, metavar="PEER",
                    help="lossy: also run these peer packages (none given: every one set up by "
                         "scripts/peers/setup.sh), each in its own venv")
@@ -448,6 +461,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--force", action="store_true", help="get: replace an existing output file")
     s.add_argument("--grace", type=float, default=None,
                    help="gc: only remove objects older than this many seconds (default 3600)")
+    s.add_argument("--max-bytes", type=int, default=None,
+                   help="gc: then evict least recently used chunks until the hot chunks take at most this many "
+                        "bytes (their sessions keep their token ids: cold)")
+    s.add_argument("--cold", default="auto", choices=["auto", "lm", "ids"],
+                   help="gc --max-bytes: code evicted chunks' ids with the model (lm: a few bits per token, read "
+                        "back on an engine with the same numerics) or with zstd (ids: any machine); auto: lm with "
+                        "--with-model")
+    s.add_argument("--with-model", action="store_true",
+                   help="ls/stats/get/gc: load --model (--dtype): get decodes model-coded cold chunks and "
+                        "recomputes evicted positions; gc --max-bytes codes evicted chunks with it")
     s.add_argument("--storage-options", default=None,
                    help='fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\'')
     s.add_argument("--json", action="store_true", help="print JSON")

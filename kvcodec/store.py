@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import time
 
 import numpy as np
@@ -45,7 +46,7 @@ import torch
 import zstandard
 
 from .cache import KVCache, to_canonical
-from .errors import ConfigError, FormatError, KvzError, UnsupportedCache, warn
+from .errors import ChecksumMismatch, ConfigError, FormatError, KvzError, NumericsMismatch, UnsupportedCache, warn
 from .identity import model_record, split_model
 
 __all__ = ["Store", "chunk_key", "token_ids"]
@@ -57,6 +58,8 @@ ROOT_PARENT = bytes(32)
 POINTER_BYTES = 36  # chunk key (32) + u32 LE token count
 SESSION_MAGIC = b"KVZSES1\x00"  # a session object: this, then num_tokens (u32): 12 bytes
 IDS_MAGIC = b"KVZIDS1\x00"  # a cold chunk: this, parent key (32), n (u32), one zstd frame of n u32 ids
+LM_MAGIC = b"KVZL"  # a cold chunk whose ids are coded with the model (spec/store.md 4.2)
+_LM_HEAD = struct.Struct("<4s8sII32s")  # magic, numerics profile id, L, m (base tokens), parent or base key
 MAX_BASE_DEPTH = 64  # delta chunks on delta chunks: a bound a hostile store cannot exceed
 #: tiers a store keeps chunks in (the direct tiers: restoring a chunk needs no model)
 CHUNK_TIERS = ("lossless", "lossy")
@@ -100,6 +103,17 @@ def _chunk_links(info, key: bytes) -> tuple[bytes | None, int, bytes | None]:
     if parent is not None and not _hex64(parent):
         raise FormatError(f"chunk {key.hex()[:16]}…: malformed parent {parent!r}", field="Header.info.parent")
     return (None if base is None else bytes.fromhex(base)), m, (None if parent is None else bytes.fromhex(parent))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Positions of one layer from several chunks, joined; chunks that disagree on anything but their length
+    (a foreign or damaged object under a valid name) are a :class:`FormatError`, not a torch error."""
+    t0 = tensors[0]
+    for t in tensors[1:]:
+        if t.dim() != 4 or t.shape[:2] != t0.shape[:2] or t.shape[3:] != t0.shape[3:] or t.dtype != t0.dtype:
+            raise FormatError(f"the chunks of one session disagree on a layer's shape or dtype ({tuple(t0.shape)} "
+                              f"{t0.dtype} vs {tuple(t.shape)} {t.dtype})", field="Chunk")
+    return torch.cat(tensors, 2)
 
 
 def _pointer_lengths(n: int, chunk_tokens: int, granularity: int) -> range:
@@ -153,6 +167,10 @@ class Store:
 
         self._encoder = Encoder(tier=tier, chunk_tokens=chunk_tokens, **tier_options)
         self._namespaces: dict[str, dict] = {}
+        # content addressing makes these safe to remember: a chunk's key fixes its parent and token ids
+        self._links: dict[tuple[str, bytes], tuple[bytes, int]] = {}
+        self._ids_memo: dict[tuple[str, bytes], np.ndarray] = {}
+        self._profiles: dict = {}
 
     # -- paths and objects --------------------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
@@ -176,6 +194,9 @@ class Store:
         h = key.hex()
         return self._path("ns", ns, "chunks", h[:2], h + ".ids")
 
+    def _numerics_path(self, ns: str, pid: bytes) -> str:
+        return self._path("ns", ns, "numerics", pid.hex() + ".json")
+
     def _write(self, path: str, data: bytes, overwrite: bool = True) -> None:
         """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT).
         ``overwrite=False``: a chunk another writer published meanwhile is kept (locally: a hard link that
@@ -194,12 +215,13 @@ class Store:
             self.fs.pipe_file(path, data)
 
     def _bases(self, ns: str, key: bytes, start: int):
-        """The keys of a chunk's bases, nearest first, as far as they are hot (at most MAX_BASE_DEPTH)."""
+        """The keys of a chunk's bases, nearest first (hot delta chunks and model-coded cold ones name a base;
+        at most MAX_BASE_DEPTH)."""
         k = key
         for _ in range(MAX_BASE_DEPTH):
             try:
-                k = self._chunk_header(ns, k, start)[1]
-            except (FileNotFoundError, KvzError):
+                k = self._link(ns, k, start)[2]
+            except (FileNotFoundError, KvzError, ConfigError):
                 return
             if k is None:
                 return
@@ -508,16 +530,20 @@ class Store:
             return b"", 0
         base, m = hit
         try:
+            # a pointer names a chunk; that chunk answers for itself only where it is: a pointer to a chunk of
+            # another position or parent is the pointer's fault (a miss), never the chunk's (no quarantine)
+            if self._chunk_header(ns, base, start, quarantine_position=False)[4] != parent:
+                return b"", 0
             held = self._chunk_ids(ns, base, start)
-        except (FileNotFoundError, KvzError):
+        except (FileNotFoundError, KvzError, ConfigError):
             return b"", 0
         n = min(held.size, ids.size)
         diff = np.flatnonzero(held[:n] != ids[:n])
         common = int(diff[0]) if diff.size else n
         return (base, common) if common >= m else (b"", 0)
 
-    def _chunk_header(self, ns: str, key: bytes, start: int | None) -> tuple[int, bytes | None, int, np.ndarray,
-                                                                               bytes]:
+    def _chunk_header(self, ns: str, key: bytes, start: int | None, *, quarantine_position: bool = True
+                      ) -> tuple[int, bytes | None, int, np.ndarray, bytes]:
         """(its first position, base chunk key or None, base tokens, the token ids it holds, its parent's key) of
         a hot chunk object, read from its header and tokens section only (range reads on object storage)."""
         from .file import KvzFile
@@ -535,7 +561,8 @@ class Store:
             base, m, parent = _chunk_links(h.raw.get("info"), key)
             held = ids[0].numpy() if ids is not None else None
             expected = h.start_position if start is None else start + m
-            if held is None or h.batch != 1 or h.start_position != expected or parent is None:
+            elsewhere = not quarantine_position and held is not None and h.start_position != expected
+            if held is None or h.batch != 1 or (h.start_position != expected and not elsewhere) or parent is None:
                 raise FormatError(f"chunk {key.hex()[:16]}… does not describe positions from {start} (start "
                                   f"{h.start_position}, {m} from a base, token ids "
                                   f"{'stored' if held is not None else 'missing'}, parent {parent is not None})",
@@ -543,19 +570,17 @@ class Store:
         except KvzError as e:
             self._quarantine(path, e)
             raise
+        if elsewhere:  # valid where it is; the caller expected it elsewhere
+            raise FormatError(f"chunk {key.hex()[:16]}… starts at {h.start_position}, not {expected}",
+                              field="Header.cache.start_position")
         return h.start_position, base, m, held, parent
 
-    def _chunk_ids(self, ns: str, key: bytes, start: int, depth: int = 0) -> np.ndarray:
-        """Every token id of a hot chunk (a delta chunk's base's first - hot or cold - then its own)."""
-        first, base, m, held, _parent = self._chunk_header(ns, key, start)
-        if base is None:
-            return held
-        if depth > MAX_BASE_DEPTH:
-            raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
-        head = self._chunk_meta(ns, base, start, depth + 1)[1]
-        if head.size < m:
-            raise FormatError(f"chunk {key.hex()[:16]}…: its base holds {head.size} < {m} tokens", field="Header.info")
-        return np.concatenate([head[:m], held])
+    def _chunk_ids(self, ns: str, key: bytes, start: int) -> np.ndarray:
+        """Every token id of a hot chunk (a delta chunk's base's first, hot or cold, but never decoded with a
+        model: :class:`ConfigError` where that would be needed)."""
+        if not self._exists(self._chunk_path(ns, key)):
+            raise FileNotFoundError(f"chunk {key.hex()} is not stored hot")
+        return self._ids(ns, key, start, None, None)
 
     def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0,
                     parent: bytes | None = None) -> KVCache | None:
@@ -608,18 +633,22 @@ class Store:
 
     @staticmethod
     def _output(parts: list[KVCache], output: str):
-        kv = KVCache([torch.cat([p.keys[i] for p in parts], 2) for i in range(parts[0].num_layers)],
-                     [torch.cat([p.values[i] for p in parts], 2) for i in range(parts[0].num_layers)])
+        if any(p.num_layers != parts[0].num_layers for p in parts):
+            raise FormatError("the chunks of one session hold different numbers of layers", field="Chunk")
+        kv = KVCache([_cat([p.keys[i] for p in parts]) for i in range(parts[0].num_layers)],
+                     [_cat([p.values[i] for p in parts]) for i in range(parts[0].num_layers)])
         if output == "kvcache":
             return kv
         if output != "dynamic":
             raise ConfigError(f"output must be 'dynamic' or 'kvcache', not {output!r}")
         return kv.to_dynamic_cache()
 
-    def _manifest(self, key: str) -> tuple[str, dict]:
-        """(namespace, {"num_tokens", "ids", "chain"}) of a session: its 12-byte object, then its chunks walked
-        from the last to the first through their parent keys (each chunk's key recomputed from its parent and
-        ids, so a misplaced or altered chunk is caught)."""
+    def _manifest(self, key: str, model=None, ids: bool = True) -> tuple[str, dict]:
+        """(namespace, {"num_tokens", "chain", "ids"}) of a session: its 12-byte object, then its chunks walked
+        from the last to the first through their parent keys; then (``ids``) their token ids from the first to
+        the last (a model-coded cold chunk is decoded after the tokens before it), each chunk's key
+        recomputed from its parent and ids, so a misplaced or altered chunk is caught.  ``chain``: (key, ids)
+        per chunk, or (key, number of ids) without ``ids``."""
         ns, session = self._split_key(key)
         path = self._session_path(ns, session)
         raw = self._read(path)
@@ -631,41 +660,79 @@ class Store:
             raise err
         n = int.from_bytes(raw[8:], "little")
         size = self.record(ns)["chunk_tokens"]
-        nsb, k, chain = bytes.fromhex(ns), bytes.fromhex(session), []
+        k, links = bytes.fromhex(session), []
         for c in range((n - 1) // size, -1, -1):
             a = c * size
-            parent, ids = self._chunk_meta(ns, k, a)
-            if ids.size != min(n, a + size) - a or chunk_key(nsb, parent, ids) != k:
-                err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
-                                  "key says", field="Chunk")
-                for bad in (self._chunk_path(ns, k), self._ids_path(ns, k)):
-                    if self._exists(bad):
-                        self._quarantine(bad, err)  # so that putting the session again repairs it
+            parent, count = self._link(ns, k, a)[:2]
+            if count != min(n, a + size) - a:
+                err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds {count} tokens, its "
+                                  f"position implies {min(n, a + size) - a}", field="Chunk")
+                self._quarantine_chunk(ns, k, err)
                 raise err
-            chain.append((k, ids))
+            links.append((k, count))
             k = parent
         if k != ROOT_PARENT:
             raise FormatError(f"session {session[:16]}…: its first chunk has a parent", field="Chunk")
-        chain.reverse()
-        return ns, {"num_tokens": n, "ids": np.concatenate([ids for _, ids in chain]), "chain": chain}
+        links.reverse()
+        if not ids:
+            return ns, {"num_tokens": n, "chain": links}
+        recorded = self.record(ns).get("model") or {}
+        if model is not None and "fingerprint" in recorded:
+            from .identity import check_model
 
-    def _chunk_meta(self, ns: str, key: bytes, start: int, depth: int = 0) -> tuple[bytes, np.ndarray]:
-        """(parent key, every token id) of a chunk, hot (its .kvz header and tokens) or cold (its .ids)."""
-        try:
-            parent = self._chunk_header(ns, key, start)[4]
-            return parent, self._chunk_ids(ns, key, start, depth)
-        except (FileNotFoundError, KvzError):
-            pass
+            check_model(recorded, model)  # another model must not decode or recompute this session's positions
+        chain, tail, a, parent, nsb = [], np.zeros(0, dtype=np.int64), 0, ROOT_PARENT, bytes.fromhex(ns)
+        for k, count in links:
+            held = self._ids(ns, k, a, tail, model)
+            if held.size != count or chunk_key(nsb, parent, held) != k:
+                err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
+                                  "key says", field="Chunk")
+                self._ids_memo.pop((ns, k), None)
+                self._quarantine_chunk(ns, k, err)
+                raise err
+            chain.append((k, held))
+            tail = np.concatenate([tail, held])[-self._context_tokens():]
+            a, parent = a + count, k
+        return ns, {"num_tokens": n, "ids": np.concatenate([h for _, h in chain]), "chain": chain}
+
+    @staticmethod
+    def _context_tokens() -> int:
+        from .tokens.continuation import CONTEXT_TOKENS
+
+        return CONTEXT_TOKENS
+
+    def _quarantine_chunk(self, ns: str, key: bytes, err: Exception) -> None:
+        """A chunk that disagrees with its key: quarantine it, hot and cold (so that putting its session again
+        repairs it) - except a model-coded cold object, which a machine with other numerics may misread."""
+        for bad in (self._chunk_path(ns, key), self._ids_path(ns, key)):
+            raw = self._read(bad) if bad.endswith(".ids") else b""
+            if self._exists(bad) and not (raw or b"").startswith(LM_MAGIC):
+                self._quarantine(bad, err)
+
+    def _cold(self, ns: str, key: bytes) -> dict | None:
+        """A chunk's cold object parsed (spec/store.md 4.1, 4.2), or None when absent; a malformed one is
+        quarantined and raises :class:`FormatError`."""
         path = self._ids_path(ns, key)
         raw = self._read(path)
         if raw is None:
-            raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are lost")
+            return None
+        size = self.record(ns)["chunk_tokens"]
         try:
+            if raw[:4] == LM_MAGIC:
+                if len(raw) < _LM_HEAD.size or (len(raw) - _LM_HEAD.size) % 4:
+                    raise FormatError(f"model-coded cold chunk of {len(raw)} bytes (a 52-byte head, then whole "
+                                      "words)", field="Cold")
+                _magic, pid, n, m, link = _LM_HEAD.unpack_from(raw)
+                if not 1 <= n <= size or m >= n or (len(raw) == _LM_HEAD.size):
+                    raise FormatError(f"model-coded cold chunk: {n} tokens, {m} from a base, "
+                                      f"{len(raw) - _LM_HEAD.size} bytes of code (chunks of {size})", field="Cold.L")
+                return {"kind": "lm", "profile": pid, "n": n, "m": m, "link": link,
+                        "words": np.frombuffer(raw, dtype="<u4", offset=_LM_HEAD.size)}
             if len(raw) < 44 or raw[:8] != IDS_MAGIC:
                 raise FormatError("not a cold chunk object", field="Ids")
             n = int.from_bytes(raw[40:44], "little")
             frame = raw[44:]
-            if n > self.record(ns)["chunk_tokens"] or zstandard.get_frame_parameters(frame).content_size != 4 * n:
+            if n > size or zstandard.get_frame_parameters(frame).content_size != 4 * n:
                 raise FormatError("cold chunk: token count and frame disagree", field="Ids")
             ids = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame, max_output_size=4 * n,
                                                                         allow_extra_data=False), dtype="<u4")
@@ -673,11 +740,156 @@ class Store:
             err = e if isinstance(e, FormatError) else FormatError(f"cold chunk: {e}", field="Ids")
             self._quarantine(path, err)
             raise err from None
-        return raw[8:40], ids.astype(np.int64)
+        return {"kind": "ids", "parent": raw[8:40], "n": n, "ids": ids.astype(np.int64)}
 
-    def tokens(self, key: str) -> torch.Tensor:
-        """A stored session's token ids ``[1, n]``."""
-        return torch.from_numpy(self._manifest(key)[1]["ids"])[None]
+    def _link(self, ns: str, key: bytes, start: int, depth: int = 0) -> tuple[bytes, int, bytes | None, int]:
+        """(parent key, number of token ids, base key or None, tokens from the base) of a chunk at position
+        ``start``, hot (its header) or cold, without decoding anything."""
+        if depth > MAX_BASE_DEPTH:
+            raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
+        try:
+            first, base, m, held, parent = self._chunk_header(ns, key, start)
+            out = (parent, m + held.size, base, m)
+        except (FileNotFoundError, KvzError):
+            cold = self._cold(ns, key)
+            if cold is None:
+                raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are "
+                                        "lost") from None
+            if cold["kind"] == "ids":
+                out = (cold["parent"], cold["n"], None, 0)
+            elif not cold["m"]:
+                out = (cold["link"], cold["n"], None, 0)
+            else:
+                parent, bn = self._link(ns, cold["link"], start, depth + 1)[:2]
+                if bn < cold["m"]:
+                    raise FormatError(f"cold chunk {key.hex()[:16]}…: its base holds {bn} < {cold['m']} tokens",
+                                      field="Cold.m")
+                out = (parent, cold["n"], cold["link"], cold["m"])
+        self._links[ns, key] = out[:2]
+        return out
+
+    def _ids(self, ns: str, key: bytes, start: int, before: np.ndarray | None, model, depth: int = 0) -> np.ndarray:
+        """Every token id of the chunk at ``start``: a hot chunk's from its header (a delta chunk's first ones
+        from its base), a cold one's from its object - decoding a model-coded one with ``model`` after
+        ``before`` (the ids before ``start``, at least the last 1,024; read from the parents when None)."""
+        memo = self._ids_memo.get((ns, key))
+        if memo is not None:
+            return memo
+        if depth > MAX_BASE_DEPTH:
+            raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
+        try:
+            _first, base, m, held, parent = self._chunk_header(ns, key, start)
+            cold = None
+        except (FileNotFoundError, KvzError):
+            cold = self._cold(ns, key)
+            if cold is None:
+                raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are "
+                                        "lost") from None
+            if cold["kind"] == "ids":
+                return cold["ids"]  # checked against the key by the caller
+            base, m = (cold["link"], cold["m"]) if cold["m"] else (None, 0)
+        head = np.zeros(0, dtype=np.int64)
+        if base is not None:
+            head = self._ids(ns, base, start, before, model, depth + 1)
+            if head.size < m:
+                raise FormatError(f"chunk {key.hex()[:16]}…: its base holds {head.size} < {m} tokens",
+                                  field="Header.info")
+            head = head[:m]
+        if cold is None:
+            return np.concatenate([head, held])
+        # a model-coded cold chunk (spec/store.md 4.2)
+        if model is None:
+            raise ConfigError(f"chunk {key.hex()[:16]}… is cold and its token ids are coded with the model: pass "
+                              "model= (or open the store with it)")
+        mdl = split_model(model)[0]
+        parent = cold["link"] if base is None else self._link(ns, key, start, depth)[0]
+        if before is None:
+            before = self._prefix_ids(ns, parent, start, model)
+        self._check_numerics(ns, cold["profile"], mdl)
+        from .tokens.continuation import decode_continuation
+
+        context = np.concatenate([np.asarray(before, dtype=np.int64), head])[-self._context_tokens():]
+        ids = np.concatenate([head, decode_continuation(mdl, context, cold["words"], cold["n"] - m)])
+        if chunk_key(bytes.fromhex(ns), parent, ids) != key:
+            raise ChecksumMismatch(f"cold chunk {key.hex()[:16]}… decodes to token ids that are not its key's: the "
+                                   "object is corrupt, or this machine computes the model's probabilities "
+                                   "differently in a way its numerics profile does not name", field="Cold.Words")
+        self._remember(ns, key, ids)
+        return ids
+
+    def _remember(self, ns: str, key: bytes, ids: np.ndarray) -> None:
+        if len(self._ids_memo) > 100_000:
+            self._ids_memo.clear()
+        self._ids_memo[ns, key] = ids
+
+    def _prefix_ids(self, ns: str, parent: bytes, start: int, model) -> np.ndarray:
+        """The last 1,024 (or all) token ids before position ``start`` of the chunk whose parent is ``parent``:
+        the parents walked back to chunk 0, then read (and decoded, where model-coded) forwards."""
+        size = self.record(ns)["chunk_tokens"]
+        chain, k, a = [], parent, start - size
+        while k != ROOT_PARENT:
+            if a < 0:
+                raise FormatError(f"chunk {parent.hex()[:16]}…: more parents than positions", field="Chunk")
+            chain.append((k, a))
+            k = self._links.get((ns, k)) and self._links[ns, k][0] or self._link(ns, k, a)[0]
+            a -= size
+        if a != -size:
+            raise FormatError(f"chunk {parent.hex()[:16]}…: fewer parents than positions", field="Chunk")
+        tail = np.zeros(0, dtype=np.int64)
+        for k, a in reversed(chain):
+            tail = np.concatenate([tail, self._ids(ns, k, a, tail, model)])[-self._context_tokens():]
+        return tail
+
+    def _numerics_id(self, ns: str, mdl) -> bytes:
+        """The 8-byte id of this engine's profile for model-coded cold chunks (its object published once)."""
+        if (ns, id(mdl)) not in self._profiles:
+            from . import numerics
+            from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
+            from .tokens.plan import STEP_THREADS
+
+            data = _canonical({"context_tokens": CONTEXT_TOKENS, "procedure": PROCEDURE,
+                               "numerics": {**numerics.profile(mdl), "step_threads": STEP_THREADS}})
+            pid = hashlib.sha256(data).digest()[:8]
+            path = self._numerics_path(ns, pid)
+            if self._read(path) != data:
+                self._write(path, data)
+            self._profiles[ns, id(mdl)] = pid
+        return self._profiles[ns, id(mdl)]
+
+    def _check_numerics(self, ns: str, pid: bytes, mdl) -> None:
+        """Refuse, before decoding, a model-coded cold chunk whose encoder's profile is not this engine's."""
+        if self._profiles.get((ns, id(mdl))) == pid or self._profiles.get((ns, pid, id(mdl))):
+            return
+        from . import numerics
+        from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
+
+        path = self._numerics_path(ns, pid)
+        raw = self._read(path)
+        if raw is None:
+            raise FileNotFoundError(f"numerics profile {pid.hex()} of a cold chunk is not stored ({path})")
+        try:
+            if hashlib.sha256(raw).digest()[:8] != pid:
+                raise FormatError("a numerics profile object does not hash to its name", field="Numerics")
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or not isinstance(rec.get("numerics"), dict):
+                raise FormatError("not a numerics profile object", field="Numerics")
+        except (ValueError, RecursionError) as e:
+            raise FormatError(f"corrupt numerics profile: {e}", field="Numerics") from None
+        if rec.get("procedure") != PROCEDURE or rec.get("context_tokens") != CONTEXT_TOKENS:
+            raise FormatError(f"cold chunks coded by procedure {rec.get('procedure')!r} with context "
+                              f"{rec.get('context_tokens')!r}: this reader knows {PROCEDURE} with {CONTEXT_TOKENS}",
+                              field="Numerics.procedure")
+        recorded = rec["numerics"]
+        diffs = numerics.differences_here(recorded, mdl, step_threads=recorded.get("step_threads"))
+        if diffs:
+            raise NumericsMismatch(f"cold chunks of this store were coded by an engine with other numerics ("
+                                   f"{'; '.join(diffs)}): {numerics.advice(diffs, tried=True)}")
+        self._profiles[ns, pid, id(mdl)] = True
+
+    def tokens(self, key: str, model=None) -> torch.Tensor:
+        """A stored session's token ids ``[1, n]`` (``model``: this store's by default; needed only where
+        cold chunks are coded with it)."""
+        return torch.from_numpy(self._manifest(key, self.model if model is None else model)[1]["ids"])[None]
 
     def get(self, key: str, model=None, *, output: str = "dynamic"):
         """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens).
@@ -687,12 +899,7 @@ class Store:
         of the session's tokens, equal to the original where the engine computes the same way; without one,
         the missing chunk raises (``FileNotFoundError``; a corrupt one its :class:`KvzError`)."""
         model = self.model if model is None else model
-        ns, m = self._manifest(key)
-        recorded = self.record(ns).get("model") or {}
-        if model is not None and "fingerprint" in recorded:
-            from .identity import check_model
-
-            check_model(recorded, model)  # another model must not recompute this session's positions
+        ns, m = self._manifest(key, model)
         ids, parts, a = m["ids"], [], 0
         for k, held in m["chain"]:
             try:
@@ -719,7 +926,7 @@ class Store:
         """Yield ``(i, keys, values)`` of a stored session layer by layer: each chunk's file is opened once and
         only layer i's sections are read for layer i (range reads on object storage), so layer i is usable
         while later layers are still being read.  Every chunk must be hot (:meth:`get` recomputes cold ones)."""
-        ns, m = self._manifest(key)
+        ns, m = self._manifest(key, self.model)
         plan, a = [], 0
         for k, held in m["chain"]:
             plan.append((k, a, held.size))
@@ -729,7 +936,7 @@ class Store:
             first = self._chunk_file(ns, plan[0][0], files)[0]
             for i in range(len(first.header.layers)):
                 parts = [self._chunk_layer(ns, k, start, n, i, files) for k, start, n in plan]
-                yield i, torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
+                yield i, _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
         finally:
             for f, fh, *_ in files.values():
                 f.close()
@@ -768,7 +975,7 @@ class Store:
         if not bm:
             return k, v
         hk, hv = self._chunk_layer(ns, base, start, min(m, bm), i, files, depth + 1)
-        return (torch.cat([hk, k], 2), torch.cat([hv, v], 2)) if own else (hk, hv)
+        return (_cat([hk, k]), _cat([hv, v])) if own else (hk, hv)
 
     # -- listing, deletion, gc ----------------------------------------------------------------------------
     def _find(self, *parts: str) -> list[str]:
@@ -825,7 +1032,7 @@ class Store:
                 unknown.add(ns)
                 continue
             try:
-                _, m = self._manifest(key)
+                _, m = self._manifest(key, ids=False)  # links only: no model needed, nothing decoded
             except KeyError:  # deleted meanwhile
                 continue
             except (KvzError, FileNotFoundError):  # unreadable: which objects it needs is unknown, so nothing
@@ -833,13 +1040,18 @@ class Store:
                 continue
             nsb, parent, a = bytes.fromhex(ns), ROOT_PARENT, 0
             size, step = rec["chunk_tokens"], rec["granularity"]
-            for key_, ids in m["chain"]:
+            for key_, count in m["chain"]:
                 # a delta chunk needs its base (and the base's base ...), hot or cold
                 for k in (key_, *self._bases(ns, key_, a)):
                     keep.update((self._chunk_path(ns, k), self._ids_path(ns, k)))
-                keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
-                            for g in _pointer_lengths(ids.size, size, step))
-                parent, a = key_, a + ids.size
+                try:  # pointers serve lookups into hot chunks only: a cold chunk's are collected
+                    ids = self._chunk_ids(ns, key_, a)
+                except (FileNotFoundError, KvzError, ConfigError):
+                    ids = None
+                if ids is not None:
+                    keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
+                                for g in _pointer_lengths(ids.size, size, step))
+                parent, a = key_, a + count
         return keep, unknown
 
     def _age(self, path: str) -> float:
@@ -866,13 +1078,24 @@ class Store:
             return -1
         return size
 
-    def gc(self, grace_seconds: float | None = None, max_bytes: int | None = None) -> dict:
+    def gc(self, grace_seconds: float | None = None, max_bytes: int | None = None, *, model=None,
+           cold: str = "auto", progress=None) -> dict:
         """Remove chunks and pointers no session references, and interrupted writers' temporary files, once
         they are older than ``grace_seconds`` (default: the store's): a writer still publishing is never
         collected.  With ``max_bytes``, then evict the least recently used chunks (local file systems: last
         read or written; object stores: written) until the chunks take at most that many bytes: their
         sessions become cold - :meth:`get` recomputes what is missing with the model, :meth:`match` stops
-        before it.  Returns what it removed."""
+        before it.  An evicted chunk keeps its token ids: ``cold="lm"`` codes them with the model (this
+        store's, or ``model=``) conditioned on the tokens before them - a few bits per token, decoded with the
+        same model on an engine with the same numerics; ``cold="ids"`` keeps them zstd-coded (any machine, no
+        model; ~17 bits per token); ``"auto"``: ``lm`` when there is a model of the namespace.  Pointers into
+        cold chunks are collected (they serve lookups of hot ones).  ``progress(1)`` after each eviction.
+        Returns what it removed."""
+        if cold not in ("auto", "lm", "ids"):
+            raise ConfigError(f"cold must be 'auto', 'lm' or 'ids', not {cold!r}")
+        model = self.model if model is None else model
+        if cold == "lm" and model is None:
+            raise ConfigError("cold='lm' needs the model (model= or the store's)")
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
         keep, unknown = self._referenced()
         keep = {p.lstrip("/") for p in keep}
@@ -894,11 +1117,14 @@ class Store:
                 if name.startswith(".") and name.endswith(".kvz-tmp") and self._age(p) >= grace:
                     removed["temporary"] += self._remove(p) >= 0
         if max_bytes is not None:
-            removed["evicted"], removed["evicted_bytes"] = self._evict(int(max_bytes))
+            removed["evicted"], removed["evicted_bytes"], removed["cold_lm"] = self._evict(
+                int(max_bytes), None if cold == "ids" else model, progress)
         return removed
 
-    def _evict(self, max_bytes: int) -> tuple[int, int]:
-        """Delete the least recently used chunks until the chunks of every namespace take ``max_bytes``."""
+    def _evict(self, max_bytes: int, model, progress=None) -> tuple[int, int, int]:
+        """Delete the least recently used chunks until the chunks of every namespace take ``max_bytes``, each
+        after publishing its cold object (model-coded where ``model`` is the namespace's and the tokens before
+        the chunk can be read; else zstd).  (evicted, bytes freed, how many model-coded)."""
         chunks = []
         for ns in self.namespaces():
             try:
@@ -910,21 +1136,50 @@ class Store:
                     t = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or 0
                     t = t.timestamp() if hasattr(t, "timestamp") else float(t)
                     chunks.append((t, p, int(info.get("size", 0))))
-        total, count, freed = sum(c[2] for c in chunks), 0, 0
+        total, count, freed, coded = sum(c[2] for c in chunks), 0, 0, 0
         for _t, p, size in sorted(chunks):
             if total <= max_bytes:
                 break
             ns, key = p.split("/ns/")[-1].split("/")[0], bytes.fromhex(os.path.basename(p)[:64])
             try:  # keep its tokens and its link to its parent: the session stays whole, cold
-                first, _base, m, _held, parent = self._chunk_header(ns, key, None)
-                ids = self._chunk_ids(ns, key, first - m)
-            except (FileNotFoundError, KvzError):
+                first, base, m, held, parent = self._chunk_header(ns, key, None)
+                obj = self._cold_lm(ns, key, first - m, base, m, held, parent, model) if model is not None else None
+                if obj is None:
+                    ids = self._chunk_ids(ns, key, first - m)
+                    frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(
+                        ids.astype("<u4").tobytes())
+                    obj = IDS_MAGIC + parent + int(ids.size).to_bytes(4, "little") + frame
+            except (FileNotFoundError, KvzError, ConfigError):
                 continue
-            frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(ids.astype("<u4").tobytes())
-            self._write(self._ids_path(ns, key), IDS_MAGIC + parent + int(ids.size).to_bytes(4, "little") + frame)
+            self._write(self._ids_path(ns, key), obj)
             if self._remove(p) >= 0:
                 total, count, freed = total - size, count + 1, freed + size
-        return count, freed
+                coded += obj[:4] == LM_MAGIC
+            if progress:
+                progress(1)
+        return count, freed, coded
+
+    def _cold_lm(self, ns: str, key: bytes, start: int, base: bytes | None, m: int, held: np.ndarray,
+                 parent: bytes, model) -> bytes | None:
+        """A hot chunk's model-coded cold object (spec/store.md 4.2): its own ids (after a delta chunk's base
+        tokens) coded with the model conditioned on the tokens before them; None where the model is not the
+        namespace's."""
+        recorded = self.record(ns).get("model") or {}
+        rec = model_record(model)
+        if rec is None or recorded.get("fingerprint") != rec.get("fingerprint"):
+            return None
+        from .tokens.continuation import encode_continuation
+
+        mdl = split_model(model)[0]
+        before = self._prefix_ids(ns, parent, start, model)
+        head = self._ids(ns, base, start, before, model)[:m] if base is not None else np.zeros(0, dtype=np.int64)
+        if head.size != m:
+            return None
+        context = np.concatenate([before, head])[-self._context_tokens():]
+        words, _bits = encode_continuation(mdl, context, held)
+        self._remember(ns, key, np.concatenate([head, held]))
+        return _LM_HEAD.pack(LM_MAGIC, self._numerics_id(ns, mdl), m + held.size, m, base if m else parent) \
+            + words.astype("<u4").tobytes()
 
     def stats(self) -> dict:
         """Counts and bytes: sessions, hot chunks (keys and values), cold chunks (token ids only: evicted),

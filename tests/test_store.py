@@ -330,6 +330,15 @@ def test_command_line(tmp_path, capsys):
     from kvcodec.cli import _cache_from_safetensors
 
     assert _cache_from_safetensors(str(out)).equal(kv)
+    capsys.readouterr()
+    assert main(["store", "gc", url, "--max-bytes", "0", "--cold", "ids", "--json"]) == 0  # evict: cold, no model
+    gone = json.loads(capsys.readouterr().out)
+    assert gone["evicted"] == 4 and gone["cold_lm"] == 0
+    assert main(["store", "stats", url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["chunks"] == 0 and st["cold_chunks"] == 4
+    assert main(["store", "get", url, key, "-o", str(out), "-f"]) == 2  # cold without a model: refused, said why
+    assert "--with-model" in capsys.readouterr().err
     assert main(["store", "rm", url, key]) == 0
     assert main(["store", "gc", url, "--grace", "0", "--json"]) == 0
     capsys.readouterr()
@@ -354,6 +363,7 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
     total = sum(d["chunk_bytes"] for d in before.values())
     removed = store.gc(max_bytes=total // 2)
     assert removed["evicted"] > 0 and removed["evicted_bytes"] >= total - total // 2 - 1
+    assert removed["cold_lm"] == removed["evicted"]  # the store has the model: token ids coded with it
     kept_first = store.get(first, output="kvcache")  # the recently used session is still whole
     assert kept_first.equal(sessions[first][1])
     st = store.stats()
@@ -361,7 +371,7 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
     cold = [k for k in sessions if k != first]
     assert all(torch.equal(store.tokens(k), sessions[k][0]) for k in cold)  # so cold sessions keep their tokens
     plain = kvcodec.Store(tmp_path, chunk_tokens=16, granularity=4)  # no model: a cold session cannot be read
-    with pytest.raises(FileNotFoundError, match="model="):
+    with pytest.raises((FileNotFoundError, kvcodec.ConfigError), match="model="):
         for k in cold:
             plain.get(k)
     for k in cold:  # with the model, the missing positions are recomputed on top of what is stored
@@ -450,3 +460,129 @@ def test_a_writer_that_finds_its_own_chunk_meanwhile_never_makes_it_a_delta_of_i
     assert store.get(key, output="kvcache").equal(kv)
     for i, held in enumerate(store._manifest(key)[1]["chain"]):
         assert store._chunk_header(key.split(":")[0], held[0], 16 * i)[1] != held[0]
+
+
+def _cold_objects(root):
+    return sorted(Path(root).rglob("*.ids"))
+
+
+def test_cold_chunks_keep_their_tokens_coded_with_the_model(tmp_path):
+    """gc(max_bytes=0) with the model: every chunk keeps only its token ids, range-coded with the model's
+    next-token distributions given the tokens before them (a delta chunk's after its base's); a fresh store
+    object decodes them, checked against the chunk keys, and recomputes the caches; pointers into cold chunks
+    are collected, the objects the sessions need are not."""
+    model = tiny_model("llama")
+    store = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+    prefix = _ids(27, 1)
+    sessions = {}
+    for i in range(3):  # chunk 1 of sessions 2 and 3 is a delta chunk on session 1's (11 shared tokens)
+        ids = torch.cat([prefix, _ids(9 + 7 * i, 10 + i)], 1)
+        sessions[store.put(model_cache(model, ids), tokens=ids)] = ids
+    removed = store.gc(max_bytes=0)
+    assert removed["cold_lm"] == removed["evicted"] > 0
+    objs = _cold_objects(tmp_path)
+    assert objs and all(p.read_bytes()[:4] == b"KVZL" for p in objs)
+    heads = [int.from_bytes(p.read_bytes()[16:20], "little") for p in objs]  # m: tokens from a base
+    assert sum(m > 0 for m in heads) == 2  # the two delta chunks stay deltas when cold
+    assert all((p.stat().st_size - 52) % 4 == 0 for p in objs)
+    store.gc(grace_seconds=0)  # what the sessions need stays; the cold chunks' pointers go
+    assert store.stats()["pointers"] == 0 and len(_cold_objects(tmp_path)) == len(objs)
+    fresh = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+    for key, ids in sessions.items():
+        assert torch.equal(fresh.tokens(key), ids)
+        back = fresh.get(key, output="kvcache")
+        ref = kvcodec.to_canonical(model_cache(model, ids))
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(back.keys, ref.keys))
+    with pytest.raises(kvcodec.ConfigError, match="model="):
+        kvcodec.Store(tmp_path, model_id="x", chunk_tokens=16).tokens(next(iter(sessions)))
+    with pytest.raises(kvcodec.ModelMismatch):
+        kvcodec.Store(tmp_path, tiny_model("qwen2"), chunk_tokens=16).tokens(next(iter(sessions)))
+
+
+def test_a_cold_chunk_coded_by_other_numerics_or_damaged_is_refused(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    store = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+    ids = _ids(40, 5)
+    key = store.put(model_cache(model, ids), tokens=ids)
+    store.gc(max_bytes=0)
+    from kvcodec import numerics
+
+    real = numerics.profile
+    monkeypatch.setattr(numerics, "profile", lambda m: {**real(m), "cpu_isa": "sse4_2"})
+    with pytest.raises(kvcodec.NumericsMismatch, match="cpu_isa"):  # refused before decoding
+        kvcodec.Store(tmp_path, model, chunk_tokens=16).tokens(key)
+    monkeypatch.setattr(numerics, "profile", real)
+    last = max(_cold_objects(tmp_path), key=lambda p: p.stat().st_size)
+    good = last.read_bytes()
+    last.write_bytes(good[:52] + bytes([good[52] ^ 0x40]) + good[53:])
+    with pytest.raises(kvcodec.FormatError):  # the range coder or the key check refuses it
+        kvcodec.Store(tmp_path, model, chunk_tokens=16).tokens(key)
+    assert last.exists()  # not quarantined: another engine might be the cause
+    last.write_bytes(good[:50])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(kvcodec.FormatError, match="52-byte"):
+            kvcodec.Store(tmp_path, model, chunk_tokens=16).tokens(key)
+    assert not last.exists()  # malformed: quarantined
+    with pytest.raises(kvcodec.ConfigError, match="cold"):
+        store.gc(max_bytes=0, cold="zstd")
+
+
+def test_cold_ids_without_a_model_and_the_per_session_overhead(tmp_path):
+    """cold="ids" keeps zstd-coded ids (any machine, no model).  A one-chunk session costs its 12-byte
+    session object and its cold object's 52-byte head beyond its coded tokens: 64 bytes."""
+    model = tiny_model("llama")
+    store = kvcodec.Store(tmp_path, model, chunk_tokens=64)
+    ids = _ids(40, 6)
+    key = store.put(model_cache(model, ids), tokens=ids)
+    assert store.gc(max_bytes=0, cold="ids")["cold_lm"] == 0
+    assert _cold_objects(tmp_path)[0].read_bytes()[:8] == b"KVZIDS1\x00"
+    assert torch.equal(kvcodec.Store(tmp_path, model_id="x", chunk_tokens=64).tokens(key), ids)
+    store.put(model_cache(model, ids), tokens=ids)  # hot again
+    store.gc(max_bytes=0)
+    (obj,) = _cold_objects(tmp_path)
+    raw = obj.read_bytes()
+    assert raw[:4] == b"KVZL"
+    (session,) = Path(tmp_path).rglob("*.kvs")
+    from kvcodec.tokens.continuation import encode_continuation
+
+    words, _ = encode_continuation(model, [], ids[0].numpy())
+    assert raw[52:] == words.astype("<u4").tobytes()  # the code and nothing else after the head
+    assert session.stat().st_size + len(raw) - 4 * words.size == 64
+
+
+def test_a_pointer_to_a_chunk_elsewhere_is_a_miss_and_the_chunk_stays(tmp_path):
+    """A prefix pointer names a chunk; one that names a chunk of another position or parent (a damaged or
+    hostile pointer) is the pointer's fault: a miss for the lookup, and the innocent chunk is not
+    quarantined."""
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
+    prefix = _ids(20, 1)
+    kv, ids = _session(prefix, _ids(8, 2))
+    key = store.put(kv, tokens=ids)
+    ns = key.split(":")[0]
+    chain = store._manifest(key)[1]["chain"]
+    query = torch.cat([prefix[:, :16], _ids(8, 9)], 1)  # chunk 0 stored; chunk 1 starts differently
+    nsb = bytes.fromhex(ns)
+    pointer = Path(store._pointer_path(ns, kvcodec.store.chunk_key(nsb, chain[0][0], token_ids(query)[16:20])))
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.write_bytes(chain[0][0] + (4).to_bytes(4, "little"))  # names chunk 0, which sits at position 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no quarantine warning
+        n, _ = store.match(query, dtype=torch.bfloat16)
+    assert n == 16 and store.stats()["quarantined"] == 0
+    assert store.get(key, output="kvcache").equal(kv)
+
+
+def test_chunks_of_other_shapes_under_one_name_are_a_format_error(tmp_path):
+    """A store without a model trusts model_id=: caches of another shape put under the same id share the
+    first chunk by its tokens; reading such a session is a FormatError naming the disagreement, never a torch
+    error or a mixed cache."""
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
+    prefix = _ids(16, 1)
+    store.put(*_session(prefix, _ids(4, 2), heads=2)[:1], tokens=torch.cat([prefix, _ids(4, 2)], 1))
+    kv, ids = _session(prefix, _ids(6, 3), heads=4)
+    key = store.put(kv, tokens=ids)
+    with pytest.raises(kvcodec.FormatError, match="shape"):
+        store.get(key)
+    with pytest.raises(kvcodec.FormatError, match="shape"):
+        list(store.layers(key))

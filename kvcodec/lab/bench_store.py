@@ -14,7 +14,10 @@ Reported, for N in ``--sessions`` (default 10 and 100), all measured in one run:
   positions, each coded in the same tier on its own;
 * put / get / match latency (median and p99) on a local directory and on an S3-compatible server on
   loopback (moto, through s3fs);
-* the cold tier's cost per session (its manifest: token ids and metadata);
+* the cold tier (for N up to ``--cold-sessions``): every chunk evicted with its token ids coded by the model
+  given the tokens before them (``gc(max_bytes=0)``), against the ideal token stream (the prefix's ids coded
+  once, each session's own ids coded after its prefix), the overhead per session beyond its coded tokens,
+  and the time to evict and to restore a cold session;
 * time to a usable cache for a stored 2,048-token prefix: ``match`` (decode) against recomputing it.
 """
 
@@ -92,11 +95,63 @@ def _tree_bytes(fs, root) -> dict:
     out = {"chunks": 0, "pointers": 0, "sessions": 0, "namespace": 0, "objects": 0}
     for p, info in fs.find(root, detail=True).items():
         kind = "chunks" if "/chunks/" in p else "pointers" if "/prefix/" in p else "sessions" \
-            if "/sessions/" in p else "namespace"
+            if "/sessions/" in p else "namespace"  # the namespace record and numerics profiles
         out[kind] += int(info.get("size", 0))
         out["objects"] += 1
     out["total"] = sum(out[k] for k in ("chunks", "pointers", "sessions", "namespace"))
     return out
+
+
+def _cold_tier(model, prefix, sessions) -> dict:
+    """Every chunk evicted to model-coded token ids, against the ideal token stream."""
+    from pathlib import Path
+
+    import fsspec
+
+    from ..store import Store
+    from ..tokens.continuation import CONTEXT_TOKENS, encode_continuation
+
+    with tempfile.TemporaryDirectory() as d:
+        store = Store(d, model, chunk_tokens=256, granularity=16)
+        keys = [store.put(kv, tokens=ids) for ids, kv in sessions]
+        hot = _tree_bytes(fsspec.filesystem("file"), d)["total"]
+        t = time.perf_counter()
+        removed = store.gc(max_bytes=0, cold="lm")
+        evict_s = time.perf_counter() - t
+        store.gc(grace_seconds=0)  # the cold chunks' prefix pointers
+        stored = _tree_bytes(fsspec.filesystem("file"), d)
+        heads, words = 0, 0
+        for p in Path(d).rglob("*.ids"):
+            raw = p.read_bytes()
+            assert raw[:4] == b"KVZL", "bench: every evicted chunk is model-coded"
+            heads, words = heads + 52, words + len(raw) - 52
+        t = time.perf_counter()
+        back = Store(d, model).tokens(keys[-1])  # a fresh store object: nothing remembered
+        tokens_s = time.perf_counter() - t
+        assert torch.equal(back, sessions[-1][0])
+        t = time.perf_counter()
+        Store(d, model).get(keys[-1])
+        get_s = time.perf_counter() - t
+    # the ideal: the prefix's ids coded once, each session's own ids after its prefix (same coder, no objects)
+    p = prefix.shape[1]
+    ideal_words = encode_continuation(model, [], prefix[0].numpy())[0].size
+    for ids, _ in sessions:
+        t = ids[0].numpy()
+        ideal_words += encode_continuation(model, t[max(0, p - CONTEXT_TOKENS):p], t[p:])[0].size
+    n = len(sessions)
+    own_tokens = sum(ids.shape[1] - p for ids, _ in sessions)
+    return {"hot_bytes": hot, "cold_bytes": stored, "evicted": removed["evicted"], "evict_s": round(evict_s, 1),
+            "coded_bytes": words, "heads_bytes": heads, "ideal_token_stream_bytes": 4 * ideal_words,
+            "cold_vs_ideal": round(stored["total"] / (4 * ideal_words), 3),
+            "coded_vs_ideal": round(words / (4 * ideal_words), 3),
+            "overhead_per_session_bytes": round((stored["total"] - words - stored["namespace"]) / n, 1),
+            "bits_per_token_all": round(8 * stored["total"] / (p + own_tokens), 2),
+            "ideal_bits_per_token": round(32 * ideal_words / (p + own_tokens), 2),
+            "hot_vs_cold": round(hot / stored["total"], 1),
+            "restore_tokens_s": round(tokens_s, 1), "restore_get_s": round(get_s, 1),
+            "restored_tokens": int(sessions[-1][0].shape[1]), "namespace_and_profile_bytes": stored["namespace"],
+            "per_session_token_stream_bytes_mean": round(4 * ideal_words / n, 1),
+            "cold_objects_per_session": round(removed["evicted"] / n, 2)}
 
 
 def _time_store(store, sessions, model, dtype, limit: int) -> dict:
@@ -169,6 +224,9 @@ def run_store_bench(args) -> int:
                   f"{case['lmcache_raw_chunk_bytes']:,} B", flush=True)
         man = case["lossless"]["store_bytes"]["sessions"]
         case["cold_manifest_bytes_per_session"] = round(man / n_sessions, 1)
+        if n_sessions <= args.cold_sessions:
+            case["cold"] = _cold_tier(model, prefix, sessions)
+            print(f"N={n_sessions} cold: {case['cold']}", flush=True)
         with tempfile.TemporaryDirectory() as d:
             case["local_latency"] = _time_store(Store(d, chunk_tokens=256, model_id="smollm2"), sessions, model,
                                                 torch.bfloat16,
@@ -248,6 +306,19 @@ def _markdown(results) -> list[str]:
                        f"{lat['put_p50_ms']} / {lat['put_p99_ms']} ms | {lat['get_p50_ms']} / {lat['get_p99_ms']} ms"
                        f" | {lat['match_p50_ms']} / {lat['match_p99_ms']} ms | "
                        f"{c['cold_manifest_bytes_per_session']} B |")
+    cold = [c for c in results["cases"] if "cold" in c]
+    if cold:
+        out += ["", "Cold tier (every chunk evicted, token ids coded with the model given the tokens before them):", "",
+                "| sessions | hot store | cold store | ideal token stream (prefix once + own ids) | cold / ideal | "
+                "coded ids / ideal | overhead per session beyond coded ids | bits per position | evict all | "
+                "restore one session: ids / get |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in cold:
+            d = c["cold"]
+            out.append(f"| {c['sessions']} | {d['hot_bytes'] / mib:,.1f} MiB | {d['cold_bytes']['total']:,} B | "
+                       f"{d['ideal_token_stream_bytes']:,} B | {d['cold_vs_ideal']} | {d['coded_vs_ideal']} | "
+                       f"{d['overhead_per_session_bytes']} B | {d['bits_per_token_all']} "
+                       f"(ideal {d['ideal_bits_per_token']}) | {d['evict_s']} s | {d['restore_tokens_s']} / "
+                       f"{d['restore_get_s']} s ({d['restored_tokens']} tokens) |")
     r = results["restore_2048"]
     out += ["", f"Restoring a stored {r['tokens']}-token prefix (lossless, `match`): {r['restore_s']} s; recomputing "
             f"it (one prefill): {r['recompute_s']} s: **{r['speedup']}x** (medians of 3)."]
