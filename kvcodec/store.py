@@ -171,6 +171,7 @@ class Store:
         self._links: dict[tuple[str, bytes], tuple[bytes, int]] = {}
         self._ids_memo: dict[tuple[str, bytes], np.ndarray] = {}
         self._profiles: dict = {}
+        self._headers: dict | None = None  # chunk headers, remembered during one gc (which reads each 3 times)
 
     # -- paths and objects --------------------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
@@ -443,7 +444,9 @@ class Store:
         n is 0), so the caller runs the model on ``tokens[n:]`` only.  Whole chunks are found by key, the
         rest to ``granularity`` tokens inside the next chunk, then to the exact token.  A store without a model
         needs ``dtype=``.  With a model, ``route`` decides how the prefix is restored (decoding its chunks, or
-        recomputing it; ``"auto"``: whichever this machine measured faster - on a CPU, decoding)."""
+        recomputing it; ``"auto"``: whichever this machine measured faster - on a CPU, decoding).
+        ``output="layers"``: the cache as an iterator of ``(i, keys, values)``, layer i read (range reads of
+        its sections only) while later layers are not yet fetched, as :meth:`layers`."""
         ids = token_ids(tokens)
         ns = self.namespace(model, dtype)
         nsb = bytes.fromhex(ns)
@@ -461,9 +464,27 @@ class Store:
                 plan.append((base, m))
             break
         total = sum(m for _, m in plan)
+        if output not in ("dynamic", "kvcache", "layers"):
+            raise ConfigError(f"output must be 'dynamic', 'kvcache' or 'layers', not {output!r}")
         if total and self._recompute_is_faster(model, ns, plan):
             mdl = split_model(self.model if model is None else model)[0]
-            return total, self._output([self._recompute(mdl, [], ids[:total], 0)], output)
+            kv = self._recompute(mdl, [], ids[:total], 0)
+            if output == "layers":
+                return total, ((i, k, v) for i, (k, v) in enumerate(zip(kv.keys, kv.values)))
+            return total, self._output([kv], output)
+        if output == "layers":  # every chunk of the prefix opened (headers: range reads), then layer by layer
+            files, hot, n = {}, [], 0
+            for key, m in plan:
+                try:
+                    self._open_chain(ns, key, files)
+                except (FileNotFoundError, KvzError):
+                    break
+                hot.append((key, n, m))
+                n += m
+            if not hot:
+                self._close(files)
+                return 0, None
+            return n, self._stream(ns, hot, files)
         parts, n = [], 0
         t0, read = time.perf_counter(), 0
         for key, m in plan:
@@ -548,6 +569,9 @@ class Store:
         a hot chunk object, read from its header and tokens section only (range reads on object storage)."""
         from .file import KvzFile
 
+        memo = self._headers
+        if memo is not None and (ns, key, start, quarantine_position) in memo:
+            return memo[ns, key, start, quarantine_position]
         path = self._chunk_path(ns, key)
         try:
             with self.fs.open(path, "rb") as fh, KvzFile(fh) as f:
@@ -573,6 +597,8 @@ class Store:
         if elsewhere:  # valid where it is; the caller expected it elsewhere
             raise FormatError(f"chunk {key.hex()[:16]}… starts at {h.start_position}, not {expected}",
                               field="Header.cache.start_position")
+        if memo is not None:
+            memo[ns, key, start, quarantine_position] = (h.start_position, base, m, held, parent)
         return h.start_position, base, m, held, parent
 
     def _chunk_ids(self, ns: str, key: bytes, start: int) -> np.ndarray:
@@ -931,16 +957,33 @@ class Store:
         for k, held in m["chain"]:
             plan.append((k, a, held.size))
             a += held.size
-        files: dict = {}
+        yield from self._stream(ns, plan, {})
+
+    def _stream(self, ns: str, plan: list, files: dict):
+        """Layer by layer over ``plan`` [(chunk key, first position, positions)]; closes ``files`` at the end."""
         try:
             first = self._chunk_file(ns, plan[0][0], files)[0]
             for i in range(len(first.header.layers)):
                 parts = [self._chunk_layer(ns, k, start, n, i, files) for k, start, n in plan]
                 yield i, _cat([p[0] for p in parts]), _cat([p[1] for p in parts])
         finally:
-            for f, fh, *_ in files.values():
-                f.close()
-                fh.close()
+            self._close(files)
+
+    @staticmethod
+    def _close(files: dict) -> None:
+        for f, fh, *_ in files.values():
+            f.close()
+            fh.close()
+        files.clear()
+
+    def _open_chain(self, ns: str, key: bytes, files: dict) -> None:
+        """Open a hot chunk and its bases (headers only): FileNotFoundError / KvzError if one is not hot."""
+        k = key
+        for _ in range(MAX_BASE_DEPTH + 1):
+            k = self._chunk_file(ns, k, files)[2]
+            if k is None:
+                return
+        raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
 
     def _chunk_file(self, ns: str, key: bytes, files: dict):
         """(KvzFile, file object, base key or None, base tokens) of a hot chunk, opened once per ``files``."""
@@ -1097,7 +1140,11 @@ class Store:
         if cold == "lm" and model is None:
             raise ConfigError("cold='lm' needs the model (model= or the store's)")
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
-        keep, unknown = self._referenced()
+        self._headers = {}
+        try:
+            keep, unknown = self._referenced()
+        finally:
+            self._headers = None
         keep = {p.lstrip("/") for p in keep}
         removed = {"chunks": 0, "pointers": 0, "temporary": 0, "bytes": 0}
         for ns in self.namespaces():

@@ -421,9 +421,18 @@ def test_layer_by_layer_reads_match_get(tmp_path):
     assert [i for i, _, _ in got] == [0, 1, 2]
     for i, k, v in got:
         assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+    query = torch.cat([ids[:, :37], _ids(5, 4)], 1)  # 37 positions stored: 2 chunks, then 5 of a delta chunk
+    n, layers = store.match(query, dtype=torch.bfloat16, output="layers")
+    n2, whole = store.match(query, dtype=torch.bfloat16, output="kvcache")
+    assert n == n2 == 37
+    for i, k, v in layers:
+        assert torch.equal(k, whole.keys[i]) and torch.equal(v, kv.values[i][:, :, :37])
+    with pytest.raises(kvcodec.ConfigError, match="output"):
+        store.match(query, dtype=torch.bfloat16, output="tuple")
     store.gc(max_bytes=0)
     with pytest.raises(FileNotFoundError, match="hot"):
         list(store.layers(key))
+    assert store.match(query, dtype=torch.bfloat16, output="layers") == (0, None)
 
 
 def test_match_routes_by_the_measured_cost(tmp_path):
