@@ -413,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
     s.add_argument("--sessions", type=int, nargs="*", default=[10, 100], help="store: numbers of sessions")
     s.add_argument("--prefix-tokens", type=int, default=1000, help="store: tokens of the shared prefix")
+    s.add_argument("--lean", action="store_true",
+                   help="store: lossless only, one session in memory at a time (N = 1,000 fits); independent .kvz "
+                        "files measured on every --sample-th session")
+    s.add_argument("--sample", type=int, default=10, help="store --lean: measure one independent .kvz in this many")
     s.add_argument("--cold-sessions", type=int, default=10,
                    help="store: measure the cold tier (every chunk evicted, model-coded ids) for N up to this")
     s.add_argument("--peers", nargs="*", default=None, metavar="PEER",
