@@ -361,18 +361,17 @@ def _markdown(results) -> list[str]:
                        f"{d['store_vs_ideal']:.4f} | {d['independent_kvz_bytes'] / mib:,.1f} MiB "
                        f"({d['independent_vs_store']}x) | {c['lmcache_raw_chunk_bytes'] / mib:,.1f} MiB "
                        f"({d['lmcache_raw_vs_store']}x) | {d['put_all_s']} s |")
-    out += ["", "| sessions | where | put p50 / p99 | get p50 / p99 | match p50 / p99 | cold tier per session |",
-            "|---:|---|---|---|---|---:|"]
+    out += ["", "| sessions | where | put p50 / p99 | get p50 / p99 | match p50 / p99 |",
+            "|---:|---|---|---|---|"]
     for c in results["cases"]:
         for where in ("local", "s3"):
             lat = c[f"{where}_latency"]
             if isinstance(lat, str):
-                out.append(f"| {c['sessions']} | {where} | {lat} | | | |")
+                out.append(f"| {c['sessions']} | {where} | {lat} | | |")
                 continue
             out.append(f"| {c['sessions']} | {'local disk' if where == 'local' else 'S3 (moto, loopback)'} | "
                        f"{lat['put_p50_ms']} / {lat['put_p99_ms']} ms | {lat['get_p50_ms']} / {lat['get_p99_ms']} ms"
-                       f" | {lat['match_p50_ms']} / {lat['match_p99_ms']} ms | "
-                       f"{c['cold_manifest_bytes_per_session']} B |")
+                       f" | {lat['match_p50_ms']} / {lat['match_p99_ms']} ms |")
     cold = [c for c in results["cases"] if "cold" in c]
     if cold:
         out += ["", "Cold tier (every chunk evicted, token ids coded with the model given the tokens before them):", "",
