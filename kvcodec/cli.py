@@ -417,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store: lossless only, one session in memory at a time (N = 1,000 fits); independent .kvz "
                         "files measured on every --sample-th session")
     s.add_argument("--sample", type=int, default=10, help="store --lean: measure one independent .kvz in this many")
+    s.add_argument("--cold-only", action="store_true", help="store: measure the cold tier only, for each --sessions")
     s.add_argument("--cold-sessions", type=int, default=10,
                    help="store: measure the cold tier (every chunk evicted, model-coded ids) for N up to this")
     s.add_argument("--peers", nargs="*", default=None, metavar="PEER",

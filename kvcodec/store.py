@@ -167,8 +167,7 @@ class Store:
 
         self._encoder = Encoder(tier=tier, chunk_tokens=chunk_tokens, **tier_options)
         self._namespaces: dict[str, dict] = {}
-        # content addressing makes these safe to remember: a chunk's key fixes its parent and token ids
-        self._links: dict[tuple[str, bytes], tuple[bytes, int]] = {}
+        # content addressing makes this safe to remember: a chunk key fixes its token ids
         self._ids_memo: dict[tuple[str, bytes], np.ndarray] = {}
         self._profiles: dict = {}
         self._headers: dict | None = None  # chunk headers, remembered during one gc (which reads each 3 times)
@@ -215,18 +214,22 @@ class Store:
         else:
             self.fs.pipe_file(path, data)
 
-    def _bases(self, ns: str, key: bytes, start: int):
+    def _bases(self, ns: str, key: bytes, start: int, expect: int | None = None):
         """The keys of a chunk's bases, nearest first (hot delta chunks and model-coded cold ones name a base;
-        at most MAX_BASE_DEPTH)."""
-        k = key
+        at most MAX_BASE_DEPTH).  ``expect``: the chunk's own token count where it may be a folded cold
+        object (spec/store.md 4.2), whose base sits at its first covered position."""
+        try:
+            _parent, _n, k, _m, first = self._link(ns, key, start, expect=expect)
+        except (FileNotFoundError, KvzError, ConfigError):
+            return
         for _ in range(MAX_BASE_DEPTH):
-            try:
-                k = self._link(ns, k, start)[2]
-            except (FileNotFoundError, KvzError, ConfigError):
-                return
             if k is None:
                 return
             yield k
+            try:
+                k = self._link(ns, k, first)[2]
+            except (FileNotFoundError, KvzError, ConfigError):
+                return
 
     def _refresh(self, ns: str, key: bytes, start: int) -> None:
         """A chunk (and its bases) reused by a put: make it young, so that a gc whose snapshot predates the
@@ -686,17 +689,17 @@ class Store:
             raise err
         n = int.from_bytes(raw[8:], "little")
         size = self.record(ns)["chunk_tokens"]
-        k, links = bytes.fromhex(session), []
-        for c in range((n - 1) // size, -1, -1):
-            a = c * size
-            parent, count = self._link(ns, k, a)[:2]
-            if count != min(n, a + size) - a:
+        k, links, a = bytes.fromhex(session), [], (n - 1) // size * size
+        while a >= 0:  # from the last chunk back: (key, first position, token ids) per object
+            expect = min(n, a + size) - a
+            parent, count, _base, _m, first = self._link(ns, k, a, expect=expect)
+            if count != a + expect - first:
                 err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds {count} tokens, its "
-                                  f"position implies {min(n, a + size) - a}", field="Chunk")
+                                  f"position implies {a + expect - first}", field="Chunk")
                 self._quarantine_chunk(ns, k, err)
                 raise err
-            links.append((k, count))
-            k = parent
+            links.append((k, first, count))
+            k, a = parent, first - size
         if k != ROOT_PARENT:
             raise FormatError(f"session {session[:16]}…: its first chunk has a parent", field="Chunk")
         links.reverse()
@@ -707,18 +710,21 @@ class Store:
             from .identity import check_model
 
             check_model(recorded, model)  # another model must not decode or recompute this session's positions
-        chain, tail, a, parent, nsb = [], np.zeros(0, dtype=np.int64), 0, ROOT_PARENT, bytes.fromhex(ns)
-        for k, count in links:
-            held = self._ids(ns, k, a, tail, model)
-            if held.size != count or chunk_key(nsb, parent, held) != k:
+        chain, tail, parent, nsb = [], np.zeros(0, dtype=np.int64), ROOT_PARENT, bytes.fromhex(ns)
+        for k, first, count in links:
+            held = self._ids(ns, k, first, tail, model, count=count)
+            keys = []
+            for b in range(0, held.size, size):  # a folded cold object covers several chunks
+                keys.append(chunk_key(nsb, keys[-1] if keys else parent, held[b:b + size]))
+            if held.size != count or keys[-1] != k:
                 err = FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds other tokens than its "
                                   "key says", field="Chunk")
-                self._ids_memo.pop((ns, k), None)
+                self._ids_memo.pop((ns, k, first), None)
                 self._quarantine_chunk(ns, k, err)
                 raise err
-            chain.append((k, held))
+            chain += [(kk, held[b:b + size]) for kk, b in zip(keys, range(0, held.size, size))]
             tail = np.concatenate([tail, held])[-self._context_tokens():]
-            a, parent = a + count, k
+            parent = k
         return ns, {"num_tokens": n, "ids": np.concatenate([h for _, h in chain]), "chain": chain}
 
     @staticmethod
@@ -749,7 +755,7 @@ class Store:
                     raise FormatError(f"model-coded cold chunk of {len(raw)} bytes (a 52-byte head, then whole "
                                       "words)", field="Cold")
                 _magic, pid, n, m, link = _LM_HEAD.unpack_from(raw)
-                if not 1 <= n <= size or m >= n or (len(raw) == _LM_HEAD.size):
+                if not 1 <= n or m >= n or m >= size or len(raw) == _LM_HEAD.size:  # n > C: folded (4.2)
                     raise FormatError(f"model-coded cold chunk: {n} tokens, {m} from a base, "
                                       f"{len(raw) - _LM_HEAD.size} bytes of code (chunks of {size})", field="Cold.L")
                 return {"kind": "lm", "profile": pid, "n": n, "m": m, "link": link,
@@ -768,37 +774,47 @@ class Store:
             raise err from None
         return {"kind": "ids", "parent": raw[8:40], "n": n, "ids": ids.astype(np.int64)}
 
-    def _link(self, ns: str, key: bytes, start: int, depth: int = 0) -> tuple[bytes, int, bytes | None, int]:
-        """(parent key, number of token ids, base key or None, tokens from the base) of a chunk at position
-        ``start``, hot (its header) or cold, without decoding anything."""
+    def _link(self, ns: str, key: bytes, start: int, depth: int = 0, expect: int | None = None
+              ) -> tuple[bytes, int, bytes | None, int, int]:
+        """(parent key, token ids, base key or None, tokens from the base, first position) of the chunk at
+        position ``start``, hot (its header) or cold, without decoding anything.  A model-coded cold object
+        may cover the chunks before it too (folded, spec/store.md 4.2): given ``expect``, the chunk's own token
+        count, its first covered position is ``start + expect - ids`` and the parent is that chunk's."""
         if depth > MAX_BASE_DEPTH:
             raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
         try:
-            first, base, m, held, parent = self._chunk_header(ns, key, start)
-            out = (parent, m + held.size, base, m)
+            _first, base, m, held, parent = self._chunk_header(ns, key, start)
+            out = (parent, m + held.size, base, m, start)
         except (FileNotFoundError, KvzError):
             cold = self._cold(ns, key)
             if cold is None:
                 raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are "
                                         "lost") from None
             if cold["kind"] == "ids":
-                out = (cold["parent"], cold["n"], None, 0)
-            elif not cold["m"]:
-                out = (cold["link"], cold["n"], None, 0)
+                out = (cold["parent"], cold["n"], None, 0, start)
             else:
-                parent, bn = self._link(ns, cold["link"], start, depth + 1)[:2]
-                if bn < cold["m"]:
-                    raise FormatError(f"cold chunk {key.hex()[:16]}…: its base holds {bn} < {cold['m']} tokens",
-                                      field="Cold.m")
-                out = (parent, cold["n"], cold["link"], cold["m"])
-        self._links[ns, key] = out[:2]
+                size = self.record(ns)["chunk_tokens"]
+                first = start if expect is None else start + expect - cold["n"]
+                if first < 0 or first % size or first > start or (expect is None and cold["n"] > size):
+                    raise FormatError(f"cold chunk {key.hex()[:16]}… at position {start} covers {cold['n']} "
+                                      f"tokens: they do not end with its {expect} (chunks of {size})",
+                                      field="Cold.L")
+                if not cold["m"]:
+                    out = (cold["link"], cold["n"], None, 0, first)
+                else:
+                    parent, bn = self._link(ns, cold["link"], first, depth + 1)[:2]
+                    if bn < cold["m"]:
+                        raise FormatError(f"cold chunk {key.hex()[:16]}…: its base holds {bn} < {cold['m']} "
+                                          "tokens", field="Cold.m")
+                    out = (parent, cold["n"], cold["link"], cold["m"], first)
         return out
 
-    def _ids(self, ns: str, key: bytes, start: int, before: np.ndarray | None, model, depth: int = 0) -> np.ndarray:
+    def _ids(self, ns: str, key: bytes, start: int, before: np.ndarray | None, model, depth: int = 0,
+             count: int | None = None) -> np.ndarray:
         """Every token id of the chunk at ``start``: a hot chunk's from its header (a delta chunk's first ones
         from its base), a cold one's from its object - decoding a model-coded one with ``model`` after
         ``before`` (the ids before ``start``, at least the last 1,024; read from the parents when None)."""
-        memo = self._ids_memo.get((ns, key))
+        memo = self._ids_memo.get((ns, key, start))
         if memo is not None:
             return memo
         if depth > MAX_BASE_DEPTH:
@@ -813,6 +829,10 @@ class Store:
                                         "lost") from None
             if cold["kind"] == "ids":
                 return cold["ids"]  # checked against the key by the caller
+            limit = self.record(ns)["chunk_tokens"] if count is None else count
+            if cold["n"] > limit:  # a folded object is decoded only where a walk placed it (its count known)
+                raise FormatError(f"cold chunk {key.hex()[:16]}… holds {cold['n']} tokens, at most {limit} expected",
+                                  field="Cold.L")
             base, m = (cold["link"], cold["m"]) if cold["m"] else (None, 0)
         head = np.zeros(0, dtype=np.int64)
         if base is not None:
@@ -828,7 +848,7 @@ class Store:
             raise ConfigError(f"chunk {key.hex()[:16]}… is cold and its token ids are coded with the model: pass "
                               "model= (or open the store with it)")
         mdl = split_model(model)[0]
-        parent = cold["link"] if base is None else self._link(ns, key, start, depth)[0]
+        parent = cold["link"] if base is None else self._link(ns, base, start, depth + 1)[0]
         if before is None:
             before = self._prefix_ids(ns, parent, start, model)
         self._check_numerics(ns, cold["profile"], mdl)
@@ -836,35 +856,45 @@ class Store:
 
         context = np.concatenate([np.asarray(before, dtype=np.int64), head])[-self._context_tokens():]
         ids = np.concatenate([head, decode_continuation(mdl, context, cold["words"], cold["n"] - m)])
-        if chunk_key(bytes.fromhex(ns), parent, ids) != key:
+        if self._chain_key(ns, parent, ids) != key:
             raise ChecksumMismatch(f"cold chunk {key.hex()[:16]}… decodes to token ids that are not its key's: the "
                                    "object is corrupt, or this machine computes the model's probabilities "
                                    "differently in a way its numerics profile does not name", field="Cold.Words")
-        self._remember(ns, key, ids)
+        self._remember(ns, key, start, ids)
         return ids
 
-    def _remember(self, ns: str, key: bytes, ids: np.ndarray) -> None:
+    def _chain_key(self, ns: str, parent: bytes, ids: np.ndarray) -> bytes:
+        """The key of the last chunk of ``ids`` split into chunks from a chunk start after ``parent``."""
+        size, nsb, k = self.record(ns)["chunk_tokens"], bytes.fromhex(ns), parent
+        for a in range(0, ids.size, size):
+            k = chunk_key(nsb, k, ids[a:a + size])
+        return k
+
+    def _remember(self, ns: str, key: bytes, start: int, ids: np.ndarray) -> None:
         if len(self._ids_memo) > 100_000:
             self._ids_memo.clear()
-        self._ids_memo[ns, key] = ids
+        self._ids_memo[ns, key, start] = ids
 
-    def _prefix_ids(self, ns: str, parent: bytes, start: int, model) -> np.ndarray:
+    def _prefix_ids(self, ns: str, parent: bytes, start: int, model, full: bool = False) -> np.ndarray:
         """The last 1,024 (or all) token ids before position ``start`` of the chunk whose parent is ``parent``:
-        the parents walked back to chunk 0, then read (and decoded, where model-coded) forwards."""
+        the parents (whole chunks, or folded cold objects covering several) walked back to position 0, then
+        read (and decoded, where model-coded) forwards."""
         size = self.record(ns)["chunk_tokens"]
         chain, k, a = [], parent, start - size
         while k != ROOT_PARENT:
             if a < 0:
                 raise FormatError(f"chunk {parent.hex()[:16]}…: more parents than positions", field="Chunk")
-            chain.append((k, a))
-            k = self._links.get((ns, k)) and self._links[ns, k][0] or self._link(ns, k, a)[0]
-            a -= size
+            par, n, _b, _m, first = self._link(ns, k, a, expect=size)
+            chain.append((k, first, n))
+            k, a = par, first - size
         if a != -size:
             raise FormatError(f"chunk {parent.hex()[:16]}…: fewer parents than positions", field="Chunk")
-        tail = np.zeros(0, dtype=np.int64)
-        for k, a in reversed(chain):
-            tail = np.concatenate([tail, self._ids(ns, k, a, tail, model)])[-self._context_tokens():]
-        return tail
+        tail, every = np.zeros(0, dtype=np.int64), []
+        for k, first, n in reversed(chain):
+            ids = self._ids(ns, k, first, tail, model, count=n)
+            every.append(ids)
+            tail = np.concatenate([tail, ids])[-self._context_tokens():]
+        return np.concatenate(every) if full and every else tail
 
     def _numerics_id(self, ns: str, mdl) -> bytes:
         """The 8-byte id of this engine's profile for model-coded cold chunks (its object published once)."""
@@ -1081,20 +1111,21 @@ class Store:
             except (KvzError, FileNotFoundError):  # unreadable: which objects it needs is unknown, so nothing
                 unknown.add(ns)                   # in its namespace is collected
                 continue
-            nsb, parent, a = bytes.fromhex(ns), ROOT_PARENT, 0
+            nsb, parent, n = bytes.fromhex(ns), ROOT_PARENT, m["num_tokens"]
             size, step = rec["chunk_tokens"], rec["granularity"]
-            for key_, count in m["chain"]:
+            for key_, first, count in m["chain"]:
+                a = first + count - 1 - (first + count - 1) % size  # the object's own chunk (folded: the last)
                 # a delta chunk needs its base (and the base's base ...), hot or cold
-                for k in (key_, *self._bases(ns, key_, a)):
+                for k in (key_, *self._bases(ns, key_, a, min(n, a + size) - a)):
                     keep.update((self._chunk_path(ns, k), self._ids_path(ns, k)))
                 try:  # pointers serve lookups into hot chunks only: a cold chunk's are collected
-                    ids = self._chunk_ids(ns, key_, a)
+                    ids = self._chunk_ids(ns, key_, a) if first == a else None
                 except (FileNotFoundError, KvzError, ConfigError):
                     ids = None
                 if ids is not None:
                     keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
                                 for g in _pointer_lengths(ids.size, size, step))
-                parent, a = key_, a + count
+                parent = key_
         return keep, unknown
 
     def _age(self, path: str) -> float:
@@ -1165,10 +1196,10 @@ class Store:
                     removed["temporary"] += self._remove(p) >= 0
         if max_bytes is not None:
             removed["evicted"], removed["evicted_bytes"], removed["cold_lm"] = self._evict(
-                int(max_bytes), None if cold == "ids" else model, progress)
+                int(max_bytes), None if cold == "ids" else model, progress, grace)
         return removed
 
-    def _evict(self, max_bytes: int, model, progress=None) -> tuple[int, int, int]:
+    def _evict(self, max_bytes: int, model, progress=None, grace: float = 0.0) -> tuple[int, int, int]:
         """Delete the least recently used chunks until the chunks of every namespace take ``max_bytes``, each
         after publishing its cold object (model-coded where ``model`` is the namespace's and the tokens before
         the chunk can be read; else zstd).  (evicted, bytes freed, how many model-coded)."""
@@ -1184,13 +1215,18 @@ class Store:
                     t = t.timestamp() if hasattr(t, "timestamp") else float(t)
                     chunks.append((t, p, int(info.get("size", 0))))
         total, count, freed, coded = sum(c[2] for c in chunks), 0, 0, 0
+        sizes = {p: size for _t, p, size in chunks}
+        refs = self._chunk_refs() if model is not None else None
         for _t, p, size in sorted(chunks):
             if total <= max_bytes:
                 break
             ns, key = p.split("/ns/")[-1].split("/")[0], bytes.fromhex(os.path.basename(p)[:64])
+            folded = []
             try:  # keep its tokens and its link to its parent: the session stays whole, cold
                 first, base, m, held, parent = self._chunk_header(ns, key, None)
-                obj = self._cold_lm(ns, key, first - m, base, m, held, parent, model) if model is not None else None
+                obj = None
+                if model is not None:
+                    obj, folded = self._cold_lm(ns, key, first - m, base, m, held, parent, model, refs, grace)
                 if obj is None:
                     ids = self._chunk_ids(ns, key, first - m)
                     frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(
@@ -1202,31 +1238,80 @@ class Store:
             if self._remove(p) >= 0:
                 total, count, freed = total - size, count + 1, freed + size
                 coded += obj[:4] == LM_MAGIC
+            for k in folded:  # now covered by this chunk's object (published first: a crash leaves both)
+                self._remove(self._ids_path(ns, k))
+                hot = self._chunk_path(ns, k)
+                if self._remove(hot) >= 0:
+                    gone = sizes.get(hot, sizes.get(hot.lstrip("/"), 0))
+                    total, count, freed = total - gone, count + 1, freed + gone
             if progress:
                 progress(1)
         return count, freed, coded
 
+    def _chunk_refs(self) -> tuple[dict, set]:
+        """(how many sessions reach each chunk object, the chunks that are some chunk's base): what folding
+        needs to know that a chunk is one session's alone."""
+        count, based = {}, set()
+        for key in self.sessions():
+            ns = key.partition(":")[0]
+            try:
+                _, m = self._manifest(key, ids=False)
+            except (KeyError, KvzError, FileNotFoundError):
+                continue
+            n, size = m["num_tokens"], self.record(ns)["chunk_tokens"]
+            for k, first, c in m["chain"]:
+                count[ns, k] = count.get((ns, k), 0) + 1
+                a = first + c - 1 - (first + c - 1) % size
+                based.update((ns, b) for b in self._bases(ns, k, a, min(n, a + size) - a))
+        return count, based
+
+    def _foldable(self, ns: str, key: bytes, refs, grace: float) -> bool:
+        """May chunk ``key`` be folded into its child's cold object: one session reaches it, it is nobody's
+        base, and it is cold or its hot object is older than the grace period (a put that reuses a hot chunk
+        touches it; one that finds it cold writes it again)."""
+        count, based = refs
+        if count.get((ns, key)) != 1 or (ns, key) in based:
+            return False
+        hot = self._chunk_path(ns, key)
+        return not self._exists(hot) or self._age(hot) >= grace
+
     def _cold_lm(self, ns: str, key: bytes, start: int, base: bytes | None, m: int, held: np.ndarray,
-                 parent: bytes, model) -> bytes | None:
-        """A hot chunk's model-coded cold object (spec/store.md 4.2): its own ids (after a delta chunk's base
-        tokens) coded with the model conditioned on the tokens before them; None where the model is not the
-        namespace's."""
+                 parent: bytes, model, refs=None, grace: float = 0.0) -> tuple[bytes | None, list[bytes]]:
+        """(a hot chunk's model-coded cold object, the chunks before it that it covers) (spec/store.md 4.2):
+        its ids coded with the model conditioned on the tokens before them; (None, []) where the model is not
+        the namespace's.  A whole chunk that one session alone reaches also covers (folds) its parents as far
+        as they are that session's alone (:meth:`_foldable`) - up to and including a delta chunk, whose base
+        it then names - so a session's private tail costs one 52-byte head, not one per chunk."""
         recorded = self.record(ns).get("model") or {}
         rec = model_record(model)
         if rec is None or recorded.get("fingerprint") != rec.get("fingerprint"):
-            return None
+            return None, []
         from .tokens.continuation import encode_continuation
 
-        mdl = split_model(model)[0]
-        before = self._prefix_ids(ns, parent, start, model)
-        head = self._ids(ns, base, start, before, model)[:m] if base is not None else np.zeros(0, dtype=np.int64)
+        mdl, size = split_model(model)[0], self.record(ns)["chunk_tokens"]
+        first, link, lm, folded = start, (base if m else parent), m, []
+        if refs is not None and not m and self._foldable(ns, key, refs, grace):  # (it is hot: old enough)
+            p = parent
+            while p != ROOT_PARENT and self._foldable(ns, p, refs, grace):
+                par, _n, b, bm, pfirst = self._link(ns, p, first - size, expect=size)
+                folded.append(p)
+                first, link, lm = pfirst, (b if bm else par), bm
+                if bm:
+                    break
+                p = par
+        first_parent = link if not lm else self._link(ns, link, first)[0]
+        before = self._prefix_ids(ns, first_parent, first, model, full=True)
+        covered = [] if first == start else [self._prefix_ids(ns, parent, start, model, full=True)[first:]]
+        head = self._ids(ns, base, start, before[-self._context_tokens():], model)[:m] if base is not None \
+            else np.zeros(0, dtype=np.int64)
         if head.size != m:
-            return None
-        context = np.concatenate([before, head])[-self._context_tokens():]
-        words, _bits = encode_continuation(mdl, context, held)
-        self._remember(ns, key, np.concatenate([head, held]))
-        return _LM_HEAD.pack(LM_MAGIC, self._numerics_id(ns, mdl), m + held.size, m, base if m else parent) \
-            + words.astype("<u4").tobytes()
+            return None, []
+        ids = np.concatenate([*covered, head, held])  # positions first .. the end of this chunk
+        context = np.concatenate([before, ids[:lm]])[-self._context_tokens():]
+        words, _bits = encode_continuation(mdl, context, ids[lm:])
+        self._remember(ns, key, first, ids)
+        return (_LM_HEAD.pack(LM_MAGIC, self._numerics_id(ns, mdl), ids.size, lm, link)
+                + words.astype("<u4").tobytes()), folded
 
     def stats(self) -> dict:
         """Counts and bytes: sessions, hot chunks (keys and values), cold chunks (token ids only: evicted),

@@ -595,3 +595,37 @@ def test_chunks_of_other_shapes_under_one_name_are_a_format_error(tmp_path):
         store.get(key)
     with pytest.raises(kvcodec.FormatError, match="shape"):
         list(store.layers(key))
+
+
+def test_a_sessions_private_cold_chunks_fold_into_one_object(tmp_path):
+    """Evicted with the model (and past the grace period), the chunks one session alone reaches are folded
+    into one cold object - its last chunk's, naming the base of the first - so a private tail costs one
+    52-byte head, not one per chunk.  Shared chunks and bases keep their own objects; every session still
+    decodes (keys checked chunk by chunk) and recomputes, and gc keeps what they need."""
+    model = tiny_model("llama")
+    prefix = _ids(27, 1)
+    tails = {"a": _ids(40, 2), "b": _ids(30, 3), "c": _ids(3, 4)}
+    for grace, objects in ((3600, 9), (0, 5)):
+        root = tmp_path / str(grace)
+        store = kvcodec.Store(root, model, chunk_tokens=16, granularity=4)
+        keys = {}
+        for name, tail in tails.items():
+            ids = torch.cat([prefix, tail], 1)
+            keys[name] = (store.put(model_cache(model, ids), tokens=ids), ids)
+            time.sleep(0.02)
+        store.gc(max_bytes=0, grace_seconds=grace)
+        # a: chunk 0 (shared), chunk 1 (the base of b's and c's chunk 1), chunks 2-4 (a's alone); b: chunk 1
+        # (delta) to 3; c: chunk 1 (delta).  Folded: a's 2-4 into one object, b's 1-3 into one.
+        assert len(_cold_objects(root)) == objects
+        store.gc(grace_seconds=0)
+        assert len(_cold_objects(root)) == objects  # nothing a session needs is collected
+        fresh = kvcodec.Store(root, model, chunk_tokens=16, granularity=4)
+        for key, ids in keys.values():
+            assert torch.equal(fresh.tokens(key), ids)
+        key, ids = keys["b"]
+        back = fresh.get(key, output="kvcache")
+        ref = kvcodec.to_canonical(model_cache(model, ids))
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(back.keys, ref.keys))
+    heads = sorted(int.from_bytes(p.read_bytes()[12:16], "little") for p in _cold_objects(tmp_path / "0"))
+    # token counts: chunk 0, a's chunk 1, c's chunk 1 (11 + 3), a's 2-4 folded (32 .. 67), b's 1-3 folded (16 .. 57)
+    assert heads == sorted([16, 16, 11 + 3, 67 - 32, 57 - 16])

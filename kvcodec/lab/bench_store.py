@@ -116,7 +116,7 @@ def _cold_tier(model, prefix, sessions) -> dict:
         keys = [store.put(kv, tokens=ids) for ids, kv in sessions]
         hot = _tree_bytes(fsspec.filesystem("file"), d)["total"]
         t = time.perf_counter()
-        removed = store.gc(max_bytes=0, cold="lm")
+        removed = store.gc(max_bytes=0, cold="lm", grace_seconds=0)  # nothing else writes: fold at once
         evict_s = time.perf_counter() - t
         store.gc(grace_seconds=0)  # the cold chunks' prefix pointers
         stored = _tree_bytes(fsspec.filesystem("file"), d)
@@ -151,7 +151,7 @@ def _cold_tier(model, prefix, sessions) -> dict:
             "restore_tokens_s": round(tokens_s, 1), "restore_get_s": round(get_s, 1),
             "restored_tokens": int(sessions[-1][0].shape[1]), "namespace_and_profile_bytes": stored["namespace"],
             "per_session_token_stream_bytes_mean": round(4 * ideal_words / n, 1),
-            "cold_objects_per_session": round(removed["evicted"] / n, 2)}
+            "cold_objects_per_session": round(heads / 52 / n, 2)}
 
 
 def _time_store(store, sessions, model, dtype, limit: int) -> dict:
@@ -185,6 +185,15 @@ def run_store_bench(args) -> int:
         return missing_corpus("kvz bench --store")
     model, tok = load_model("smollm2", dtype=torch.bfloat16)
     torch.manual_seed(0)
+    if args.cold_only:  # the cold tier alone (the hot tiers' numbers do not change with it)
+        res = {"model": "smollm2 bf16", "prefix_tokens": args.prefix_tokens, "chunk_tokens": 256, "cases": []}
+        for n in args.sessions:
+            prefix, tails = _sessions(tok, files, n, args.prefix_tokens, seed=n)
+            _, sessions = _caches(model, prefix, tails)
+            res["cases"].append({"sessions": n, "cold": _cold_tier(model, prefix, sessions)})
+            print(f"N={n} cold: {res['cases'][-1]['cold']}", flush=True)
+        write_report(args.out, "bench_store_cold", res, "\n".join(_cold_markdown(res["cases"])) + "\n")
+        return 0
     if args.lean:
         res = {"model": "smollm2 bf16", "prefix_tokens": args.prefix_tokens, "chunk_tokens": 256, "granularity": 16,
                "tier": "lossless", "cases": [run_lean(args, model, tok, files, n) for n in args.sessions]}
@@ -372,21 +381,27 @@ def _markdown(results) -> list[str]:
             out.append(f"| {c['sessions']} | {'local disk' if where == 'local' else 'S3 (moto, loopback)'} | "
                        f"{lat['put_p50_ms']} / {lat['put_p99_ms']} ms | {lat['get_p50_ms']} / {lat['get_p99_ms']} ms"
                        f" | {lat['match_p50_ms']} / {lat['match_p99_ms']} ms |")
-    cold = [c for c in results["cases"] if "cold" in c]
-    if cold:
-        out += ["", "Cold tier (every chunk evicted, token ids coded with the model given the tokens before them):", "",
-                "| sessions | hot store | cold store | ideal token stream (prefix once + own ids) | cold / ideal | "
-                "coded ids / ideal | overhead per session beyond coded ids | bits per position | evict all | "
-                "restore one session: ids / get |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for c in cold:
-            d = c["cold"]
-            out.append(f"| {c['sessions']} | {d['hot_bytes'] / mib:,.1f} MiB | {d['cold_bytes']['total']:,} B | "
-                       f"{d['ideal_token_stream_bytes']:,} B | {d['cold_vs_ideal']} | {d['coded_vs_ideal']} | "
-                       f"{d['overhead_per_session_bytes']} B | {d['bits_per_token_all']} "
-                       f"(ideal {d['ideal_bits_per_token']}) | {d['evict_s']} s | {d['restore_tokens_s']} / "
-                       f"{d['restore_get_s']} s ({d['restored_tokens']} tokens) |")
+    out += _cold_markdown(results["cases"])
     r = results["restore_2048"]
     out += ["", f"Restoring a stored {r['tokens']}-token prefix (lossless, `match`): {r['restore_s']} s; recomputing "
             f"it (one prefill): {r['recompute_s']} s: **{r['speedup']}x** (medians of 3)."]
     return out
 
+
+
+def _cold_markdown(cases) -> list[str]:
+    cold = [c for c in cases if "cold" in c]
+    if not cold:
+        return []
+    out = ["", "Cold tier (every chunk evicted, token ids coded with the model given the tokens before them):", "",
+           "| sessions | hot store | cold store | ideal token stream (prefix once + own ids) | cold / ideal | "
+           "coded ids / ideal | overhead per session beyond coded ids | cold objects per session | bits per position "
+           "| evict all | restore one session: ids / get |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in cold:
+        d = c["cold"]
+        out.append(f"| {c['sessions']} | {d['hot_bytes'] / (1 << 20):,.1f} MiB | {d['cold_bytes']['total']:,} B | "
+                   f"{d['ideal_token_stream_bytes']:,} B | {d['cold_vs_ideal']} | {d['coded_vs_ideal']} | "
+                   f"{d['overhead_per_session_bytes']} B | {d['cold_objects_per_session']} | "
+                   f"{d['bits_per_token_all']} (ideal {d['ideal_bits_per_token']}) | {d['evict_s']} s | "
+                   f"{d['restore_tokens_s']} / {d['restore_get_s']} s ({d['restored_tokens']} tokens) |")
+    return out
