@@ -774,6 +774,17 @@ class Store:
             raise err from None
         return {"kind": "ids", "parent": raw[8:40], "n": n, "ids": ids.astype(np.int64)}
 
+    def _hot_or_cold(self, ns: str, key: bytes, start: int) -> tuple[tuple | None, dict | None]:
+        """(the hot chunk's header as :meth:`_chunk_header` gives it, None) or (None, its cold object parsed);
+        FileNotFoundError when it has neither (a corrupt hot object is quarantined and the cold one read)."""
+        try:
+            return self._chunk_header(ns, key, start), None
+        except (FileNotFoundError, KvzError):
+            cold = self._cold(ns, key)
+        if cold is None:
+            raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are lost")
+        return None, cold
+
     def _link(self, ns: str, key: bytes, start: int, depth: int = 0, expect: int | None = None
               ) -> tuple[bytes, int, bytes | None, int, int]:
         """(parent key, token ids, base key or None, tokens from the base, first position) of the chunk at
@@ -782,14 +793,11 @@ class Store:
         count, its first covered position is ``start + expect - ids`` and the parent is that chunk's."""
         if depth > MAX_BASE_DEPTH:
             raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
-        try:
-            _first, base, m, held, parent = self._chunk_header(ns, key, start)
+        hot, cold = self._hot_or_cold(ns, key, start)
+        if hot is not None:
+            _first, base, m, held, parent = hot
             out = (parent, m + held.size, base, m, start)
-        except (FileNotFoundError, KvzError):
-            cold = self._cold(ns, key)
-            if cold is None:
-                raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are "
-                                        "lost") from None
+        else:
             if cold["kind"] == "ids":
                 out = (cold["parent"], cold["n"], None, 0, start)
             else:
@@ -819,14 +827,10 @@ class Store:
             return memo
         if depth > MAX_BASE_DEPTH:
             raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
-        try:
-            _first, base, m, held, parent = self._chunk_header(ns, key, start)
-            cold = None
-        except (FileNotFoundError, KvzError):
-            cold = self._cold(ns, key)
-            if cold is None:
-                raise FileNotFoundError(f"chunk {key.hex()} is not stored (hot or cold): the session's tokens are "
-                                        "lost") from None
+        hot, cold = self._hot_or_cold(ns, key, start)
+        if hot is not None:
+            _first, base, m, held, parent = hot
+        else:
             if cold["kind"] == "ids":
                 return cold["ids"]  # checked against the key by the caller
             limit = self.record(ns)["chunk_tokens"] if count is None else count
