@@ -604,12 +604,12 @@ class Store:
             memo[ns, key, start, quarantine_position] = (h.start_position, base, m, held, parent)
         return h.start_position, base, m, held, parent
 
-    def _chunk_ids(self, ns: str, key: bytes, start: int) -> np.ndarray:
-        """Every token id of a hot chunk (a delta chunk's base's first, hot or cold, but never decoded with a
-        model: :class:`ConfigError` where that would be needed)."""
+    def _chunk_ids(self, ns: str, key: bytes, start: int, model=None) -> np.ndarray:
+        """Every token id of a hot chunk (a delta chunk's base's first, hot or cold; a model-coded base is
+        decoded with ``model``, :class:`ConfigError` without one)."""
         if not self._exists(self._chunk_path(ns, key)):
             raise FileNotFoundError(f"chunk {key.hex()} is not stored hot")
-        return self._ids(ns, key, start, None, None)
+        return self._ids(ns, key, start, None, model)
 
     def _load_chunk(self, ns: str, key: bytes, start: int, m: int, strict: bool, depth: int = 0,
                     parent: bytes | None = None) -> KVCache | None:
@@ -691,6 +691,9 @@ class Store:
         size = self.record(ns)["chunk_tokens"]
         k, links, a = bytes.fromhex(session), [], (n - 1) // size * size
         while a >= 0:  # from the last chunk back: (key, first position, token ids) per object
+            if k == ROOT_PARENT:
+                raise FormatError(f"session {session[:16]}… declares {n} tokens; its chunks hold {n - a - size}",
+                                  field="Session")
             expect = min(n, a + size) - a
             parent, count, _base, _m, first = self._link(ns, k, a, expect=expect)
             if count != a + expect - first:
@@ -774,11 +777,12 @@ class Store:
             raise err from None
         return {"kind": "ids", "parent": raw[8:40], "n": n, "ids": ids.astype(np.int64)}
 
-    def _hot_or_cold(self, ns: str, key: bytes, start: int) -> tuple[tuple | None, dict | None]:
+    def _hot_or_cold(self, ns: str, key: bytes, start: int, quarantine_position: bool = True
+                     ) -> tuple[tuple | None, dict | None]:
         """(the hot chunk's header as :meth:`_chunk_header` gives it, None) or (None, its cold object parsed);
         FileNotFoundError when it has neither (a corrupt hot object is quarantined and the cold one read)."""
         try:
-            return self._chunk_header(ns, key, start), None
+            return self._chunk_header(ns, key, start, quarantine_position=quarantine_position), None
         except (FileNotFoundError, KvzError):
             cold = self._cold(ns, key)
         if cold is None:
@@ -827,7 +831,9 @@ class Store:
             return memo
         if depth > MAX_BASE_DEPTH:
             raise FormatError(f"chunk {key.hex()[:16]}…: more than {MAX_BASE_DEPTH} bases", field="Header.info")
-        hot, cold = self._hot_or_cold(ns, key, start)
+        # a walk placed it here; a put may have rewritten it since (hot where it was cold): never quarantined
+        # for its position by this second look
+        hot, cold = self._hot_or_cold(ns, key, start, quarantine_position=False)
         if hot is not None:
             _first, base, m, held, parent = hot
         else:
@@ -875,7 +881,8 @@ class Store:
         return k
 
     def _remember(self, ns: str, key: bytes, start: int, ids: np.ndarray) -> None:
-        if len(self._ids_memo) > 100_000:
+        """Decoded ids are remembered (a key fixes them) up to 64 MiB, then forgotten all at once."""
+        if sum(a.nbytes for a in self._ids_memo.values()) + ids.nbytes > 64 << 20:
             self._ids_memo.clear()
         self._ids_memo[ns, key, start] = ids
 
@@ -900,9 +907,15 @@ class Store:
             tail = np.concatenate([tail, ids])[-self._context_tokens():]
         return np.concatenate(every) if full and every else tail
 
+    @staticmethod
+    def _engine(mdl) -> tuple:
+        """What a remembered numerics profile depends on besides the model object."""
+        return id(mdl), torch.get_num_threads(), str(next(mdl.parameters()).device), \
+            str(next(mdl.parameters()).dtype)
+
     def _numerics_id(self, ns: str, mdl) -> bytes:
         """The 8-byte id of this engine's profile for model-coded cold chunks (its object published once)."""
-        if (ns, id(mdl)) not in self._profiles:
+        if (ns, self._engine(mdl)) not in self._profiles:
             from . import numerics
             from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
             from .tokens.plan import STEP_THREADS
@@ -913,12 +926,12 @@ class Store:
             path = self._numerics_path(ns, pid)
             if self._read(path) != data:
                 self._write(path, data)
-            self._profiles[ns, id(mdl)] = pid
-        return self._profiles[ns, id(mdl)]
+            self._profiles[ns, self._engine(mdl)] = pid
+        return self._profiles[ns, self._engine(mdl)]
 
     def _check_numerics(self, ns: str, pid: bytes, mdl) -> None:
         """Refuse, before decoding, a model-coded cold chunk whose encoder's profile is not this engine's."""
-        if self._profiles.get((ns, id(mdl))) == pid or self._profiles.get((ns, pid, id(mdl))):
+        if self._profiles.get((ns, self._engine(mdl))) == pid or self._profiles.get((ns, pid, self._engine(mdl))):
             return
         from . import numerics
         from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
@@ -940,11 +953,16 @@ class Store:
                               f"{rec.get('context_tokens')!r}: this reader knows {PROCEDURE} with {CONTEXT_TOKENS}",
                               field="Numerics.procedure")
         recorded = rec["numerics"]
+        from .tokens.plan import STEP_THREADS
+
+        if recorded.get("step_threads") != STEP_THREADS:
+            raise FormatError(f"cold chunks coded with one-token calls on {recorded.get('step_threads')!r} threads: "
+                              f"this reader runs them on {STEP_THREADS}", field="Numerics.step_threads")
         diffs = numerics.differences_here(recorded, mdl, step_threads=recorded.get("step_threads"))
         if diffs:
             raise NumericsMismatch(f"cold chunks of this store were coded by an engine with other numerics ("
                                    f"{'; '.join(diffs)}): {numerics.advice(diffs, tried=True)}")
-        self._profiles[ns, pid, id(mdl)] = True
+        self._profiles[ns, pid, self._engine(mdl)] = True
 
     def tokens(self, key: str, model=None) -> torch.Tensor:
         """A stored session's token ids ``[1, n]`` (``model``: this store's by default; needed only where
@@ -1096,11 +1114,11 @@ class Store:
             raise KeyError(key)
         self.fs.rm(path)
 
-    def _referenced(self) -> tuple[set[str], set[str]]:
-        """Paths of every chunk (hot and cold, with the bases of delta chunks) and pointer some session needs,
-        and the namespaces whose record cannot be read (nothing in them may be collected: which chunks their
-        sessions need is unknown)."""
-        keep, unknown = set(), set()
+    def _referenced(self) -> tuple[set[str], set[str], set[str]]:
+        """Paths of every chunk (hot and cold, with the bases of delta chunks) and pointer some session needs;
+        the namespaces with a record or session that cannot be read (nothing in them may be collected: which
+        chunks their sessions need is unknown); the namespaces whose pointers cannot all be named (kept)."""
+        keep, unknown, unknown_pointers = set(), set(), set()
         for key in self.sessions():
             ns = key.partition(":")[0]
             try:
@@ -1123,14 +1141,17 @@ class Store:
                 for k in (key_, *self._bases(ns, key_, a, min(n, a + size) - a)):
                     keep.update((self._chunk_path(ns, k), self._ids_path(ns, k)))
                 try:  # pointers serve lookups into hot chunks only: a cold chunk's are collected
-                    ids = self._chunk_ids(ns, key_, a) if first == a else None
-                except (FileNotFoundError, KvzError, ConfigError):
+                    ids = self._chunk_ids(ns, key_, a, self.model) if first == a else None
+                except (FileNotFoundError, KvzError):
                     ids = None
+                except ConfigError:  # a hot chunk on a model-coded base, no model here: its pointers'
+                    ids = None         # names are unknown, so no pointer of this namespace is collected
+                    unknown_pointers.add(ns)
                 if ids is not None:
                     keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
                                 for g in _pointer_lengths(ids.size, size, step))
                 parent = key_
-        return keep, unknown
+        return keep, unknown, unknown_pointers
 
     def _age(self, path: str) -> float:
         """Seconds since the object was last written (or touched); 0 when unknown or gone (never collected
@@ -1168,6 +1189,7 @@ class Store:
         same model on an engine with the same numerics; ``cold="ids"`` keeps them zstd-coded (any machine, no
         model; ~17 bits per token); ``"auto"``: ``lm`` when there is a model of the namespace.  Pointers into
         cold chunks are collected (they serve lookups of hot ones).  ``progress(1)`` after each eviction.
+        Run one collection at a time per store (spec/store.md 7); writers and readers may run meanwhile.
         Returns what it removed."""
         if cold not in ("auto", "lm", "ids"):
             raise ConfigError(f"cold must be 'auto', 'lm' or 'ids', not {cold!r}")
@@ -1177,7 +1199,7 @@ class Store:
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
         self._headers = {}
         try:
-            keep, unknown = self._referenced()
+            keep, unknown, unknown_pointers = self._referenced()
         finally:
             self._headers = None
         keep = {p.lstrip("/") for p in keep}
@@ -1186,6 +1208,8 @@ class Store:
             if ns in unknown:
                 continue
             for kind, sub in (("chunks", "chunks"), ("pointers", "prefix")):
+                if kind == "pointers" and ns in unknown_pointers:
+                    continue
                 for p in self._find("ns", ns, sub):
                     name = os.path.basename(p)
                     temp = name.startswith(".") and name.endswith(".kvz-tmp")
@@ -1230,7 +1254,11 @@ class Store:
                 first, base, m, held, parent = self._chunk_header(ns, key, None)
                 obj = None
                 if model is not None:
-                    obj, folded = self._cold_lm(ns, key, first - m, base, m, held, parent, model, refs, grace)
+                    try:
+                        obj, folded = self._cold_lm(ns, key, first - m, base, m, held, parent, model, refs, grace)
+                    except (FileNotFoundError, KvzError, ConfigError) as e:  # (another engine's profile, ids the
+                        warn(f"kvcodec.Store: chunk {key.hex()[:16]}… evicted with zstd-coded ids: {e}")  # model
+                        obj, folded = None, []                                           # cannot code, ...)
                 if obj is None:
                     ids = self._chunk_ids(ns, key, first - m)
                     frame = zstandard.ZstdCompressor(level=19, write_content_size=True).compress(
@@ -1245,36 +1273,41 @@ class Store:
             for k in folded:  # now covered by this chunk's object (published first: a crash leaves both)
                 self._remove(self._ids_path(ns, k))
                 hot = self._chunk_path(ns, k)
-                if self._remove(hot) >= 0:
+                # a put may have written it hot again meanwhile (it found it cold) or reused it (touched):
+                # looked at again now, and kept unless older than the grace period
+                if self._exists(hot) and self._age(hot) >= grace and self._remove(hot) >= 0:
                     gone = sizes.get(hot, sizes.get(hot.lstrip("/"), 0))
                     total, count, freed = total - gone, count + 1, freed + gone
             if progress:
                 progress(1)
         return count, freed, coded
 
-    def _chunk_refs(self) -> tuple[dict, set]:
-        """(how many sessions reach each chunk object, the chunks that are some chunk's base): what folding
-        needs to know that a chunk is one session's alone."""
-        count, based = {}, set()
+    def _chunk_refs(self) -> tuple[dict, set, set]:
+        """(how many sessions reach each chunk object, the chunks that are some chunk's base, the namespaces
+        with a session that cannot be read): what folding needs to know that a chunk is one session's alone."""
+        count, based, unknown = {}, set(), set()
         for key in self.sessions():
             ns = key.partition(":")[0]
             try:
                 _, m = self._manifest(key, ids=False)
-            except (KeyError, KvzError, FileNotFoundError):
+            except KeyError:  # deleted meanwhile
+                continue
+            except (KvzError, FileNotFoundError):  # which chunks it needs is unknown: nothing in its namespace
+                unknown.add(ns)                   # is folded
                 continue
             n, size = m["num_tokens"], self.record(ns)["chunk_tokens"]
             for k, first, c in m["chain"]:
                 count[ns, k] = count.get((ns, k), 0) + 1
                 a = first + c - 1 - (first + c - 1) % size
                 based.update((ns, b) for b in self._bases(ns, k, a, min(n, a + size) - a))
-        return count, based
+        return count, based, unknown
 
     def _foldable(self, ns: str, key: bytes, refs, grace: float) -> bool:
         """May chunk ``key`` be folded into its child's cold object: one session reaches it, it is nobody's
         base, and it is cold or its hot object is older than the grace period (a put that reuses a hot chunk
         touches it; one that finds it cold writes it again)."""
-        count, based = refs
-        if count.get((ns, key)) != 1 or (ns, key) in based:
+        count, based, unknown = refs
+        if ns in unknown or count.get((ns, key)) != 1 or (ns, key) in based:
             return False
         hot = self._chunk_path(ns, key)
         return not self._exists(hot) or self._age(hot) >= grace
@@ -1304,14 +1337,15 @@ class Store:
                     break
                 p = par
         first_parent = link if not lm else self._link(ns, link, first)[0]
-        before = self._prefix_ids(ns, first_parent, first, model, full=True)
-        covered = [] if first == start else [self._prefix_ids(ns, parent, start, model, full=True)[first:]]
-        head = self._ids(ns, base, start, before[-self._context_tokens():], model)[:m] if base is not None \
+        every = self._prefix_ids(ns, parent, start, model, full=True)  # positions 0 .. start
+        head = self._ids(ns, base, start, every[-self._context_tokens():], model)[:m] if base is not None \
             else np.zeros(0, dtype=np.int64)
         if head.size != m:
             return None, []
-        ids = np.concatenate([*covered, head, held])  # positions first .. the end of this chunk
-        context = np.concatenate([before, ids[:lm]])[-self._context_tokens():]
+        ids = np.concatenate([every[first:], head, held])  # positions first .. the end of this chunk
+        if self._chain_key(ns, first_parent, ids) != key:  # what a reader will check, checked before anything
+            return None, []                                # is deleted (a misnamed chunk: zstd, unfolded)
+        context = np.concatenate([every[:first], ids[:lm]])[-self._context_tokens():]
         words, _bits = encode_continuation(mdl, context, ids[lm:])
         self._remember(ns, key, first, ids)
         return (_LM_HEAD.pack(LM_MAGIC, self._numerics_id(ns, mdl), ids.size, lm, link)

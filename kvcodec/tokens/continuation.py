@@ -44,6 +44,9 @@ def _distributions(model, context: np.ndarray):
     dev = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     ctx = np.asarray(context, dtype=np.int64)[-CONTEXT_TOKENS:]
+    v = _vocab(model)
+    if ctx.size and (ctx.min() < 0 or ctx.max() >= v):
+        raise FormatError(f"a context token id is outside the model's vocabulary [0, {v})", field="Cold.context")
     if ctx.size:
         p = _probs(forward(model, torch.from_numpy(ctx)[None].to(dev), cache, {})[:, -1])[0]
     else:
@@ -59,7 +62,7 @@ def encode_continuation(model, context, ids) -> tuple[np.ndarray, float]:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     v = _vocab(model)
     if ids.size and (ids.min() < 0 or ids.max() >= v):
-        raise ValueError(f"token ids must be in [0, {v})")
+        raise FormatError(f"token ids must be in [0, {v}) to be coded with this model", field="Cold.ids")
     cs, family = categorical()
     enc = cs.queue.RangeEncoder()
     bits = 0.0
@@ -74,21 +77,41 @@ def encode_continuation(model, context, ids) -> tuple[np.ndarray, float]:
     return enc.get_compressed().astype(np.uint32), bits
 
 
+#: bits of the coded distributions a decoder may still spend once it has read every word: the coder's state
+#: holds 64 (kvz.md 11.2.2); the rest is slack for the float estimate of each cost
+EXHAUSTED_BITS = 128.0
+
+
 @torch.no_grad()
 def decode_continuation(model, context, words: np.ndarray, n: int) -> np.ndarray:
     """``n`` ids decoded from ``words`` after ``context``.  Wrong numerics give wrong ids, not an error: the
-    caller checks them (the store against the chunk's key)."""
+    caller checks them (the store against the chunk keys).  A stream that declares more ids than its words can
+    hold - more than ``EXHAUSTED_BITS`` of information decoded after its last word - is refused
+    (:class:`FormatError`), so a hostile ``n`` costs work in proportion to the object's size; the output grows
+    as ids are decoded (nothing of size ``n`` is allocated up front)."""
+    import math
+
     cs, family = categorical()
     if n and not np.asarray(words).size:
         raise FormatError(f"{n} coded tokens in an empty stream", field="Cold.Words")
     dec = cs.queue.RangeDecoder(np.ascontiguousarray(words, dtype=np.uint32))
-    out = np.empty(n, dtype=np.int64)
+    out: list[int] = []
+    spent = 0.0
     with step_threads(STEP_THREADS):
         dist = _distributions(model, context)
         p = next(dist)
         for i in range(n):
-            out[i] = t = decode_symbol(dec, family, p, f"cold chunk token {i}")
+            try:
+                t = decode_symbol(dec, family, p, f"cold chunk token {i}")
+            except FormatError as e:
+                raise FormatError(str(e).split(" (field")[0], field="Cold.Words") from None
+            out.append(t)
+            if dec.maybe_exhausted():
+                spent -= math.log2(max(float(p[t]) / float(p.sum()), 2.0 ** -24))
+                if spent > EXHAUSTED_BITS:
+                    raise FormatError(f"the stream declares {n} token ids; its words ran out after {i + 1}",
+                                      field="Cold.Words")
             if i + 1 < n:
                 p = dist.send(t)
         dist.close()
-    return out
+    return np.asarray(out, dtype=np.int64)
