@@ -204,6 +204,10 @@ WRITER = textwrap.dedent("""
                 os._exit(0)
             kids.append(pid)
         sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids))
+    # every fsync takes 10 ms longer, so that kills land inside writes (a temporary file not yet renamed, a
+    # chunk published before its session) as often as between them: fsync alone is too quick to be hit
+    real_fsync = os.fsync
+    os.fsync = lambda fd: (time.sleep(0.01), real_fsync(fd))[1]
     rng = random.Random(7 + {offset})
     for trial in range({trials}):
         pid = os.fork()

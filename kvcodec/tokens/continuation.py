@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from .lm import _probs
+from .lm import next_token_probs
 from .plan import STEP_THREADS, forward, step_threads
 from .rangecoder import categorical, decode_symbol, encode_symbol
 
@@ -48,12 +48,12 @@ def _distributions(model, context: np.ndarray):
     if ctx.size and (ctx.min() < 0 or ctx.max() >= v):
         raise FormatError(f"a context token id is outside the model's vocabulary [0, {v})", field="Cold.context")
     if ctx.size:
-        p = _probs(forward(model, torch.from_numpy(ctx)[None].to(dev), cache, {})[:, -1])[0]
+        p = next_token_probs(forward(model, torch.from_numpy(ctx)[None].to(dev), cache, {})[:, -1])[0]
     else:
         p = np.full(_vocab(model), 1.0 / _vocab(model))
     while True:
         t = yield p
-        p = _probs(forward(model, torch.tensor([[int(t)]], device=dev), cache, {})[:, -1])[0]
+        p = next_token_probs(forward(model, torch.tensor([[int(t)]], device=dev), cache, {})[:, -1])[0]
 
 
 @torch.no_grad()

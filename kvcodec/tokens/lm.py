@@ -37,14 +37,14 @@ from ..errors import FormatError
 from .plan import Plan, call_kwargs, forward, new_cache
 from .rangecoder import TokenStream, categorical, check_chunk, chunk_checksums, decode_symbol, encode_symbol
 
-__all__ = ["CHUNK_TOKENS", "SCHEDULE", "INCREMENTAL", "LMTokenCoder", "TokenStream"]
+__all__ = ["CHUNK_TOKENS", "SCHEDULE", "INCREMENTAL", "LMTokenCoder", "TokenStream", "next_token_probs"]
 
 CHUNK_TOKENS = 256  #: tokens per Chunk_Checksums entry
 SCHEDULE = "lm-schedule-v1"
 INCREMENTAL = "lm-incremental-v1"
 
 
-def _probs(logits: torch.Tensor) -> np.ndarray:
+def next_token_probs(logits: torch.Tensor) -> np.ndarray:
     """float64 softmax of the float32 logits of each row: the coded distributions."""
     return torch.softmax(logits.float().double(), dim=-1).cpu().numpy()
 
@@ -109,10 +109,10 @@ class LMTokenCoder:
                     if scratch is None:
                         scratch = copy.deepcopy(cache)
                     logits = forward(self.model, tokens[:, i:i + 1].to(dev), scratch, call_kwargs(plan, i, i + 1, dev))
-                    probs = _probs(logits[:, -1])
+                    probs = next_token_probs(logits[:, -1])
             del scratch
             logits = forward(self.model, tokens[:, a:b].to(dev), cache, call_kwargs(plan, a, b, dev))
-            probs = _probs(logits[:, -1]) if b < plan.num_tokens else None
+            probs = next_token_probs(logits[:, -1]) if b < plan.num_tokens else None
             pos = b
         return cache
 

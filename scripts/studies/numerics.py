@@ -203,7 +203,7 @@ def worker(cfg: dict, outdir: Path, models: list[str], n_tiny: int, n_smol: int)
             out[f"v{i}"] = lay.values.float().numpy()
         return out
 
-    def probs_of(logits):  # exactly kvcodec.tokens.lm._probs
+    def probs_of(logits):  # exactly kvcodec.tokens.lm.next_token_probs
         return torch.softmax(logits.float().double(), dim=-1).numpy()
 
     @torch.no_grad()
@@ -316,7 +316,7 @@ def ops_probe(torch, smol, dtype, outdir: Path, info: dict) -> None:
             res["rotary cos"], res["rotary sin"] = cos, sin
         res["cos/sin of angles"] = torch.cat([torch.cos(T(128, 32) * 30), torch.sin(T(128, 32) * 30)])
         res["softmax f32 over vocab"] = torch.softmax(logits.float(), -1)
-        res["softmax f64 over vocab (lm._probs)"] = torch.softmax(logits.float().double(), -1)
+        res["softmax f64 over vocab (lm.next_token_probs)"] = torch.softmax(logits.float().double(), -1)
         res["sdpa causal 128 q"] = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
         res["sdpa 1 q x 128 k"] = F.scaled_dot_product_attention(q[:, :, -1:], kr, vr)
         res["sdpa enable_gqa 1 q"] = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
@@ -560,7 +560,7 @@ def render(rows, infos, opsdiff, names, models, selftest, spec_check, seconds) -
          "from the baseline's (decoding breaks at the first); *table* = positions where any of the V+1 CDF "
          "entries differs; *decodes* = tokens coded with the baseline's distributions decode with this "
          "configuration's and vice versa (constriction); *softmax only* = the baseline's float32 logits put "
-         "through this configuration's float64 softmax (lm._probs): positions whose probabilities / coded-token "
+         "through this configuration's float64 softmax (lm.next_token_probs): positions whose probabilities / coded-token "
          "interval differ from the baseline's.", ""]
     if selftest:
         L += [f"Quantizer port checked against constriction: {selftest['agree']}/{selftest['trials']} perturbation "
