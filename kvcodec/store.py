@@ -449,7 +449,9 @@ class Store:
         needs ``dtype=``.  With a model, ``route`` decides how the prefix is restored (decoding its chunks, or
         recomputing it; ``"auto"``: whichever this machine measured faster - on a CPU, decoding).
         ``output="layers"``: the cache as an iterator of ``(i, keys, values)``, layer i read (range reads of
-        its sections only) while later layers are not yet fetched, as :meth:`layers`."""
+        its sections only) while later layers are not yet fetched, as :meth:`layers` (every chunk's header is
+        read before ``n`` is returned; a section found corrupt later raises its :class:`KvzError` from the
+        iterator)."""
         ids = token_ids(tokens)
         ns = self.namespace(model, dtype)
         nsb = bytes.fromhex(ns)
