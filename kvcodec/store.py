@@ -48,6 +48,7 @@ import zstandard
 from .cache import KVCache, to_canonical
 from .errors import ChecksumMismatch, ConfigError, FormatError, KvzError, NumericsMismatch, UnsupportedCache, warn
 from .identity import model_record, split_model
+from .tokens.continuation import CONTEXT_TOKENS
 
 __all__ = ["Store", "chunk_key", "token_ids"]
 
@@ -728,15 +729,9 @@ class Store:
                 self._quarantine_chunk(ns, k, err)
                 raise err
             chain += [(kk, held[b:b + size]) for kk, b in zip(keys, range(0, held.size, size))]
-            tail = np.concatenate([tail, held])[-self._context_tokens():]
+            tail = np.concatenate([tail, held])[-CONTEXT_TOKENS:]
             parent = k
         return ns, {"num_tokens": n, "ids": np.concatenate([h for _, h in chain]), "chain": chain}
-
-    @staticmethod
-    def _context_tokens() -> int:
-        from .tokens.continuation import CONTEXT_TOKENS
-
-        return CONTEXT_TOKENS
 
     def _quarantine_chunk(self, ns: str, key: bytes, err: Exception) -> None:
         """A chunk that disagrees with its key: quarantine it, hot and cold (so that putting its session again
@@ -866,7 +861,7 @@ class Store:
         self._check_numerics(ns, cold["profile"], mdl)
         from .tokens.continuation import decode_continuation
 
-        context = np.concatenate([np.asarray(before, dtype=np.int64), head])[-self._context_tokens():]
+        context = np.concatenate([np.asarray(before, dtype=np.int64), head])[-CONTEXT_TOKENS:]
         ids = np.concatenate([head, decode_continuation(mdl, context, cold["words"], cold["n"] - m)])
         if self._chain_key(ns, parent, ids) != key:
             raise ChecksumMismatch(f"cold chunk {key.hex()[:16]}… decodes to token ids that are not its key's: the "
@@ -906,7 +901,7 @@ class Store:
         for k, first, n in reversed(chain):
             ids = self._ids(ns, k, first, tail, model, count=n)
             every.append(ids)
-            tail = np.concatenate([tail, ids])[-self._context_tokens():]
+            tail = np.concatenate([tail, ids])[-CONTEXT_TOKENS:]
         return np.concatenate(every) if full and every else tail
 
     @staticmethod
@@ -919,7 +914,7 @@ class Store:
         """The 8-byte id of this engine's profile for model-coded cold chunks (its object published once)."""
         if (ns, self._engine(mdl)) not in self._profiles:
             from . import numerics
-            from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
+            from .tokens.continuation import PROCEDURE
             from .tokens.plan import STEP_THREADS
 
             data = _canonical({"context_tokens": CONTEXT_TOKENS, "procedure": PROCEDURE,
@@ -936,7 +931,7 @@ class Store:
         if self._profiles.get((ns, self._engine(mdl))) == pid or self._profiles.get((ns, pid, self._engine(mdl))):
             return
         from . import numerics
-        from .tokens.continuation import CONTEXT_TOKENS, PROCEDURE
+        from .tokens.continuation import PROCEDURE
 
         path = self._numerics_path(ns, pid)
         raw = self._read(path)
@@ -1116,11 +1111,13 @@ class Store:
             raise KeyError(key)
         self.fs.rm(path)
 
-    def _referenced(self) -> tuple[set[str], set[str], set[str]]:
+    def _referenced(self) -> tuple[set[str], set[str], set[str], tuple[dict, set, set]]:
         """Paths of every chunk (hot and cold, with the bases of delta chunks) and pointer some session needs;
-        the namespaces with a record or session that cannot be read (nothing in them may be collected: which
-        chunks their sessions need is unknown); the namespaces whose pointers cannot all be named (kept)."""
-        keep, unknown, unknown_pointers = set(), set(), set()
+        the namespaces with a record or session that cannot be read (nothing in them may be collected or
+        folded: which chunks their sessions need is unknown); the namespaces whose pointers cannot all be named
+        (kept); and what folding needs (:meth:`_foldable`): how many sessions reach each chunk object, the
+        chunks that are some chunk's base, and those unknown namespaces."""
+        keep, unknown, unknown_pointers, sessions_of, based = set(), set(), set(), {}, set()
         for key in self.sessions():
             ns = key.partition(":")[0]
             try:
@@ -1140,7 +1137,10 @@ class Store:
             for key_, first, count in m["chain"]:
                 a = first + count - 1 - (first + count - 1) % size  # the object's own chunk (folded: the last)
                 # a delta chunk needs its base (and the base's base ...), hot or cold
-                for k in (key_, *self._bases(ns, key_, a, min(n, a + size) - a)):
+                bases = list(self._bases(ns, key_, a, min(n, a + size) - a))
+                sessions_of[ns, key_] = sessions_of.get((ns, key_), 0) + 1
+                based.update((ns, b) for b in bases)
+                for k in (key_, *bases):
                     keep.update((self._chunk_path(ns, k), self._ids_path(ns, k)))
                 try:  # pointers serve lookups into hot chunks only: a cold chunk's are collected
                     ids = self._chunk_ids(ns, key_, a, self.model) if first == a else None
@@ -1153,7 +1153,7 @@ class Store:
                     keep.update(self._pointer_path(ns, chunk_key(nsb, parent, ids[:g]))
                                 for g in _pointer_lengths(ids.size, size, step))
                 parent = key_
-        return keep, unknown, unknown_pointers
+        return keep, unknown, unknown_pointers, (sessions_of, based, unknown)
 
     def _age(self, path: str) -> float:
         """Seconds since the object was last written (or touched); 0 when unknown or gone (never collected
@@ -1201,7 +1201,7 @@ class Store:
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
         self._headers = {}
         try:
-            keep, unknown, unknown_pointers = self._referenced()
+            keep, unknown, unknown_pointers, refs = self._referenced()
         finally:
             self._headers = None
         keep = {p.lstrip("/") for p in keep}
@@ -1226,10 +1226,10 @@ class Store:
                     removed["temporary"] += self._remove(p) >= 0
         if max_bytes is not None:
             removed["evicted"], removed["evicted_bytes"], removed["cold_lm"] = self._evict(
-                int(max_bytes), None if cold == "ids" else model, progress, grace)
+                int(max_bytes), None if cold == "ids" else model, progress, grace, refs)
         return removed
 
-    def _evict(self, max_bytes: int, model, progress=None, grace: float = 0.0) -> tuple[int, int, int]:
+    def _evict(self, max_bytes: int, model, progress=None, grace: float = 0.0, refs=None) -> tuple[int, int, int]:
         """Delete the least recently used chunks until the chunks of every namespace take ``max_bytes``, each
         after publishing its cold object (model-coded where ``model`` is the namespace's and the tokens before
         the chunk can be read; else zstd).  (evicted, bytes freed, how many model-coded)."""
@@ -1246,7 +1246,6 @@ class Store:
                     chunks.append((t, p, int(info.get("size", 0))))
         total, count, freed, coded = sum(c[2] for c in chunks), 0, 0, 0
         sizes = {p: size for _t, p, size in chunks}
-        refs = self._chunk_refs() if model is not None else None
         for _t, p, size in sorted(chunks):
             if total <= max_bytes:
                 break
@@ -1284,26 +1283,6 @@ class Store:
                 progress(1)
         return count, freed, coded
 
-    def _chunk_refs(self) -> tuple[dict, set, set]:
-        """(how many sessions reach each chunk object, the chunks that are some chunk's base, the namespaces
-        with a session that cannot be read): what folding needs to know that a chunk is one session's alone."""
-        count, based, unknown = {}, set(), set()
-        for key in self.sessions():
-            ns = key.partition(":")[0]
-            try:
-                _, m = self._manifest(key, ids=False)
-            except KeyError:  # deleted meanwhile
-                continue
-            except (KvzError, FileNotFoundError):  # which chunks it needs is unknown: nothing in its namespace
-                unknown.add(ns)                   # is folded
-                continue
-            n, size = m["num_tokens"], self.record(ns)["chunk_tokens"]
-            for k, first, c in m["chain"]:
-                count[ns, k] = count.get((ns, k), 0) + 1
-                a = first + c - 1 - (first + c - 1) % size
-                based.update((ns, b) for b in self._bases(ns, k, a, min(n, a + size) - a))
-        return count, based, unknown
-
     def _foldable(self, ns: str, key: bytes, refs, grace: float) -> bool:
         """May chunk ``key`` be folded into its child's cold object: one session reaches it, it is nobody's
         base, and it is cold or its hot object is older than the grace period (a put that reuses a hot chunk
@@ -1340,14 +1319,14 @@ class Store:
                 p = par
         first_parent = link if not lm else self._link(ns, link, first)[0]
         every = self._prefix_ids(ns, parent, start, model, full=True)  # positions 0 .. start
-        head = self._ids(ns, base, start, every[-self._context_tokens():], model)[:m] if base is not None \
+        head = self._ids(ns, base, start, every[-CONTEXT_TOKENS:], model)[:m] if base is not None \
             else np.zeros(0, dtype=np.int64)
         if head.size != m:
             return None, []
         ids = np.concatenate([every[first:], head, held])  # positions first .. the end of this chunk
         if self._chain_key(ns, first_parent, ids) != key:  # what a reader will check, checked before anything
             return None, []                                # is deleted (a misnamed chunk: zstd, unfolded)
-        context = np.concatenate([every[:first], ids[:lm]])[-self._context_tokens():]
+        context = np.concatenate([every[:first], ids[:lm]])[-CONTEXT_TOKENS:]
         words, _bits = encode_continuation(mdl, context, ids[lm:])
         self._remember(ns, key, first, ids)
         return (_LM_HEAD.pack(LM_MAGIC, self._numerics_id(ns, mdl), ids.size, lm, link)
