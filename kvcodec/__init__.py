@@ -10,6 +10,7 @@ Public API::
     kvcodec.inspect("cache.kvz")                      # header only, JSON-able dict
     model, tokenizer = kvcodec.load_model("smollm2")  # the embedded default, offline
     store = kvcodec.Store("s3://bucket/memory", model)  # many sessions, shared prefixes stored once
+    small = kvcodec.reduce(cache, model, keep=0.1)     # 10 % of the entries, atoms with masses; generate() on it
 """
 
 from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
@@ -35,12 +36,13 @@ from .errors import (  # noqa: E402
     UnsupportedVersion,
 )
 from .models import load_model, model_fingerprint, tokenizer_fingerprint  # noqa: E402
+from .reduction import ReducedCache, reduce  # noqa: E402
 from .store import Store  # noqa: E402
 from .version import __version__
 
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
-    "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical", "Store",
+    "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical", "Store", "reduce", "ReducedCache",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
     "UnsupportedCache",

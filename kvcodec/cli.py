@@ -191,6 +191,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.reduce:
+        from .lab.bench_reduce import run_reduce_bench
+
+        return run_reduce_bench(args)
     if args.store:
         from .lab.bench_store import run_store_bench
 
@@ -411,6 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", action="store_true",
                    help="the store on an agent workload from the corpus: bytes vs independent files, LMCache-style "
                         "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
+    s.add_argument("--reduce", action="store_true",
+                   help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
+                        "the full cache and SnapKV / H2O / StreamingLLM at equal entries (bench_reduce.md, .svg)")
+    s.add_argument("--keeps", type=float, nargs="*", default=[0.05, 0.1, 0.25, 0.5], help="reduce: fractions kept")
+    s.add_argument("--methods", nargs="*", default=["cluster", "sample", "cluster+scan", "snapkv", "h2o", "streaming"],
+                   help="reduce: methods besides the full cache")
+    s.add_argument("--context", type=int, default=3000, help="reduce: tokens of each document")
+    s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")
+    s.add_argument("--documents", type=int, default=6, help="reduce: documents (corpus files long enough)")
+    s.add_argument("--seed", type=int, default=0, help="reduce: seed of the items and of the random reducers")
     s.add_argument("--sessions", type=int, nargs="*", default=[10, 100], help="store: numbers of sessions")
     s.add_argument("--prefix-tokens", type=int, default=1000, help="store: tokens of the shared prefix")
     s.add_argument("--lean", action="store_true",

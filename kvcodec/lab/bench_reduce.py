@@ -1,0 +1,334 @@
+"""`kvz bench --reduce`: the reduce tier against the full cache and the baselines on long-context tasks.
+
+Tasks, built from any folder of texts (none is tuned to a file; the needles and questions are drawn with a
+seeded generator from each document):
+
+- **needle**: a sentence "The access code for the <colour> <object> is <5 digits>." inserted at a line break at
+  several depths of a document of ``--context`` tokens; question "What is the access code for the <colour>
+  <object>?", reference answer the digits.
+- **cloze QA**: a line of the document (at several depths) is quoted by its first words; question "In the
+  text above, which words come right after ...?", reference answer its next words (the answer is in the text).
+- **continuation**: the document's next ``--continuation`` tokens after the cache, teacher-forced.
+
+The document (with the needle) is prefilled once with exact attention; every method reduces that cache (the
+question comes after the reduction, as in an agent memory: the question is not known when the memory is
+compressed), then the question and the reference answer are teacher-forced.  Metrics, paired by item against
+the full cache: the answer's log-likelihood (bits; primary), greedy exact match of the answer, and the mean KL
+(bits/token) of the next-token distributions over the continuation.  Every method keeps the same number of
+entries per KV head (:func:`kvcodec.reduction.plan_for`).  ``cluster+scan`` computes the prefill itself under
+merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+
+from .common import corpus_files, missing_corpus, write_report
+
+COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
+OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
+METHODS = ["full", "cluster", "sample", "cluster+scan", "snapkv", "h2o", "streaming"]
+
+
+def _lines_at(text: str, frac: float) -> int:
+    """The index of a line break near ``frac`` of ``text``."""
+    pos = int(len(text) * frac)
+    nl = text.rfind("\n", 0, pos)
+    return nl + 1 if nl >= 0 else pos
+
+
+def make_items(tok, files, context: int, depths, seed: int = 0):
+    """Per document: its text cut to ``context`` tokens, needle items, cloze items and the continuation."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for f in files:
+        raw = f.read_text(encoding="utf-8", errors="replace")
+        ids = tok(raw, add_special_tokens=False)["input_ids"]
+        if len(ids) < context + 64:
+            continue
+        text = tok.decode(ids[:context])
+        cont = ids[context:context + 64]
+        items = []
+        for d in depths:
+            colour, obj = COLOURS[rng.integers(len(COLOURS))], OBJECTS[rng.integers(len(OBJECTS))]
+            code = "".join(str(x) for x in rng.integers(0, 10, 5))
+            at = _lines_at(text, d)
+            hay = text[:at] + f"The access code for the {colour} {obj} is {code}.\n" + text[at:]
+            items.append({"kind": "needle", "depth": d, "doc": hay,
+                          "question": f"What is the access code for the {colour} {obj}?", "answer": code})
+        lines = [(i, ln) for i, ln in enumerate(text.split("\n")) if len(ln.split()) >= 10]
+        starts = np.cumsum([0] + [len(ln) + 1 for ln in text.split("\n")])
+        for d in depths:
+            if not lines:
+                break
+            target = d * len(text)
+            i, ln = min(lines, key=lambda t: abs(starts[t[0]] - target))
+            words = ln.split()
+            items.append({"kind": "cloze", "depth": round(float(starts[i] / len(text)), 2), "doc": text,
+                          "question": f'In the text above, which words come right after "{" ".join(words[:6])}"?',
+                          "answer": " ".join(words[6:10])})
+        docs.append({"file": f.name, "text": text, "continuation": cont, "items": items})
+    return docs
+
+
+def _ids(tok, text):
+    return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+@torch.no_grad()
+def _answer_scores(model, cache, q_ids, a_ids, kw):
+    """(log2-likelihood of the answer, greedy exact match) after ``cache``; ``cache`` is consumed."""
+    from ..tokens.plan import cache_kwarg
+
+    ka = cache_kwarg(model)
+    gen_cache = copy.deepcopy(cache)
+    x = torch.cat([q_ids, a_ids], 1)
+    logits = model(x, **{ka: cache}).logits[0, q_ids.shape[1] - 1:-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, a_ids[0][:, None]).sum().item() / math.log(2)
+    # greedy: as many tokens as the reference
+    out, nxt, c = [], q_ids, gen_cache
+    for _ in range(a_ids.shape[1]):
+        lg = model(nxt, **{ka: c}).logits[0, -1]
+        t = int(lg.argmax())
+        out.append(t)
+        nxt = torch.tensor([[t]])
+    return lp, out == a_ids[0].tolist()
+
+
+@torch.no_grad()
+def _continuation_kl(model, cache, cont, ref_logp):
+    from ..tokens.plan import cache_kwarg
+
+    logits = model(cont, **{cache_kwarg(model): cache}).logits[0].float()
+    lq = torch.log_softmax(logits, -1)
+    return float((ref_logp.exp() * (ref_logp - lq)).sum(-1).mean() / math.log(2))
+
+
+def _reduced(model, method, full, ids, keep, obs, seed):
+    from ..reduction import prefill, reduce
+
+    if method == "full":
+        return copy.deepcopy(full)
+    if method == "cluster+scan":
+        return prefill(model, ids, keep, "cluster", seed=seed)[0]
+    return reduce(full, model, keep, method, tokens=ids, observation=obs, seed=seed)
+
+
+@torch.no_grad()
+def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
+    from ..reduction import plan_for
+    from ..reduction.attention import enable, observe
+    from ..tokens.plan import cache_kwarg
+
+    enable(model)
+    ka = cache_kwarg(model)
+    rows = []
+    for doc in docs:
+        groups = {}
+        for it in doc["items"]:
+            groups.setdefault(it["doc"], []).append(it)
+        groups.setdefault(doc["text"], [])
+        for text, items in groups.items():
+            ids = _ids(tok, text + "\n\n")
+            n = ids.shape[1]
+            t0 = time.perf_counter()
+            with observe(model, window=64, received="h2o" in methods) as obs:
+                full = model(ids, **{ka: None}, use_cache=True)
+            full = full["cache"] if "cache" in full else full["past_key_values"]
+            t_prefill = time.perf_counter() - t0
+            cont = None
+            if text == doc["text"]:
+                cont = torch.tensor([doc["continuation"]])
+                ref = model(cont, **{ka: copy.deepcopy(full)}).logits[0].float()
+                ref_logp = torch.log_softmax(ref, -1)
+            for keep in keeps:
+                k, entries = plan_for(n, keep)
+                for m in methods:
+                    if m == "full" and keep != keeps[0]:
+                        continue
+                    t1 = time.perf_counter()
+                    red = _reduced(model, m, full, ids, keep, obs, seed)
+                    t_red = time.perf_counter() - t1
+                    got = red.entries() if hasattr(red, "entries") else n
+                    for it in items:
+                        q = _ids(tok, f"Question: {it['question']}\nAnswer:")
+                        a = _ids(tok, " " + it["answer"])
+                        lp, em = _answer_scores(model, copy.deepcopy(red), q, a, {})
+                        rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
+                                     "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
+                                     "entries": got, "answer_bits": lp, "exact": em,
+                                     "reduce_s": round(t_red, 3), "prefill_s": round(t_prefill, 3)})
+                    if cont is not None:
+                        kl = _continuation_kl(model, copy.deepcopy(red), cont, ref_logp)
+                        rows.append({"file": doc["file"], "kind": "continuation", "depth": 1.0, "tokens": n,
+                                     "method": m, "keep": 1.0 if m == "full" else keep, "k": k, "entries": got,
+                                     "kl_bits": kl, "reduce_s": round(t_red, 3)})
+                progress(f"{doc['file']} n={n} keep={keep} done ({len(items)} questions)")
+    return rows
+
+
+def _boot_ci(x, reps=2000, seed=0):
+    x = np.asarray(x, float)
+    if len(x) < 2:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = rng.choice(x, (reps, len(x))).mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def _sign_test(d):
+    """Two-sided exact sign test p-value of paired differences ``d`` (zeros dropped)."""
+    d = [x for x in d if x != 0]
+    n = len(d)
+    if n == 0:
+        return 1.0
+    k = min(sum(1 for x in d if x > 0), sum(1 for x in d if x < 0))
+    p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * p)
+
+
+def summarise(rows, keeps, methods):
+    full = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == "full"}
+    out = []
+    for keep in keeps:
+        for m in methods:
+            if m == "full":
+                continue
+            sel = [r for r in rows if r["method"] == m and r["keep"] == keep]
+            qa = [r for r in sel if r["kind"] in ("needle", "cloze")]
+            pairs = [(r, full[(r["file"], r["kind"], r["depth"])]) for r in qa
+                     if (r["file"], r["kind"], r["depth"]) in full]
+            if not pairs:
+                continue
+            d = [r["answer_bits"] - f["answer_bits"] for r, f in pairs]
+            tot_r = sum(-r["answer_bits"] for r, _ in pairs)
+            tot_f = sum(-f["answer_bits"] for _, f in pairs)
+            needles = [(r, f) for r, f in pairs if r["kind"] == "needle"]
+            acc = sum(r["exact"] for r, _ in needles) / len(needles) if needles else float("nan")
+            acc_f = sum(f["exact"] for _, f in needles) / len(needles) if needles else float("nan")
+            kls = [r["kl_bits"] for r in sel if r["kind"] == "continuation"]
+            out.append({"keep": keep, "method": m, "items": len(pairs),
+                        "entries_mean": float(np.mean([r["entries"] for r, _ in pairs])),
+                        "delta_bits_mean": float(np.mean(d)), "delta_bits_ci95": _boot_ci(d),
+                        "sign_test_p": _sign_test(d),
+                        "nll_ratio": tot_r / tot_f if tot_f else float("nan"),
+                        "needle_exact": acc, "needle_exact_full": acc_f,
+                        "kl_bits_mean": float(np.mean(kls)) if kls else float("nan"),
+                        "reduce_s_median": float(np.median([r["reduce_s"] for r in sel]))})
+    # best merge-reduce reducer vs each baseline, paired per item
+    vs = []
+    for keep in keeps:
+        for a in ("cluster", "sample"):
+            for b in ("snapkv", "streaming", "h2o"):
+                ra = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == a and r["keep"] == keep
+                      and "answer_bits" in r}
+                rb = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == b and r["keep"] == keep
+                      and "answer_bits" in r}
+                common = sorted(set(ra) & set(rb))
+                if not common:
+                    continue
+                d = [ra[c]["answer_bits"] - rb[c]["answer_bits"] for c in common]
+                vs.append({"keep": keep, "a": a, "b": b, "items": len(d), "delta_bits_mean": float(np.mean(d)),
+                           "ci95": _boot_ci(d), "sign_test_p": _sign_test(d),
+                           "a_better": sum(x > 0 for x in d), "b_better": sum(x < 0 for x in d)})
+    return out, vs
+
+
+def _svg(summary, keeps, methods, path):
+    """A small line plot of the answer NLL ratio (reduced / full) against keep, one line per method."""
+    w, h, pad = 640, 400, 60
+    pts = {m: [(s["keep"], s["nll_ratio"]) for s in summary if s["method"] == m] for m in methods if m != "full"}
+    ys = [y for p in pts.values() for _, y in p if y == y]
+    if not ys:
+        return
+    y0, y1 = 1.0 if min(ys) >= 1 else min(ys), max(ys) * 1.05
+    xs = sorted(keeps)
+
+    def X(x):
+        return pad + (math.log(x) - math.log(xs[0])) / (math.log(xs[-1]) - math.log(xs[0]) or 1) * (w - 2 * pad)
+
+    def Y(y):
+        return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
+
+    colours = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           'font-size="12">', f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+           f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">fraction of entries kept (log scale)</text>',
+           f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">'
+           'answer NLL, reduced / full cache</text>']
+    for x in xs:
+        out.append(f'<text x="{X(x):.1f}" y="{h - pad + 15}" text-anchor="middle">{x:g}</text>')
+    for i in range(5):
+        y = y0 + (y1 - y0) * i / 4
+        out.append(f'<text x="{pad - 5}" y="{Y(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>')
+    for j, (m, p) in enumerate(pts.items()):
+        c = colours[j % len(colours)]
+        p = sorted(p)
+        out.append('<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>'
+                   % (c, " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in p)))
+        out.append(f'<text x="{w - pad + 5}" y="{pad + 15 * j}" fill="{c}">{m}</text>')
+    out.append("</svg>")
+    path.write_text("\n".join(out))
+
+
+def to_markdown(res) -> str:
+    lines = ["# Reduce tier (`kvz bench --reduce`)", "",
+             f"Model {res['model']}; {res['documents']} documents of {res['context']} tokens "
+             f"({', '.join(res['files'])}); {res['questions']} questions (needle + cloze) per method and budget; "
+             "every method keeps the same entries per KV head; seed "
+             f"{res['seed']}. Answer NLL ratio = total answer NLL under the method / under the full cache "
+             "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
+             "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
+             "KL: mean bits/token over the 64-token continuation.", "",
+             "| keep | method | entries | answer NLL ratio | Δ bits [95 % CI] | p | needle EM (full) | KL bits/tok | "
+             "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
+    for s in res["summary"]:
+        lo, hi = s["delta_bits_ci95"]
+        lines.append(f"| {s['keep']:g} | {s['method']} | {s['entries_mean']:.0f} | {s['nll_ratio']:.3f} | "
+                     f"{s['delta_bits_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {s['sign_test_p']:.3f} | "
+                     f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | {s['kl_bits_mean']:.4f} | "
+                     f"{s['reduce_s_median']:.2f} |")
+    lines += ["", "Paired comparisons (answer log2-likelihood, method A − method B; positive = A better):", "",
+              "| keep | A | B | items | mean Δ bits [95 % CI] | A better / B better | sign-test p |",
+              "|---:|---|---|---:|---|---|---:|"]
+    for v in res["versus"]:
+        lo, hi = v["ci95"]
+        lines.append(f"| {v['keep']:g} | {v['a']} | {v['b']} | {v['items']} | {v['delta_bits_mean']:+.2f} "
+                     f"[{lo:+.2f}, {hi:+.2f}] | {v['a_better']} / {v['b_better']} | {v['sign_test_p']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_reduce_bench(args) -> int:
+    from pathlib import Path
+
+    from ..models import load_model
+
+    files = corpus_files(args.corpus)
+    if not files:
+        return missing_corpus("kvz bench --reduce")
+    if args.genres:
+        files = [f for f in files if f.name in set(args.genres)]
+    model, tok = load_model("smollm2", dtype=torch.float32)
+    keeps = sorted(args.keeps)
+    methods = ["full"] + [m for m in args.methods if m != "full"]
+    docs = make_items(tok, files, args.context, args.depths, seed=args.seed)[: args.documents]
+    if not docs:
+        print(f"kvz bench --reduce: no document of the corpus has {args.context} + 64 tokens")
+        return 1
+    t0 = time.perf_counter()
+    rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
+    summary, versus = summarise(rows, keeps, methods)
+    res = {"model": "smollm2 fp32", "context": args.context, "documents": len(docs),
+           "files": [d["file"] for d in docs], "questions": sum(len(d["items"]) for d in docs),
+           "depths": args.depths, "keeps": keeps, "methods": methods, "seed": args.seed,
+           "seconds": round(time.perf_counter() - t0, 1), "summary": summary, "versus": versus, "rows": rows}
+    out = write_report(args.out, "bench_reduce", res, to_markdown(res))
+    _svg(summary, keeps, methods, Path(out) / "bench_reduce.svg")
+    return 0

@@ -1,0 +1,179 @@
+"""The reduce tier: fewer cache entries instead of fewer bits (papers.md part B).
+
+The package is ``kvcodec.reduction``; its entry point is ``kvcodec.reduce``.
+
+``kvcodec.reduce(cache, model, keep=0.1, method="cluster")`` returns a :class:`ReducedCache` that the same model
+takes as its cache directly - ``model(ids, past_key_values=reduced)`` and ``model.generate(...)`` - and that
+keeps reducing as decoding appends to it.  Methods:
+
+- ``"cluster"`` (default), ``"sample"``: merge-reduce summaries (binary-counter buckets of ``K``-atom
+  summaries, blocks of ``B = K`` tokens, 4 raw attention sinks) with the protected-clustering or the
+  mass-proportional sampling reducer; atoms carry masses (:mod:`kvcodec.reduction.attention`).
+- ``"streaming"`` (StreamingLLM: sinks + recent window), ``"snapkv"`` (window 64, pool 5, GQA mean),
+  ``"h2o"`` (half heavy hitters by normalised received attention, half recent): one-shot selections of
+  original tokens, the baselines; later tokens are appended raw.  ``snapkv`` and ``h2o`` re-run the prefill
+  on the cache's tokens (given, or recovered from the cache) to see the queries.
+
+Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
+:func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
+baselines keep exactly as many as the summary holds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from .attention import enable, observe, scalings
+from .cache import Plan, ReducedCache, ReducedLayer, ingest
+from .reducers import REDUCERS
+from .scan import prefill
+
+__all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable"]
+
+MERGE_REDUCE = tuple(REDUCERS)
+BASELINES = ("streaming", "snapkv", "h2o")
+METHODS = MERGE_REDUCE + BASELINES
+
+
+def entries_for(n: int, k: int, sinks: int = 4, block: int | None = None) -> int:
+    """Entries a merge-reduce summary of ``n`` tokens holds per KV head (``block`` defaults to ``k``)."""
+    block = block or k
+    if n <= sinks:
+        return n
+    rest = n - sinks
+    blocks = rest // block
+    return sinks + min(k, block) * bin(blocks).count("1") + rest % block
+
+
+def plan_for(n: int, keep: float | None = None, *, budget: int | None = None, sinks: int = 4) -> tuple[int, int]:
+    """``(K, entries)``: the ``K`` (blocks of ``K`` tokens) whose merge-reduce summary of ``n`` tokens holds the
+    most entries per KV head without exceeding ``budget`` (default ``round(keep * n)``); the larger ``K`` on a
+    tie.  (The entry count is not monotone in ``K``: it depends on the bits of ``(n - sinks) // K``.)"""
+    if budget is None:
+        if keep is None or not 0 < keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+        budget = round(keep * n)
+    budget = max(int(budget), sinks + 1)
+    if budget >= n:
+        return max(n, 1), n
+    best = None
+    for k in range(1, budget - sinks + 1):
+        e = entries_for(n, k, sinks)
+        if e <= budget and (best is None or e >= best[1]):
+            best = (k, e)
+    return best or (1, entries_for(n, 1, sinks))  # nothing fits: the smallest summary there is
+
+
+def _full_layers(cache):
+    return [i for i, layer in enumerate(cache.layers) if type(layer) is DynamicLayer]
+
+
+def _tokens(cache, model, tokens):
+    if tokens is not None:
+        t = torch.as_tensor(tokens).reshape(1, -1) if torch.as_tensor(tokens).dim() == 1 else torch.as_tensor(tokens)
+        return t.long()
+    from ..cache import to_canonical
+    from ..tokens.recover import recover_tokens
+
+    kv = to_canonical(cache)
+    rec = recover_tokens(kv.values[0], model)
+    if not rec.ok:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"this method needs the cache's tokens and they could not be recovered from it "
+                          f"({rec.reason}); pass tokens=")
+    return rec.tokens.long()
+
+
+def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
+    """Indices ``[b, h, budget]`` (ascending) of the tokens a baseline keeps."""
+    b, h, n, _ = keys.shape
+    if budget >= n:
+        return torch.arange(n).expand(b, h, n)
+    if method == "streaming":
+        s = min(sinks, budget)
+        idx = torch.cat([torch.arange(s), torch.arange(n - (budget - s), n)])
+        return idx.expand(b, h, budget)
+    if method == "snapkv":
+        queries, scaling = obs_layer["queries"], obs_layer["scaling"]
+        w = min(window, queries.shape[2], budget)
+        hq = queries.shape[1]
+        g = hq // h
+        kq = keys.float().repeat_interleave(g, dim=1)
+        logits = scaling * queries.float() @ kq.transpose(-1, -2)  # [b, hq, W, n]
+        qpos = torch.arange(n - queries.shape[2], n)[:, None]
+        logits = logits.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
+        att = torch.softmax(logits, -1)[..., : n - w].mean(2)  # attention to keys before the window
+        att = torch.nn.functional.avg_pool1d(att.reshape(b * hq, 1, -1), 5, stride=1, padding=2,
+                                             count_include_pad=False).reshape(b, hq, -1)
+        score = att.view(b, h, g, -1).mean(2)
+        top = score.topk(budget - w, dim=-1).indices
+        win = torch.arange(n - w, n).expand(b, h, w)
+        return torch.cat([top, win], -1).sort(-1).values
+    if method == "h2o":
+        score = obs_layer["received"] / obs_layer["seen"]
+        recent = budget - budget // 2
+        heavy = budget - recent
+        top = score[..., : n - recent].topk(heavy, dim=-1).indices if heavy else score.new_zeros(b, h, 0).long()
+        rec = torch.arange(n - recent, n).expand(b, h, recent)
+        return torch.cat([top, rec], -1).sort(-1).values
+    raise ValueError(f"unknown baseline {method!r}")
+
+
+@torch.no_grad()
+def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
+           tokens=None, sinks: int = 4, seed: int = 0, observation=None) -> ReducedCache:
+    """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
+    to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
+    switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
+    caches it computes exactly what it computed before.  ``observation``: what
+    :func:`kvcodec.reduction.attention.observe` recorded during the prefill that made the cache (``snapkv`` and
+    ``h2o`` then skip their own re-run)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
+    if not hasattr(cache, "layers"):
+        from ..cache import to_canonical
+
+        cache = to_canonical(cache).to_dynamic_cache(model.config)
+    full = _full_layers(cache)
+    if not full:
+        raise ValueError("the cache has no full-attention layer to reduce")
+    n = int(cache.layers[full[0]].keys.shape[2])
+    k, entries = plan_for(n, keep, budget=budget, sinks=sinks)
+    enable(model)
+    scale = scalings(model)
+    obs = observation
+    if method in ("snapkv", "h2o") and (obs is None or (method == "h2o" and not obs.received)):
+        ids = _tokens(cache, model, tokens)
+        if ids.shape[-1] != n:
+            raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
+        with observe(model, window=64, received=method == "h2o") as obs:
+            model(ids, use_cache=False)
+    plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed)
+    layers, pending = [], {}
+    for i, layer in enumerate(cache.layers):
+        if i not in full:
+            layers.append(copy.deepcopy(layer))
+            continue
+        if int(layer.keys.shape[2]) != n:
+            raise ValueError(f"layer {i} holds {layer.keys.shape[2]} tokens, layer {full[0]} {n}")
+        red = ReducedLayer(plan, i, scale[i])
+        if method in MERGE_REDUCE:
+            pending.setdefault(scale[i], []).append((red, layer.keys, layer.values))
+        else:
+            keys, values = layer.keys, layer.values
+            o = None if obs is None else {"queries": obs.queries.get(i), "scaling": obs.scaling.get(i),
+                                          "received": obs.received.get(i), "seen": obs.seen.get(i)}
+            idx = _select(method, keys, o, entries, sinks)
+            gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+            gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
+            red.set_fixed(gk, gv, n)
+        layers.append(red)
+    for group in pending.values():  # every layer of one scaling in one batched tree
+        ingest([g[0] for g in group], [g[1] for g in group], [g[2] for g in group])
+    out = ReducedCache(model, plan, layers=layers)
+    out.method = method
+    return out

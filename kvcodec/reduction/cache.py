@@ -1,0 +1,289 @@
+"""A transformers cache whose full-attention layers hold merge-reduce summaries (papers.md B.3).
+
+Per layer and KV head the cache holds, in this order:
+
+- ``fixed``: atoms chosen once (the one-shot baselines: StreamingLLM, SnapKV, H2O keep selected tokens here);
+- ``sinks``: the first ``sinks`` tokens, raw;
+- ``levels``: binary-counter buckets, level ``l`` empty or one ``K``-atom summary of ``2**l`` blocks;
+- ``buffer``: the most recent tokens, raw.
+
+Every token after the sinks enters the buffer; when the buffer holds ``B`` tokens, the oldest block leaves it as
+a leaf summary (reduced to ``K`` atoms if ``B > K``) and is carried up the levels: while level ``l`` is
+occupied, ``s = REDUCE(MERGE(level_l, s), K)`` and ``l`` increases.  Attention runs over all the entries, each
+atom's log-weight ``beta`` added to its logit (:mod:`kvcodec.reduction.attention`), so memory stays at most
+``sinks + K * popcount(blocks) + B + (new tokens of one call)`` entries.
+
+Sliding-window and linear-attention layers are kept as they are (their memory is already bounded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from . import reducers
+from .attention import set_bias
+
+__all__ = ["ReducedCache", "ReducedLayer", "Plan", "ingest", "seed_of"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a layer reduces: ``k`` atoms per summary, blocks of ``block`` tokens, ``sinks`` raw first tokens,
+    ``method`` a key of :data:`kvcodec.reduction.reducers.REDUCERS` or ``None`` (never reduce: append raw)."""
+
+    k: int
+    block: int
+    sinks: int = 4
+    method: str | None = "cluster"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.k < 1 or self.block < 1 or self.sinks < 0:
+            raise ValueError(f"reduce plan needs k >= 1, block >= 1, sinks >= 0 (got {self})")
+        if self.method is not None and self.method not in reducers.REDUCERS:
+            raise ValueError(f"unknown reducer {self.method!r}; known: {sorted(reducers.REDUCERS)}")
+
+
+def seed_of(*parts) -> int:
+    """A 63-bit generator seed from the parts' text (the same on every machine)."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+def _empty(like: torch.Tensor, dim: int | None = None):
+    shape = list(like.shape)
+    shape[2] = 0
+    if dim is not None:
+        shape[3] = dim
+    return like.new_empty(shape)
+
+
+class ReducedLayer(DynamicLayer):
+    """One full-attention layer of a :class:`ReducedCache`."""
+
+    is_croppable = False
+
+    def __init__(self, plan: Plan, layer_idx: int, scaling: float):
+        super().__init__()
+        self.plan, self.layer_idx, self.scaling = plan, layer_idx, scaling
+        self.fixed = None  # (k, v, beta) or None
+        self.sinks = None  # (k, v)
+        self.levels: list = []
+        self.buffer = None  # (k, v)
+        self.beta = None
+        self.cumulative_length = 0
+        self.blocks = 0
+
+    # --- state -------------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.sinks = (_empty(key_states), _empty(value_states))
+        self.buffer = (_empty(key_states), _empty(value_states))
+
+    def _parts(self):
+        """(keys, values, beta-or-None) of every part, oldest first."""
+        out = []
+        if self.fixed is not None:
+            out.append(self.fixed)
+        out.append((*self.sinks, None))
+        for s in reversed(self.levels):
+            if s is not None:
+                out.append(s)
+        out.append((*self.buffer, None))
+        return out
+
+    def assemble(self):
+        parts = self._parts()
+        keys = torch.cat([p[0] for p in parts], dim=2)
+        values = torch.cat([p[1] for p in parts], dim=2)
+        if all(p[2] is None for p in parts):
+            return keys, values, None
+        b, h = keys.shape[:2]
+        beta = torch.cat([p[2] if p[2] is not None else torch.zeros(b, h, p[0].shape[2]) for p in parts], dim=2)
+        return keys, values, beta
+
+    def set_fixed(self, keys, values, tokens: int, beta=None) -> None:
+        """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens."""
+        self.lazy_initialization(keys, values)
+        self.fixed = (keys, values, beta)
+        self.cumulative_length = tokens
+        self.keys, self.values, self.beta = self.assemble()
+
+    def entries(self) -> int:
+        return 0 if self.keys is None or self.keys.dim() < 3 else int(self.keys.shape[2])
+
+    # --- transformers' layer interface ------------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[2]
+        room = self.plan.sinks - self.sinks[0].shape[2]
+        if room > 0:
+            self.sinks = (torch.cat([self.sinks[0], key_states[:, :, :room]], 2),
+                          torch.cat([self.sinks[1], value_states[:, :, :room]], 2))
+            key_states, value_states = key_states[:, :, room:], value_states[:, :, room:]
+        self.buffer = (torch.cat([self.buffer[0], key_states], 2), torch.cat([self.buffer[1], value_states], 2))
+        keys, values, beta = self.assemble()
+        set_bias(self.layer_idx, keys, beta)
+        if self._flush():
+            self.keys, self.values, self.beta = self.assemble()
+        else:
+            self.keys, self.values, self.beta = keys, values, beta
+        return keys, values
+
+    def set_state(self, sinks, levels, buffer, tokens: int, blocks: int) -> None:
+        """Hold a state built elsewhere (:func:`ingest`): raw ``sinks`` and ``buffer`` ``(k, v)``, ``levels`` a
+        list of ``(k, v, beta)`` or ``None``, after ``tokens`` tokens of which ``blocks`` blocks were carried."""
+        self.lazy_initialization(sinks[0], sinks[1])
+        self.sinks, self.levels, self.buffer = sinks, levels, buffer
+        self.cumulative_length, self.blocks = tokens, blocks
+        self.keys, self.values, self.beta = self.assemble()
+
+    def _reduce(self, summary, *where):
+        fn = reducers.REDUCERS[self.plan.method]
+        gen = torch.Generator().manual_seed(seed_of(self.plan.seed, self.layer_idx, *where))
+        return fn(summary, self.plan.k, self.scaling, gen)
+
+    def _flush(self) -> bool:
+        if self.plan.method is None:
+            return False
+        bs, done = self.plan.block, False
+        while self.buffer[0].shape[2] >= bs:
+            bk, bv = self.buffer[0][:, :, :bs], self.buffer[1][:, :, :bs]
+            self.buffer = (self.buffer[0][:, :, bs:], self.buffer[1][:, :, bs:])
+            s = (bk, bv, torch.zeros(bk.shape[:3]))
+            if bs > self.plan.k:
+                s = self._reduce(s, self.blocks, "leaf")
+            lvl = 0
+            while lvl < len(self.levels) and self.levels[lvl] is not None:
+                s = self._reduce(reducers.merge(self.levels[lvl], s), self.blocks, lvl)
+                self.levels[lvl] = None
+                lvl += 1
+            if lvl == len(self.levels):
+                self.levels.append(None)
+            self.levels[lvl] = s
+            self.blocks += 1
+            done = True
+        return done
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        n = self.entries()
+        return n + query_length, self.cumulative_length - n
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a reduced cache cannot be cropped: its summaries mix the tokens")
+
+    def _map(self, fn):
+        if self.fixed is not None:
+            self.fixed = tuple(fn(t) for t in self.fixed)
+        self.sinks = tuple(fn(t) for t in self.sinks)
+        self.levels = [None if s is None else tuple(fn(t) for t in s) for s in self.levels]
+        self.buffer = tuple(fn(t) for t in self.buffer)
+        self.keys, self.values, self.beta = self.assemble()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t[indices, ...])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def reset(self) -> None:
+        self.__init__(self.plan, self.layer_idx, self.scaling)
+
+    def describe(self) -> dict:
+        return {"entries": self.entries(), "tokens": self.cumulative_length, "blocks": self.blocks,
+                "levels": [None if s is None else int(s[0].shape[2]) for s in self.levels],
+                "buffer": int(self.buffer[0].shape[2]) if self.buffer else 0,
+                "sinks": int(self.sinks[0].shape[2]) if self.sinks else 0,
+                "fixed": int(self.fixed[0].shape[2]) if self.fixed is not None else 0}
+
+
+def ingest(layers: list, keys: list, values: list) -> None:
+    """Fill empty :class:`ReducedLayer` s (same plan and scaling) with whole caches ``[b, h, n, d]`` at once: the
+    state the binary counter reaches after taking the ``n`` tokens in order, computed as one merge-reduce tree
+    per level batched over every layer (:func:`kvcodec.reduction.tree.binary_counter`)."""
+    from . import tree
+
+    plan, scaling = layers[0].plan, layers[0].scaling
+    if any(la.plan != plan or la.scaling != scaling for la in layers):
+        raise ValueError("ingest: layers of different plans or scalings")
+    _nl, b = len(layers), keys[0].shape[0]
+    k = torch.cat(keys, 0)  # layers stacked in the batch dimension
+    v = torch.cat(values, 0)
+    n = k.shape[2]
+    s = min(plan.sinks, n)
+    m = (n - s) // plan.block if plan.method is not None else 0
+    body = s + m * plan.block
+    buckets = {}
+    if m:
+        leaves = tree.leaves_of(k[:, :, s:body], v[:, :, s:body], plan.block)
+        fn = reducers.REDUCERS[plan.method]
+        buckets = tree.binary_counter(fn, plan.k, scaling, leaves,
+                                      lambda *where: seed_of(plan.seed, "ingest", *where))
+    top = max(buckets) + 1 if buckets else 0
+    for i, layer in enumerate(layers):
+        sl = slice(i * b, (i + 1) * b)
+        levels = [None if lvl not in buckets else tuple(t[0, sl] for t in buckets[lvl]) for lvl in range(top)]
+        levels = [None if x is None else (x[0].to(k.dtype), x[1].to(v.dtype), x[2]) for x in levels]
+        layer.set_state((k[sl, :, :s], v[sl, :, :s]), levels, (k[sl, :, body:], v[sl, :, body:]), n, m)
+
+
+class ReducedCache(DynamicCache):
+    """A :class:`transformers.DynamicCache` whose full-attention layers are :class:`ReducedLayer`.
+
+    Build one with :func:`kvcodec.reduce` (from an existing cache) or :func:`kvcodec.reduction.prefill`, or empty
+    with ``ReducedCache(model, plan)`` and let the model fill it (it reduces as tokens arrive).  The model must
+    have been switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`), which
+    the constructors here do."""
+
+    def __init__(self, model, plan: Plan, *, layers=None):
+        from .attention import enable, scalings
+
+        enable(model)
+        self.plan = plan
+        if layers is None:
+            scale = scalings(model)
+            template = DynamicCache(config=model.config)
+            layers = []
+            for i, layer in enumerate(template.layers):
+                if type(layer) is DynamicLayer:
+                    if i not in scale:
+                        raise ValueError(f"layer {i}: no attention module with a scaling found in the model")
+                    layers.append(ReducedLayer(plan, i, scale[i]))
+                else:
+                    layers.append(layer)
+        Cache.__init__(self, layers=layers)
+
+    def reduced_layers(self) -> list[ReducedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, ReducedLayer)]
+
+    def set_fixed(self, keys, values, tokens: int, beta=None) -> None:
+        """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens."""
+        self.lazy_initialization(keys, values)
+        self.fixed = (keys, values, beta)
+        self.cumulative_length = tokens
+        self.keys, self.values, self.beta = self.assemble()
+
+    def entries(self) -> int:
+        """Entries (atoms + raw tokens) per KV head of the first reduced layer."""
+        red = self.reduced_layers()
+        return red[0].entries() if red else 0
+
+    def describe(self) -> dict:
+        red = self.reduced_layers()
+        d = red[0].describe() if red else {}
+        return {"k": self.plan.k, "block": self.plan.block, "sinks": self.plan.sinks, "method": self.plan.method,
+                "seed": self.plan.seed, **d,
+                "keep": (d.get("entries", 0) / d["tokens"]) if d.get("tokens") else None}
