@@ -81,7 +81,7 @@ def _ids(tok, text):
 
 
 @torch.no_grad()
-def _answer_scores(model, cache, q_ids, a_ids, kw):
+def _answer_scores(model, cache, q_ids, a_ids):
     """(log2-likelihood of the answer, greedy exact match) after ``cache``; ``cache`` is consumed."""
     from ..tokens.plan import cache_kwarg
 
@@ -158,7 +158,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     for it in items:
                         q = _ids(tok, f"Question: {it['question']}\nAnswer:")
                         a = _ids(tok, " " + it["answer"])
-                        lp, em = _answer_scores(model, copy.deepcopy(red), q, a, {})
+                        lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
                                      "entries": got, "answer_bits": lp, "exact": em,

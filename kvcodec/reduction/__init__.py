@@ -73,8 +73,8 @@ def _full_layers(cache):
 
 def _tokens(cache, model, tokens):
     if tokens is not None:
-        t = torch.as_tensor(tokens).reshape(1, -1) if torch.as_tensor(tokens).dim() == 1 else torch.as_tensor(tokens)
-        return t.long()
+        t = torch.as_tensor(tokens)
+        return (t[None] if t.dim() == 1 else t).long()
     from ..cache import to_canonical
     from ..tokens.recover import recover_tokens
 

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["enable", "enabled_name", "set_bias", "clear_bias", "observe", "Observation", "kernel_logmass", "scalings",
-           "softmax_attention", "kernel_attention", "prefill_mode"]
+__all__ = ["enable", "enabled_name", "set_bias", "clear_bias", "float_mask", "observe", "Observation", "kernel_logmass",
+           "scalings", "softmax_attention", "kernel_attention", "prefill_mode"]
 
 _PREFIX = "kvcodec_reduce:"
 _state = threading.local()
@@ -60,7 +60,7 @@ def _take_bias(layer_idx, keys: torch.Tensor):
     return hit[1]
 
 
-def _float_mask(mask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
+def float_mask(mask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
     """The additive float form of a transformers attention mask (``None`` = causal with the queries last)."""
     if mask is None:
         if q_len == 1:
@@ -88,7 +88,7 @@ def _wrapper(original: str):
         fn = _module_eager(module) if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
         obs = getattr(_state, "observer", None)
         if obs is not None:
-            obs.record(module, query, key, attention_mask, kwargs.get("scaling"))
+            obs.record(module, query, key, kwargs.get("scaling"))
         beta = _take_bias(getattr(module, "layer_idx", None), key)
         mode = getattr(_state, "prefill", None)
         if mode is not None and beta is None and query.shape[2] == key.shape[2] > mode[0].sinks + mode[0].block:
@@ -97,7 +97,7 @@ def _wrapper(original: str):
         if beta is not None:
             b, hq, q_len, _ = query.shape
             kv_len = key.shape[-2]
-            mask = _float_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
+            mask = float_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
             mask = mask[..., :kv_len]
             groups = hq // beta.shape[1]
             bias = beta.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]  # [b, hq, 1, kv]
@@ -183,7 +183,7 @@ class Observation:
         self.queries, self.received, self.seen, self.scaling = {}, {}, {}, {}
 
     @torch.no_grad()
-    def record(self, module, query, key, mask, scaling):
+    def record(self, module, query, key, scaling):
         li = getattr(module, "layer_idx", None)
         if li is None:
             return

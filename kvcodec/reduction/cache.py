@@ -269,13 +269,6 @@ class ReducedCache(DynamicCache):
     def reduced_layers(self) -> list[ReducedLayer]:
         return [layer for layer in self.layers if isinstance(layer, ReducedLayer)]
 
-    def set_fixed(self, keys, values, tokens: int, beta=None) -> None:
-        """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens."""
-        self.lazy_initialization(keys, values)
-        self.fixed = (keys, values, beta)
-        self.cumulative_length = tokens
-        self.keys, self.values, self.beta = self.assemble()
-
     def entries(self) -> int:
         """Entries (atoms + raw tokens) per KV head of the first reduced layer."""
         red = self.reduced_layers()

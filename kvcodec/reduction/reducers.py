@@ -34,17 +34,13 @@ def merge(*summaries):
     return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
 
 
-def _logsumexp(x, dim):
-    return torch.logsumexp(x, dim=dim)
-
-
 def sample(summary, k: int, scaling: float, gen: torch.Generator):
     keys, values, beta = summary
     b, h, n, _ = keys.shape
     if n <= k:
         return summary
     lm = kernel_logmass(keys, beta, scaling)  # [b, h, n] float64
-    total = _logsumexp(lm, -1)  # log M
+    total = torch.logsumexp(lm, -1)  # log M
     p = torch.softmax(lm, -1).reshape(b * h, n).float()
     idx = torch.multinomial(p, k, replacement=True, generator=gen).reshape(b, h, k)
     idx_sorted, _ = idx.sort(-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reducers, tree
+from . import attention, reducers, tree
 from .cache import Plan, ReducedCache, seed_of
 
 __all__ = ["prefill", "merge_reduce_attention"]
@@ -70,23 +70,15 @@ def merge_reduce_attention(fn, plan: Plan, module, query, key, value, attention_
              *args, **kwargs)[0]  # [size * b, bs, hq, dv]
     out = out.reshape(size, b, bs, hq, -1).permute(1, 0, 2, 3, 4).reshape(b, size * bs, hq, -1)[:, :rest]
     if s:
-        head = _call(fn, module, query[:, :, :s], key[:, :, :s], value[:, :, :s], None, args, kwargs)
+        head = _causal(fn, module, query[:, :, :s], key[:, :, :s], value[:, :, :s], args, kwargs)
         out = torch.cat([head, out], 1)
     return out, None
 
 
-def _call(fn, module, q, k, v, beta, args, kwargs):
-    """``fn`` on queries that are the last ``q_len`` positions of ``k`` (causal), with optional log-weights."""
-    q_len, kv_len = q.shape[2], k.shape[2]
-    qi = torch.arange(q_len)[:, None] + (kv_len - q_len)
-    allowed = torch.arange(kv_len)[None, :] <= qi
-    mask = torch.where(allowed, torch.zeros((), dtype=q.dtype), torch.full((), torch.finfo(q.dtype).min,
-                                                                           dtype=q.dtype))[None, None]
-    if beta is not None:
-        groups = q.shape[1] // beta.shape[1]
-        mask = mask + beta.to(q.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]
-    out = fn(module, q.contiguous(), k.contiguous(), v.contiguous(), mask.to(q.device), *args, **kwargs)
-    return out[0]
+def _causal(fn, module, q, k, v, args, kwargs):
+    """``fn`` on queries that are the last ``q_len`` positions of ``k``, under the causal mask."""
+    mask = attention.float_mask(None, q.shape[2], k.shape[2], q.dtype, q.device)
+    return fn(module, q.contiguous(), k.contiguous(), v.contiguous(), mask, *args, **kwargs)[0]
 
 
 @torch.no_grad()
@@ -95,7 +87,7 @@ def prefill(model, ids, keep: float | None = 0.1, method: str = "cluster", *, bu
     """Run ``model`` on ``ids`` ``[batch, n]`` with merge-reduce attention and return ``(cache, output)``: the
     :class:`ReducedCache` (the summary of all ``n`` tokens, ready for more tokens or ``generate``) and the model's
     output (its logits computed under the reduced attention)."""
-    from . import attention, plan_for
+    from . import plan_for
 
     ids = torch.as_tensor(ids)
     if ids.dim() == 1:
