@@ -91,9 +91,15 @@ class Encoder:
               info: dict | None = None, progress=None) -> int:
         """Encode ``cache`` into the binary file-like ``sink`` (written sequentially); returns bytes written."""
         opts = self.options
-        tier = registry.tier(self.tier_for(model))
-        tier.check(opts, model)
         kv = to_canonical(cache)
+        tier_id = self.tier_for(model)
+        if kv.reduce is not None and registry.tier(tier_id).header_key is not None:  # a token tier
+            if opts.tier is not None:
+                raise ConfigError(f"tier {tier_id!r} recomputes the cache from its tokens, which a reduced cache's "
+                                  "atoms are not: store it with tier 'lossless' or 'lossy'")
+            tier_id = "lossless"
+        tier = registry.tier(tier_id)
+        tier.check(opts, model)
         if tokens is not None:
             tokens = torch.as_tensor(tokens)
             tokens = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens
@@ -182,8 +188,9 @@ def open_kvz(source, model=None, *, draft=None, limits: dict | None = None, thre
     return KvzFile(source, model, draft=draft, limits=limits, threads=threads, numerics=numerics)
 
 
-def _convert(kv, output: str):
-    conversions = {"dynamic": lambda: kv.to_dynamic_cache(), "kvcache": lambda: kv, "legacy": lambda: kv.to_legacy()}
+def _convert(kv, output: str, model=None):
+    conversions = {"dynamic": lambda: kv.to_dynamic_cache(model=model), "kvcache": lambda: kv,
+                   "legacy": lambda: kv.to_legacy()}
     if output not in conversions:
         raise ConfigError(f"output must be 'dynamic', 'kvcache' or 'legacy', not {output!r}")
     return conversions[output]()
@@ -199,12 +206,15 @@ def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dic
     files whose tokens were coded with a draft model.  ``output="kvcache"``
     returns a :class:`~kvcodec.KVCache`, ``"legacy"`` a tuple of pairs.
     ``limits`` caps what the file may ask for (``max_output_bytes`` ...).
+    A reduced cache (:func:`kvcodec.reduce`) decodes to a :class:`kvcodec.reduction.ReducedCache`; with
+    ``model`` the model is switched to the attention that applies its atoms' masses (else call
+    :func:`kvcodec.reduction.enable` before running the model on it).
     ``numerics`` (token tiers): ``"strict"`` refuses before any work where this machine cannot reproduce the
     file's float results (:class:`~kvcodec.errors.NumericsMismatch`), ``"try"`` attempts anyway,
     ``"recompute"`` returns this machine's regeneration without the residuals (statically coded tokens).
     """
     with KvzFile(data, model, draft=draft, limits=limits, threads=threads, numerics=numerics) as f:
-        return _convert(f.to_kvcache(progress), output)
+        return _convert(f.to_kvcache(progress), output, model[0] if isinstance(model, tuple) else model)
 
 
 def load(path, model=None, **kwargs):

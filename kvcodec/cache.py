@@ -43,6 +43,9 @@ class KVCache:
     sliding_window: list[int | None] = field(default_factory=list)
     cumulative_length: list[int] = field(default_factory=list)
     states: list[LayerState | None] = field(default_factory=list)
+    #: a reduced cache (:mod:`kvcodec.reduction`): the header's ``reduce`` object (how it was reduced); its
+    #: reduced layers carry a state of kind ``reduced``
+    reduce: dict | None = None
 
     def __post_init__(self):
         if len(self.keys) != len(self.values):
@@ -83,6 +86,15 @@ class KVCache:
                 if st.kind == "indexed" and (st.indexer.shape[1] != k.shape[2] or self.sliding_window[i] is not None):
                     raise ValueError(f"layer {i}: indexer keys {tuple(st.indexer.shape)} for {k.shape[2]} tokens "
                                      "(one row per token, full attention)")
+                if st.kind == "reduced" and (tuple(st.log_weights.shape[1:]) != tuple(k.shape[1:3])
+                                             or (st.anchor is not None and st.anchor.shape[2] != k.shape[3])
+                                             or self.sliding_window[i] is not None or self.reduce is None
+                                             or self.cumulative_length[i] < k.shape[2]):
+                    raise ValueError(f"layer {i}: a reduced layer needs log-weights [batch, kv_heads, seq] and an "
+                                     "anchor [batch, kv_heads, k_dim] matching its keys, full attention, "
+                                     "cumulative_length >= seq and the cache's reduce plan")
+        if self.reduce is not None and not any(st is not None and st.kind == "reduced" for st in self.states):
+            raise ValueError("a cache with a reduce plan needs at least one reduced layer")
         if self.tokens is not None:
             t = self.tokens
             if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):
@@ -133,15 +145,24 @@ class KVCache:
         return all(same_bits(a, b) for a, b in zip(self.keys + self.values, other.keys + other.values))
 
     # -- conversions ----------------------------------------------------------
-    def to_dynamic_cache(self, config=None):
-        """A transformers ``DynamicCache`` holding these tensors (no copy)."""
+    def to_dynamic_cache(self, config=None, *, model=None, plain: bool = False):
+        """A transformers ``DynamicCache`` holding these tensors (no copy).  A reduced cache (``reduce`` set)
+        becomes a :class:`kvcodec.reduction.ReducedCache` (``model``, optional, is switched to the attention
+        that applies its masses); ``plain=True`` gives its non-reduced layers only (reduced ones as None)."""
         from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
         from .state import to_layer
 
+        if self.reduce is not None and not plain:
+            from .reduction.cache import ReducedCache
+
+            return ReducedCache.from_canonical(self, model)
         layers = []
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             sw, st = self.sliding_window[i], self.states[i]
+            if st is not None and st.kind == "reduced":
+                layers.append(None)
+                continue
             if st is not None:
                 layer = to_layer(st, sw)
                 if st.kind == "linear":
@@ -182,7 +203,12 @@ class KVCache:
         return cache
 
     def to_legacy(self):
-        """The legacy tuple of ``(key, value)`` pairs."""
+        """The legacy tuple of ``(key, value)`` pairs (not for a reduced cache: it would drop the masses)."""
+        if self.reduce is not None:
+            from .errors import ConfigError
+
+            raise ConfigError("a reduced cache has no legacy form: its atoms' log-weights would be lost "
+                              "(use output='dynamic')")
         return tuple((k, v) for k, v in zip(self.keys, self.values))
 
 
@@ -202,7 +228,17 @@ def to_canonical(cache) -> KVCache:
             torch.cuda.synchronize()  # offloaded layers are copied to the CPU with non_blocking=True
         keys, values, sw, cum, states = [], [], [], [], []
         placeholders = []  # linear layers: keys/values of 0 tokens, made once the cache's dtype is known
+        reduce = cache.kvcodec_reduce() if hasattr(cache, "kvcodec_reduce") else None
         for i, layer in enumerate(layers):
+            if reduce is not None and hasattr(layer, "to_state"):  # a ReducedLayer (kvcodec.reduction)
+                if layer.keys is None or layer.keys.dim() != 4:
+                    raise UnsupportedCache(f"layer {i}: the reduced layer holds no tensors yet")
+                keys.append(layer.keys)
+                values.append(layer.values)
+                sw.append(None)
+                cum.append(int(layer.cumulative_length))
+                states.append(layer.to_state())
+                continue
             # exact classes: a subclass (QuantizedLayer, DynamicIndexedLayer ...) holds state that the supported
             # classes' tensors do not show, and storing only those would lose it silently
             name = type(layer).__name__
@@ -249,7 +285,7 @@ def to_canonical(cache) -> KVCache:
                 ref = torch.empty(first.shape[0], 1, 0, 1, dtype=first.dtype, device=first.device)
             for i in placeholders:
                 keys[i] = values[i] = ref.new_empty(ref.shape[0], 1, 0, 1)
-        return KVCache(keys, values, sliding_window=sw, cumulative_length=cum, states=states)
+        return KVCache(keys, values, sliding_window=sw, cumulative_length=cum, states=states, reduce=reduce)
     if isinstance(cache, (tuple, list)):
         keys, values = [], []
         for i, pair in enumerate(cache):

@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
                         "the full cache and SnapKV / H2O / StreamingLLM at equal entries (bench_reduce.md, .svg)")
     s.add_argument("--keeps", type=float, nargs="*", default=[0.05, 0.1, 0.25, 0.5], help="reduce: fractions kept")
-    s.add_argument("--methods", nargs="*", default=["cluster", "sample", "cluster+scan", "snapkv", "h2o", "streaming"],
+    s.add_argument("--methods", nargs="*",
+                   default=["cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming"],
                    help="reduce: methods besides the full cache")
     s.add_argument("--context", type=int, default=3000, help="reduce: tokens of each document")
     s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")

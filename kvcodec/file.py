@@ -122,7 +122,8 @@ class KvzFile:
             raise ConfigError(f"regenerated= applies to the token tiers, not to tier {h.tier!r}")
         return KVCache([d[i, L.PART_KEYS] for i in range(n)], [d[i, L.PART_VALUES] for i in range(n)], tokens,
                        h.start_position, [lay.sliding_window for lay in h.layers],
-                       [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)])
+                       [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)],
+                       reduce=h.raw.get("reduce"))
 
     def describe(self, verify_checksums: bool = False) -> dict:
         """``kvz inspect``: the file from its header and index, without decoding payloads (JSON-able)."""
@@ -174,11 +175,21 @@ class KvzFile:
                 "layers": {i: lay.state.kind for i, lay in enumerate(h.layers) if lay.state is not None},
                 "tensors": len(h.state_sections()), "raw_bytes": h.state_bytes(),
                 "stored_bytes": sum(e.length for e in r.sections if e.section_type == L.SECTION_STATE)},
+            # (1.4) a reduced cache: how it was reduced, and its entries against the tokens they stand for
+            "reduce": None if h.reduce is None else self._describe_reduce(),
             "checksums": status,
             "sections": sections,
         }
         out.update(self.tier.describe(r))
         return out
+
+    def _describe_reduce(self) -> dict:
+        h = self.header
+        red = [lay for lay in h.layers if lay.state is not None and lay.state.kind == "reduced"]
+        first = red[0]
+        return {**h.reduce, "layers": len(red), "entries": first.seq_len, "tokens": first.cumulative_length,
+                "keep": round(first.seq_len / first.cumulative_length, 4) if first.cumulative_length else None,
+                "parts": first.state.parts}
 
     def close(self):
         if getattr(self, "reader", None) is not None:

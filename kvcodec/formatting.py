@@ -42,9 +42,18 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
     st = info.get("state")
     if st:
         kinds = ", ".join(f"{i} {k}" for i, k in st["layers"].items())
-        out(f"  state        : {st['tensors']} recurrent/conv tensors (layers {kinds}): {human(st['raw_bytes'])} "
+        out(f"  state        : {st['tensors']} state tensors (layers {kinds}): {human(st['raw_bytes'])} "
             f"raw, {human(st['stored_bytes'])} stored exactly"
-            + (" (the others are regenerated)" if info.get("token_channel") else "") + ")")
+            + (" (the others are regenerated)" if info.get("token_channel") else ""))
+    rd = info.get("reduce")
+    if rd:
+        levels = [x for x in rd["parts"]["levels"] if x is not None]
+        out(f"  reduce       : {rd['method']} ({rd['form']} masses), {rd['entries']} entries for {rd['tokens']} tokens "
+            f"= keep {rd['keep']:.3g} in {rd['layers']} reduced layers; K {rd['k']}, B {rd['block']}, "
+            f"{rd['sinks']} sinks, window {rd['window']}, seed {rd['seed']}; parts: {rd['parts']['fixed']} fixed, "
+            f"{rd['parts']['sinks']} sinks, {len(levels)} summaries ({sum(levels)} atoms), "
+            f"{rd['parts']['buffer']} raw recent; appended tokens "
+            + (f"keep being reduced ({rd['reducer']})" if rd["reducer"] else "are kept raw"))
     out(f"  checksums    : {info['checksums']}")
     out(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
     if not sections:

@@ -18,6 +18,7 @@ more tensor, ``indexer_keys`` ``[batch, seq, index_dim]``, one row per cached to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,10 +31,19 @@ from .errors import FormatError, UnsupportedCache
 __all__ = ["LayerState", "KINDS", "encode_payload", "decode_payload", "from_layer", "to_layer"]
 
 #: ``state.kind`` of a layer: ``linear`` (state only, no attention: its keys/values hold 0 tokens),
-#: ``hybrid`` (attention and state) or ``indexed`` (attention and indexer keys)
-KINDS = ("linear", "hybrid", "indexed")
-#: state tensor names, in the order a slot's tensors are stored (``indexer_keys``: kind ``indexed`` only)
-NAMES = ("conv", "recurrent", "indexer_keys")
+#: ``hybrid`` (attention and state), ``indexed`` (attention and indexer keys) or ``reduced`` (1.4: the
+#: entries of a merge-reduce summary, :mod:`kvcodec.reduction`: log-weights, anchor, parts)
+KINDS = ("linear", "hybrid", "indexed", "reduced")
+#: state tensor names, in the order a slot's tensors are stored (``indexer_keys``: kind ``indexed`` only;
+#: ``log_weights`` and ``anchor``: kind ``reduced`` only)
+NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
+#: the parts of a reduced layer's entries, in storage order (``levels``: highest level first)
+REDUCED_PARTS = ("fixed", "sinks", "levels", "buffer")
+MAX_LEVELS = 64
+#: the header's ``reduce`` object (1.4): what reduced the cache, the merge-reduce reducers, the mass forms
+REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o")
+REDUCERS = ("cluster", "sample")
+REDUCE_FORMS = ("query", "dot", "kernel")
 MAX_SLOTS = 256
 MAX_RANK = 8
 
@@ -53,10 +63,20 @@ class LayerState:
     conv: list[torch.Tensor | None]
     recurrent: list[torch.Tensor | None]
     indexer: torch.Tensor | None = None  #: kind ``indexed``: ``[batch, seq, index_dim]``
+    #: kind ``reduced``: each entry's log-weight ``[batch, kv_heads, seq]`` float32, the anchor query
+    #: ``[batch, kv_heads, k_dim]`` float32 (or None), ``parts`` ``{"fixed", "sinks", "levels", "buffer"}``
+    #: (entries of each part; ``levels[l]`` the atoms at level ``l`` or None) and the attention ``scaling``
+    log_weights: torch.Tensor | None = None
+    anchor: torch.Tensor | None = None
+    parts: dict | None = None
+    scaling: float | None = None
 
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
         """``(name, slot, tensor)`` in storage order: by slot, conv before recurrent before indexer keys,
-        absent ones skipped."""
+        absent ones skipped (kind ``reduced``: log-weights, then the anchor if any)."""
+        if self.kind == "reduced":
+            return [(n, 0, t) for n, t in (("log_weights", self.log_weights), ("anchor", self.anchor))
+                    if t is not None]
         out = []
         for s in range(self.slots):
             for name, t in (("conv", self.conv[s]), ("recurrent", self.recurrent[s]),
@@ -69,20 +89,29 @@ class LayerState:
         """Put tensor ``t`` in its place (the inverse of :meth:`tensors`)."""
         if name == "indexer_keys":
             self.indexer = t
+        elif name in ("log_weights", "anchor"):
+            setattr(self, name, t)
         else:
             (self.conv if name == "conv" else self.recurrent)[slot] = t
 
     def descriptor(self) -> dict:
         """The header's ``layers[i].state`` object."""
-        return {"kind": self.kind, "slots": self.slots,
-                "tensors": [{"name": n, "slot": s, "dtype": of(t.dtype).name, "shape": [int(x) for x in t.shape]}
-                            for n, s, t in self.tensors()]}
+        d = {"kind": self.kind, "slots": self.slots,
+             "tensors": [{"name": n, "slot": s, "dtype": of(t.dtype).name, "shape": [int(x) for x in t.shape]}
+                         for n, s, t in self.tensors()]}
+        if self.kind == "reduced":
+            d["parts"] = {"fixed": int(self.parts["fixed"]), "sinks": int(self.parts["sinks"]),
+                          "levels": [None if x is None else int(x) for x in self.parts["levels"]],
+                          "buffer": int(self.parts["buffer"])}
+            d["scaling"] = float(self.scaling)
+        return d
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, _, t in self.tensors())
 
     def equal(self, other: "LayerState | None") -> bool:
-        if other is None or (self.kind, self.slots) != (other.kind, other.slots):
+        if other is None or (self.kind, self.slots, self.parts, self.scaling) != (
+                other.kind, other.slots, other.parts, other.scaling):
             return False
         if (self.indexer is None) != (other.indexer is None):
             return False
@@ -102,6 +131,11 @@ class LayerState:
                                             or any(r is not None for r in self.recurrent) or self.slots != 1)):
             raise ValueError(f"layer {i}: kind {self.kind!r}: indexer keys (one slot, nothing else) belong to "
                              "kind 'indexed' and only to it")
+        if self.kind == "reduced":
+            self._check_reduced(i, batch)
+            return
+        if self.log_weights is not None or self.anchor is not None or self.parts is not None:
+            raise ValueError(f"layer {i}: log-weights, anchor and parts belong to kind 'reduced' only")
         for name, s, t in self.tensors():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"layer {i} {name} state {s}: expected a torch.Tensor, got {type(t).__name__}")
@@ -111,6 +145,25 @@ class LayerState:
                 raise ValueError(f"layer {i} {name} state {s}: shape {tuple(t.shape)} (expected the batch "
                                  f"{batch} first, at most {MAX_RANK} dimensions, conv states [batch, channels, "
                                  "kernel], indexer keys [batch, seq, index_dim])")
+
+
+    def _check_reduced(self, i: int, batch: int) -> None:
+        lw, a, parts = self.log_weights, self.anchor, self.parts
+        if self.slots != 1 or any(c is not None for c in self.conv) or any(r is not None for r in self.recurrent) \
+                or self.indexer is not None:
+            raise ValueError(f"layer {i}: a reduced layer has one slot and only log-weights and an anchor")
+        if not isinstance(lw, torch.Tensor) or lw.dtype != torch.float32 or lw.dim() != 3 or lw.shape[0] != batch:
+            raise ValueError(f"layer {i}: reduced log-weights must be float32 [batch={batch}, kv_heads, seq]")
+        if a is not None and (not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or a.dim() != 3
+                              or tuple(a.shape[:2]) != tuple(lw.shape[:2])):
+            raise ValueError(f"layer {i}: a reduced layer's anchor must be float32 [batch, kv_heads, k_dim]")
+        if not isinstance(parts, dict) or set(parts) != set(REDUCED_PARTS) or not isinstance(parts["levels"], list):
+            raise ValueError(f"layer {i}: reduced parts must be {{fixed, sinks, levels, buffer}}")
+        if not isinstance(self.scaling, float) or not math.isfinite(self.scaling) or self.scaling <= 0:
+            raise ValueError(f"layer {i}: reduced scaling must be a positive finite float")
+        held = parts["fixed"] + parts["sinks"] + parts["buffer"] + sum(x or 0 for x in parts["levels"])
+        if held != lw.shape[2]:
+            raise ValueError(f"layer {i}: reduced parts hold {held} entries, the log-weights {lw.shape[2]}")
 
 
 # -- payloads ------------------------------------------------------------------------------------------

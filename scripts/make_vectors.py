@@ -101,6 +101,28 @@ def cases():
               LayerState("hybrid", 2, [conv2, None], [None, rec2]), LayerState("indexed", 1, [None], [None], index)]
     yield "lossless_state", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], cumulative_length=[0, 6, 6, 6],
                                             states=states), {}
+    # 8 (1.4): a reduced cache (merge-reduce summaries with log-weights and anchors, a raw sliding layer)
+    yield "lossless_reduced", reduced_cache(rng, torch.bfloat16), {}
+
+
+def reduced_cache(rng, dtype, n=46, form="query"):
+    """(1.4) a reduced cache: two full-attention layers summarised by merge-reduce (k = 4 atoms per summary,
+    blocks of 4, 2 raw sinks, a raw window of 3) with the clustering reducer, and a sliding-window layer kept
+    raw beside them; the ``query`` form stores each layer's anchor."""
+    from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer, ingest
+
+    plan = Plan(k=4, block=4, sinks=2, method="cluster", seed=3, window=3, form=form)
+    keys = [structured(rng, (1, 2, n, 8), dtype) for _ in range(2)]
+    values = [structured(rng, (1, 2, n, 8), dtype) for _ in range(2)]
+    anchors = [torch.from_numpy(rng.standard_normal((1, 2, 8)).astype(np.float32)) for _ in range(2)]
+    layers = [ReducedLayer(plan, i, 8 ** -0.5) for i in range(2)]
+    ingest(layers, keys, values, anchors)
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    win = DynamicSlidingWindowLayer(sliding_window=6)
+    win.lazy_initialization(keys[0][:, :, :6], values[0][:, :, :6])
+    win.keys, win.values, win.cumulative_length = keys[0][:, :, -6:].clone(), values[0][:, :, -6:].clone(), n
+    return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers + [win], method="cluster"))
 
 
 def lossy_cases():
@@ -120,6 +142,9 @@ def lossy_cases():
     kv = [(structured(rng, (1, 2, 9, 6), torch.bfloat16), structured(rng, (1, 2, 9, 6), torch.bfloat16))]
     yield "lossy_cachegen", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
         {"tier": "lossy", "quantizer": "cachegen", "sink": 0, "window": 2}
+    # (1.4) a reduced cache's atoms quantized; its log-weights and anchors stay exact
+    yield "lossy_reduced", reduced_cache(rng, torch.float16), {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3,
+                                                                "group": 4, "sink": 0}
 
 
 def tiny():
@@ -254,7 +279,7 @@ def build():
             meta = {"options": opts, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
                     "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
                     "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
-                    "tokens": None, "start_position": 0}
+                    "tokens": None, "start_position": 0, **states_meta(kv)}
             yield name, data, meta, {"input.safetensors": _safetensors(kv)}
             continue
         meta = {

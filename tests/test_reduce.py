@@ -141,6 +141,31 @@ def test_cluster_preserves_mass_and_weighted_means():
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)  # exact up to beta stored in float32
 
 
+def test_tilted_cluster_is_exact_at_its_anchor_and_never_overweights():
+    """Masses seen from an anchor query a (form "query"/"dot"): each cluster keeps its exact mass and value mean
+    at q = a, so attention at the anchor is unchanged; at any other query a cluster's atom carries at most its
+    members' mass (Jensen), so merged atoms never outweigh raw tokens.  The kernel form has no such bound."""
+    s = 8 ** -0.5
+    k, v, beta = _summary(n=48, h=2)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(1, 2, 8, generator=g, dtype=torch.float64)
+    out = reducers.cluster((k, v, beta), 12, s, torch.Generator().manual_seed(0), anchor=a.float())
+    ref = att.softmax_attention(a[:, :, None], k, v, beta, s)
+    got = att.softmax_attention(a[:, :, None], out[0], out[1], out[2], s)
+    assert torch.allclose(ref, got, atol=1e-5)
+    qs = torch.randn(1, 2, 200, 8, generator=g, dtype=torch.float64) * 2
+    z_full = torch.logsumexp(s * qs @ k.transpose(-1, -2) + beta.double()[:, :, None], -1)
+    z_red = torch.logsumexp(s * qs @ out[0].transpose(-1, -2) + out[2].double()[:, :, None], -1)
+    assert (z_red <= z_full + 1e-5).all()
+    kern = reducers.cluster((k, v, beta), 12, s, torch.Generator().manual_seed(0))
+    z_kern = torch.logsumexp(s * qs @ kern[0].transpose(-1, -2) + kern[2].double()[:, :, None], -1)
+    assert (z_kern > z_full + 1e-3).any()  # the Gaussian-kernel centroid overweights far queries
+    smp = reducers.sample((k, v, beta), 12, s, torch.Generator().manual_seed(0), anchor=a.float())
+    z_smp = torch.logsumexp(s * a[:, :, None] @ smp[0].transpose(-1, -2) + smp[2].double()[:, :, None], -1)
+    assert torch.allclose(z_smp, z_full[..., :1] * 0 + torch.logsumexp(
+        s * a[:, :, None] @ k.transpose(-1, -2) + beta.double()[:, :, None], -1), atol=1e-5)
+
+
 def test_sample_is_reproducible_and_unbiased():
     s = 8 ** -0.5
     summ = _summary(n=32, h=2)
@@ -163,13 +188,19 @@ def test_plan_for_and_entries():
     assert entries_for(100, 10, sinks=4) == 4 + 10 * bin(9).count("1") + 6
     for n in (100, 1000, 4321):
         for keep in (0.1, 0.25, 0.5):
-            k, e = plan_for(n, keep)
-            assert e == entries_for(n, k) <= round(keep * n)
+            k, w, e = plan_for(n, keep)
+            assert w == 0 and e == entries_for(n, k) <= round(keep * n)
             assert all(entries_for(n, j) <= e or entries_for(n, j) > round(keep * n) for j in range(1, n))
-    assert plan_for(100, 0.05) == (1, entries_for(100, 1))  # 4 sinks + 2 atoms: the smallest there is
-    assert plan_for(50, 1.0) == (50, 50)
+            if n >= 1000:  # room for a window of half the budget and a summary
+                k, w, e = plan_for(n, keep, window=0.5)
+                assert w == round(0.5 * round(keep * n)) and e == entries_for(n, k, window=w) <= round(keep * n)
+    assert entries_for(100, 10, sinks=4, window=20) == 4 + 20 + 10 * bin(7).count("1") + 6
+    assert plan_for(100, 0.05) == (1, 0, entries_for(100, 1))  # 4 sinks + 2 atoms: the smallest there is
+    assert plan_for(50, 1.0) == (50, 0, 50)
     with pytest.raises(ValueError):
         plan_for(10, 0)
+    with pytest.raises(ValueError):
+        plan_for(10, 0.5, window=1.0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -179,7 +210,7 @@ def test_reduce_then_forward_and_generate(kind, method):
     ids = _ids(200)
     cache = model_cache(m, ids)
     red = kvcodec.reduce(cache, m, keep=0.2, method=method, tokens=ids)
-    k, e = plan_for(200, 0.2)
+    k, _, e = plan_for(200, 0.2)
     assert red.entries() == e and red.describe()["tokens"] == 200
     assert red.get_seq_length() == 200
     out = m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=red, max_new_tokens=30, do_sample=False,
@@ -250,7 +281,7 @@ def test_merge_reduce_prefill(impl):
     cache, out = prefill(m, ids, keep=1.0)
     assert torch.equal(out.logits, full)  # nothing to reduce: the ordinary prefill
     cache, out = prefill(m, ids, keep=0.2, method="cluster")
-    k, e = plan_for(300, 0.2)
+    k, _, e = plan_for(300, 0.2)
     assert cache.entries() == e
     d = (out.logits - full).abs()
     assert d[:, : 4 + k].max() < 1e-6  # the sinks and the first block see raw tokens only (other float order)
@@ -290,25 +321,33 @@ def test_scan_prefixes_summarise_exactly_the_earlier_blocks(method):
         assert torch.allclose(_mass(pre, s)[b], torch.logsumexp(leaf_mass[:b], 0), atol=1e-4), b
 
 
-@pytest.mark.parametrize("method", ["cluster", "sample"])
-def test_batched_ingest_matches_the_streaming_binary_counter(method):
+@pytest.mark.parametrize("method,form,window", [("cluster", "query", 0.0), ("sample", "query", 0.0),
+                                                ("cluster", "kernel", 0.0), ("cluster", "dot", 0.5)])
+def test_batched_ingest_matches_the_streaming_binary_counter(method, form, window):
     """kvcodec.reduce builds the buckets in one batched tree; feeding the same tokens block by block through
     the cache's update reaches the same buckets (same sizes, same spans: same total mass per bucket)."""
     m = _model("llama")
     ids = _ids(150)
     cache = model_cache(m, ids)
-    red = kvcodec.reduce(cache, m, keep=0.2, method=method)
+    red = kvcodec.reduce(cache, m, keep=0.2, method=method, window=window, form=form, tokens=ids)
     plan = red.plan
+    assert plan.window == plan_for(150, 0.2, window=window)[1]
     for i, layer in enumerate(cache.layers):
-        lay = ReducedLayer(plan, i, red.layers[i].scaling)
+        got = red.layers[i]
+        lay = ReducedLayer(plan, i, got.scaling)
+        lay.anchor = got.anchor
         for a in range(0, 150, 7):  # streaming, 7 tokens at a time
             lay.update(layer.keys[:, :, a:a + 7], layer.values[:, :, a:a + 7])
-        got = red.layers[i]
+        att.clear_bias(i)  # no attention ran: drop the bias nobody took
         assert lay.describe() == got.describe()
+        anchor = got.anchor_for(layer.keys)
+        assert (anchor is None) == (form == "kernel") and (form != "dot" or not anchor.any())
         for x, y in zip(lay.levels, got.levels):
             assert (x is None) == (y is None)
-            if x is not None:
-                assert torch.allclose(_mass(x, lay.scaling), _mass(y, lay.scaling), atol=1e-4)
+            if x is not None:  # the mass the form preserves, summed per bucket
+                mx = torch.logsumexp(reducers.logmass(x[0], x[2], lay.scaling, anchor), -1)
+                my = torch.logsumexp(reducers.logmass(y[0], y[2], lay.scaling, anchor), -1)
+                assert torch.allclose(mx, my, atol=1e-4)
     att.clear_bias(0), att.clear_bias(1)
 
 
@@ -319,3 +358,112 @@ def test_unknown_method_and_bad_keep():
         kvcodec.reduce(cache, m, method="nope")
     with pytest.raises(ValueError, match="keep"):
         kvcodec.reduce(cache, m, keep=1.5)
+
+
+# --- the .kvz form of a reduced cache (spec/kvz.md section 14) ----------------------------------------------
+
+@pytest.mark.parametrize("method", ["cluster", "sample", "snapkv", "streaming"])
+def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
+    """Lossless: the decoded ReducedCache holds the same entries, log-weights, anchor and parts, gives the same
+    logits and keeps reducing identically as tokens are appended."""
+    m = _model("llama")
+    ids = _ids(150)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.2, method=method, tokens=ids)
+    data = kvcodec.encode(red)
+    info = kvcodec.inspect(data)
+    assert info["format_version"] == "1.4" and info["reduce"]["method"] == method
+    assert info["reduce"]["entries"] == red.entries() and info["reduce"]["tokens"] == 150
+    back = kvcodec.decode(data, m)
+    assert isinstance(back, ReducedCache) and back.describe() == red.describe()
+    for a, b in zip(red.reduced_layers(), back.reduced_layers()):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.beta if a.beta is not None else torch.zeros(a.keys.shape[:3]), b.beta)
+        assert (a.anchor is None) == (b.anchor is None) and (a.anchor is None or torch.equal(a.anchor, b.anchor))
+    nxt = _ids(40, 5)  # crosses block boundaries: both caches reduce again, the same way
+    assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=back).logits)
+    assert back.describe() == red.describe()
+    # re-encoding the decoded cache gives the same bytes
+    assert kvcodec.encode(kvcodec.decode(data, m)) == data
+
+
+def test_reduced_cache_composes_with_the_lossy_tier():
+    m = _model("llama")
+    ids = _ids(200)
+    full = model_cache(m, ids)
+    red = kvcodec.reduce(full, m, keep=0.25, method="cluster", tokens=ids)
+    lossless = kvcodec.encode(red)
+    lossy = kvcodec.encode(red, tier="lossy", bits=3.0)
+    assert len(lossy) < len(lossless) < len(kvcodec.encode(model_cache(m, ids)))
+    back = kvcodec.decode(lossy, m)
+    assert kvcodec.inspect(lossy)["tier"] == "lossy" and back.entries() == red.entries()
+    for a, b in zip(red.reduced_layers(), back.reduced_layers()):
+        assert torch.equal(a.beta, b.beta)  # log-weights are exact in every tier
+        assert (a.keys - b.keys).abs().max() > 0  # the entries themselves are quantized
+    nxt = _ids(3, 6)
+    ref = torch.log_softmax(m(nxt, past_key_values=kvcodec.decode(lossless, m)).logits.double(), -1)
+    got = torch.log_softmax(m(nxt, past_key_values=back).logits.double(), -1)
+    assert (ref.exp() * (ref - got)).sum(-1).max() < 0.05  # 3-bit atoms stay close to the exact atoms
+
+
+def test_reduced_cache_refuses_token_tiers_and_legacy_output():
+    m = _model("llama")
+    ids = _ids(60)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids)
+    with pytest.raises(kvcodec.ConfigError, match="lossless"):
+        kvcodec.encode(red, m, tier="exact")
+    assert kvcodec.inspect(kvcodec.encode(red, m))["tier"] == "lossless"  # the default with a model
+    with pytest.raises(kvcodec.ConfigError, match="legacy"):
+        kvcodec.decode(kvcodec.encode(red), output="legacy")
+
+
+def test_decoded_reduced_cache_without_enable_is_refused_not_silently_wrong():
+    """Without the mass-aware attention the log-weights would be ignored; the cache notices at the second
+    reduced layer of the forward pass and raises before the model returns anything."""
+    m = _model("llama")
+    ids = _ids(80)
+    data = kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
+    fresh = _model("llama")  # same weights, attention not switched
+    back = kvcodec.decode(data)
+    with pytest.raises(kvcodec.ConfigError, match="enable"):
+        fresh(_ids(2, 1), past_key_values=back)
+    ok = kvcodec.decode(data, fresh)
+    assert fresh(_ids(2, 1), past_key_values=ok).logits.isfinite().all()
+
+
+def _move(parts, a, b):
+    """Move part ``a``'s entries to part ``b`` (the total stays right, the structure does not)."""
+    parts[b], parts[a] = parts[b] + parts[a], 0
+
+
+def _reduced_header(mutate):
+    m = _model("llama")
+    ids = _ids(100)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method="cluster", tokens=ids)
+    kv = kvcodec.to_canonical(red)
+    from kvcodec.tiers.base import build_header
+
+    h = build_header(kv, "lossless", {"id": "float_ctx_rans", "params": {}}, 64, None, None)
+    mutate(h)
+    return h
+
+
+@pytest.mark.parametrize("mutate,match,cls", [
+    (lambda h: h["reduce"].update(method="magic"), "reduce.method", "UnknownId"),
+    (lambda h: h["reduce"].update(form="cosine"), "reduce.form", "UnknownId"),
+    (lambda h: h["reduce"].update(reducer=None), "reduce.reducer", "FormatError"),
+    (lambda h: h["reduce"].update(extra=1), "unknown keys", "FormatError"),
+    (lambda h: h.pop("reduce"), "reduce object", "FormatError"),
+    (lambda h: h["cache"]["layers"][0]["state"]["parts"].update(buffer=999), "parts", "FormatError"),
+    (lambda h: _move(h["cache"]["layers"][0]["state"]["parts"], "buffer", "fixed"), "parts.fixed", "FormatError"),
+    (lambda h: h["cache"]["layers"][0]["state"].update(scaling=-1.0), "scaling", "FormatError"),
+    (lambda h: h["cache"]["layers"][0]["state"]["tensors"][0].update(dtype="float16"), "log_weights", "FormatError"),
+    (lambda h: h["cache"]["layers"][0].update(cumulative_length=1), "cumulative_length", "FormatError"),
+    (lambda h: h["cache"]["layers"][0].update(sliding_window=8), "sliding_window", "FormatError"),
+    (lambda h: h.update(tier="exact"), "", "FormatError"),
+])
+def test_hostile_reduce_headers_are_refused_by_name(mutate, match, cls):
+    from kvcodec.container import header as hd
+
+    body = hd.dumps(_reduced_header(mutate))
+    with pytest.raises(getattr(kvcodec.errors, cls), match=match):
+        hd.parse(body, offset=16)

@@ -19,10 +19,10 @@ from .common import check_vector
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
-            "fp16_tables_k6", "fp32_tables_q1", "lossless_state"]
+            "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
                "tokens_tolerance_padded", "exact_state"]
-LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen"]
+LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
 
@@ -115,13 +115,16 @@ def _tensors(path, data: bytes | None = None) -> kvcodec.KVCache:
         if lay.state is None:
             states.append(None)
             continue
-        conv, rec = [None] * lay.state.slots, [None] * lay.state.slots
+        st = LayerState(lay.state.kind, lay.state.slots, [None] * lay.state.slots, [None] * lay.state.slots,
+                        parts=lay.state.parts, scaling=lay.state.scaling)
         for j, d in enumerate(lay.state.tensors):
-            (conv if d.name == "conv" else rec)[d.slot] = t[f"state.{i}.{j}"]
-        states.append(LayerState(lay.state.kind, lay.state.slots, conv, rec))
+            st.set(d.name, d.slot, t[f"state.{i}.{j}"])
+        states.append(st)
     return kvcodec.KVCache([t[f"keys.{i}"] for i in range(len(layers))],
                            [t[f"values.{i}"] for i in range(len(layers))],
-                           cumulative_length=[lay.cumulative_length for lay in layers], states=states)
+                           sliding_window=[lay.sliding_window for lay in layers],
+                           cumulative_length=[lay.cumulative_length for lay in layers], states=states,
+                           reduce=KvzReader(data).header.reduce)
 
 
 _NUMERICS: dict = {}
@@ -246,7 +249,7 @@ def test_reencode_lossy_vector_from_its_inputs(case):
     import warnings
 
     meta, expected = _load(case)
-    kv = _tensors(VECTORS / f"{case}.input.safetensors")
+    kv = _tensors(VECTORS / f"{case}.input.safetensors", expected)  # layer states as the file names them
     assert [sha(t) for t in kv.keys] == meta["input_keys_sha256"]
     assert [sha(t) for t in kv.values] == meta["input_values_sha256"]
     with warnings.catch_warnings():

@@ -27,6 +27,8 @@ from . import layout as L
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: the format minor version that introduced layer states (``layers[i].state``, ``state`` sections)
 STATE_MINOR = 3
+#: the format minor version that introduced reduced caches (the ``reduce`` object, state kind ``reduced``)
+REDUCE_MINOR = 4
 
 
 def is_hex64(text: str) -> bool:
@@ -55,15 +57,20 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class StateInfo:
-    kind: str  # "linear", "hybrid" or "indexed" (kvcodec.state.KINDS)
+    kind: str  # "linear", "hybrid", "indexed" or "reduced" (kvcodec.state.KINDS)
     slots: int
     tensors: tuple[StateTensor, ...]
+    parts: dict | None = None  # kind "reduced": entries per part (kvcodec.state.REDUCED_PARTS)
+    scaling: float | None = None  # kind "reduced": the attention's factor on <q, k>
 
     def descriptor(self) -> dict:
         """The header's ``layers[i].state`` object (as :meth:`kvcodec.state.LayerState.descriptor` writes it)."""
-        return {"kind": self.kind, "slots": self.slots,
-                "tensors": [{"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)}
-                            for t in self.tensors]}
+        d = {"kind": self.kind, "slots": self.slots,
+             "tensors": [{"name": t.name, "slot": t.slot, "dtype": t.dtype, "shape": list(t.shape)}
+                         for t in self.tensors]}
+        if self.kind == "reduced":
+            d.update(parts=self.parts, scaling=self.scaling)
+        return d
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,8 @@ class Header:
     model: dict | None
     #: what the tier's ``parse_header`` hook made of its own header object (token tiers: the ``tokens`` object)
     tier_info: object = None
+    #: (1.4) the ``reduce`` object of a reduced cache, validated, or None
+    reduce: dict | None = None
 
     @property
     def itemsize(self) -> int:
@@ -128,14 +137,18 @@ class Header:
 
     @property
     def min_minor(self) -> int:
-        """The lowest format minor version that can express this file (the tier's; 3 with layer states)."""
-        return max(registry.tier(self.tier).min_minor, STATE_MINOR if self.has_state else 0)
+        """The lowest format minor version that can express this file (the tier's; 3 with layer states, 4 for a
+        reduced cache)."""
+        return max(registry.tier(self.tier).min_minor, self._feature_minor())
 
     @property
     def read_minor(self) -> int:
         """The lowest minor version a file of this tier may state (older revisions this decoder still reads)."""
         t = registry.tier(self.tier)
-        return max(t.min_minor if t.read_minor is None else t.read_minor, STATE_MINOR if self.has_state else 0)
+        return max(t.min_minor if t.read_minor is None else t.read_minor, self._feature_minor())
+
+    def _feature_minor(self) -> int:
+        return REDUCE_MINOR if self.reduce is not None else STATE_MINOR if self.has_state else 0
 
     def output_bytes(self) -> int:
         """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors, the layer states and 4
@@ -280,7 +293,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
 
     obj = _loads(text, offset)
     tier_keys = registry.tier_header_keys()
-    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info"} | tier_keys)
+    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info", "reduce"} | tier_keys)
     if obj["format"] != "kvz":
         v.fail("format", f"must be 'kvz', not {obj['format']!r}")
     tier_id = v.str(obj, "tier", "")
@@ -304,6 +317,12 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     chunk = v.int(cache, "chunk_tokens", "cache", 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
     start = v.int(cache, "start_position", "cache", 0, lim["max_seq_len"], LimitExceeded)
     ntok = v.int(cache, "num_tokens", "cache", 0, lim["max_seq_len"], LimitExceeded)
+    reduce = None
+    if "reduce" in obj:
+        if tier.header_key is not None:
+            v.fail("reduce", f"not allowed in tier {tier_id!r}: a reduced cache is stored by the tiers that store "
+                             "its tensors (lossless, lossy)")
+        reduce = _parse_reduce(v, obj["reduce"], lim)
     layers_raw = cache["layers"]
     if not isinstance(layers_raw, list):
         v.fail("cache.layers", "must be a list")
@@ -326,9 +345,12 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         if sw is not None:
             sw = v.int(lr, "sliding_window", p, 1, lim["max_seq_len"], LimitExceeded)
         cum = v.int(lr, "cumulative_length", p, seq, lim["max_seq_len"] + (1 << 32), LimitExceeded)
-        if sw is None and cum != seq:
-            v.fail(f"{p}.cumulative_length", "must equal seq_len for a full-attention layer")
         state = _parse_state(v, lr["state"], f"{p}.state", batch, lim) if "state" in lr else None
+        reduced = state is not None and state.kind == "reduced"
+        if sw is None and cum != seq and not reduced:
+            v.fail(f"{p}.cumulative_length", "must equal seq_len for a full-attention layer")
+        if reduced:
+            _check_reduced(v, p, state, reduce, heads, kd, seq, sw)
         if state is not None and state.kind == "indexed" and (
                 sw is not None or state.tensors[0].shape[1] != seq):
             v.fail(f"{p}.state", "indexer_keys hold one row per cached token ([batch, seq_len, index_dim]) of a "
@@ -343,7 +365,10 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         for key in ("fingerprint", "tokenizer"):
             if key in model and not is_hex64(v.str(model, key, "model")):
                 v.fail(f"model.{key}", "must be 64 lowercase hex digits")
-    hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model)
+    if reduce is not None and not any(lay.state is not None and lay.state.kind == "reduced" for lay in layers):
+        v.fail("reduce", "a reduced cache has at least one layer of state kind 'reduced'")
+    hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model,
+                 reduce=reduce)
     if tier.header_key is not None and tier.header_key not in obj:
         v.fail(tier.header_key, f"missing: tier {tier_id!r} needs the {tier.header_key} object")
     hdr = replace(hdr, tier_info=tier.parse_header(v, hdr, lim))
@@ -358,10 +383,12 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
 
 def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
     """A layer's ``state`` object (1.3): kind, slots, and its tensors in canonical order."""
-    from ..state import KINDS, MAX_RANK, MAX_SLOTS, NAMES
+    from ..state import KINDS, MAX_LEVELS, MAX_RANK, MAX_SLOTS, NAMES
 
-    v.obj(st, p, {"kind", "slots", "tensors"})
-    kind = v.str(st, "kind", p)
+    if not isinstance(st, dict):
+        v.fail(p, "must be an object")
+    kind = v.str(st, "kind", p) if "kind" in st else None
+    v.obj(st, p, {"kind", "slots", "tensors"} | ({"parts", "scaling"} if kind == "reduced" else set()))
     if kind not in KINDS:
         v.fail(f"{p}.kind", f"{kind!r} is not one of {list(KINDS)}", UnknownId)
     slots = v.int(st, "slots", p, 1, MAX_SLOTS)
@@ -401,7 +428,85 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         if (name == "indexer_keys") != (kind == "indexed"):
             v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (indexer_keys belong to kind 'indexed' "
                                 "and only to it)")
+        if (name in ("log_weights", "anchor")) != (kind == "reduced"):
+            v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (log_weights and anchor are the tensors of "
+                                "kind 'reduced', and its only ones)")
         out.append(StateTensor(name, slot, dtype, dims))
     if kind == "indexed" and (slots != 1 or len(out) != 1):
         v.fail(p, "a layer of kind 'indexed' has one slot holding exactly its indexer_keys")
-    return StateInfo(kind, slots, tuple(out))
+    if kind != "reduced":
+        return StateInfo(kind, slots, tuple(out))
+    if slots != 1 or not out or out[0].name != "log_weights":
+        v.fail(p, "a layer of kind 'reduced' has one slot holding its log_weights (and optionally its anchor)")
+    parts = v.obj(st["parts"], f"{p}.parts", {"fixed", "sinks", "levels", "buffer"})
+    got = {key: v.int(parts, key, f"{p}.parts", 0, lim["max_seq_len"], LimitExceeded)
+           for key in ("fixed", "sinks", "buffer")}
+    levels = parts["levels"]
+    if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
+        v.fail(f"{p}.parts.levels", f"must be a list of at most {MAX_LEVELS} entries")
+    for j, x in enumerate(levels):
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= lim["max_seq_len"]):
+            v.fail(f"{p}.parts.levels[{j}]", "must be null or an integer >= 1")
+    got["levels"] = list(levels)
+    scaling = st["scaling"]
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+        v.fail(f"{p}.scaling", "must be a positive number")
+    return StateInfo(kind, slots, tuple(out), got, float(scaling))
+
+
+def _parse_reduce(v: Validator, r, lim: dict) -> dict:
+    """The ``reduce`` object (1.4): how the cache was reduced and how it keeps reducing."""
+    from ..state import REDUCE_FORMS, REDUCE_METHODS, REDUCERS
+
+    v.obj(r, "reduce", {"method", "reducer", "form", "k", "block", "sinks", "window", "seed"})
+    method = v.str(r, "method", "reduce")
+    if method not in REDUCE_METHODS:
+        v.fail("reduce.method", f"{method!r} is not one of {list(REDUCE_METHODS)}", UnknownId)
+    reducer = r["reducer"]
+    if reducer is not None:
+        reducer = v.str(r, "reducer", "reduce")
+        if reducer not in REDUCERS:
+            v.fail("reduce.reducer", f"{reducer!r} is not null or one of {list(REDUCERS)}", UnknownId)
+    if (method in REDUCERS) != (reducer == method) or (method not in REDUCERS and reducer is not None):
+        v.fail("reduce.reducer", f"must be the method for a merge-reduce method and null for {method!r}")
+    form = v.str(r, "form", "reduce")
+    if form not in REDUCE_FORMS:
+        v.fail("reduce.form", f"{form!r} is not one of {list(REDUCE_FORMS)}", UnknownId)
+    out = {"method": method, "reducer": reducer, "form": form}
+    for key, lo in (("k", 1), ("block", 1), ("sinks", 0), ("window", 0)):
+        out[key] = v.int(r, key, "reduce", lo, lim["max_seq_len"], LimitExceeded)
+    out["seed"] = v.int(r, "seed", "reduce", 0, (1 << 63) - 1)
+    return out
+
+
+def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, heads: int, kd: int, seq: int,
+                   sw) -> None:
+    """A reduced layer against its layer and the ``reduce`` object (spec section 14.2)."""
+    if reduce is None:
+        v.fail(f"{p}.state", "a layer of kind 'reduced' needs the header's reduce object")
+    if sw is not None:
+        v.fail(f"{p}.sliding_window", "a reduced layer is a full-attention layer (null)")
+    lw = state.tensors[0]
+    if lw.dtype != "float32" or lw.shape[1:] != (heads, seq):
+        v.fail(f"{p}.state.tensors[0]", f"log_weights are float32 [batch, {heads}, {seq}]")
+    if len(state.tensors) == 2:
+        a = state.tensors[1]
+        if reduce["form"] != "query" or a.dtype != "float32" or a.shape[1:] != (heads, kd):
+            v.fail(f"{p}.state.tensors[1]", f"an anchor (form 'query' only) is float32 [batch, {heads}, {kd}]")
+    pr = state.parts
+    held = pr["fixed"] + pr["sinks"] + pr["buffer"] + sum(x or 0 for x in pr["levels"])
+    if held != seq:
+        v.fail(f"{p}.state.parts", f"the parts hold {held} entries, the layer {seq}")
+    if pr["sinks"] > reduce["sinks"]:
+        v.fail(f"{p}.state.parts.sinks", f"{pr['sinks']} sinks, the reduce object allows {reduce['sinks']}")
+    if reduce["reducer"] is None:
+        if any(x is not None for x in pr["levels"]):
+            v.fail(f"{p}.state.parts.levels", f"method {reduce['method']!r} has no merge-reduce levels")
+    else:
+        if pr["fixed"]:
+            v.fail(f"{p}.state.parts.fixed", f"method {reduce['method']!r} holds no fixed entries")
+        if any(x is not None and x > reduce["k"] for x in pr["levels"]):
+            v.fail(f"{p}.state.parts.levels", f"a level holds at most k = {reduce['k']} atoms")
+        if pr["buffer"] >= reduce["window"] + reduce["block"]:
+            v.fail(f"{p}.state.parts.buffer", f"{pr['buffer']} raw tokens; a buffer holds fewer than window + "
+                                               f"block = {reduce['window'] + reduce['block']}")

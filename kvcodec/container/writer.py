@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import STATE_MINOR, dumps
+from .header import REDUCE_MINOR, STATE_MINOR, dumps
 
 
 class KvzWriter:
@@ -43,6 +43,8 @@ class KvzWriter:
         minor = registry.tier(tier).min_minor if registry.has_tier(tier) else L.FORMAT_VERSION_MINOR
         if any("state" in lay for lay in header["cache"]["layers"]):
             minor = max(minor, STATE_MINOR)
+        if "reduce" in header:
+            minor = max(minor, REDUCE_MINOR)
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))

@@ -5,7 +5,8 @@ seeded generator from each document):
 
 - **needle**: a sentence "The access code for the <colour> <object> is <5 digits>." inserted at a line break at
   several depths of a document of ``--context`` tokens; question "What is the access code for the <colour>
-  <object>?", reference answer the digits.
+  <object>?", the answer led in with "The access code for the <colour> <object> is", reference answer the
+  digits.
 - **cloze QA**: a line of the document (at several depths) is quoted by its first words; question "In the
   text above, which words come right after ...?", reference answer its next words (the answer is in the text).
 - **continuation**: the document's next ``--continuation`` tokens after the cache, teacher-forced.
@@ -16,7 +17,9 @@ compressed), then the question and the reference answer are teacher-forced.  Met
 the full cache: the answer's log-likelihood (bits; primary), greedy exact match of the answer, and the mean KL
 (bits/token) of the next-token distributions over the continuation.  Every method keeps the same number of
 entries per KV head (:func:`kvcodec.reduction.plan_for`).  ``cluster+scan`` computes the prefill itself under
-merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too.
+merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too;
+``<reducer>-<form>`` (``cluster-kernel``, ``sample-dot``) runs a reducer with another mass form
+(:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .common import corpus_files, missing_corpus, write_report
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
-METHODS = ["full", "cluster", "sample", "cluster+scan", "snapkv", "h2o", "streaming"]
+METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming"]
 
 
 def _lines_at(text: str, frac: float) -> int:
@@ -60,7 +63,8 @@ def make_items(tok, files, context: int, depths, seed: int = 0):
             at = _lines_at(text, d)
             hay = text[:at] + f"The access code for the {colour} {obj} is {code}.\n" + text[at:]
             items.append({"kind": "needle", "depth": d, "doc": hay,
-                          "question": f"What is the access code for the {colour} {obj}?", "answer": code})
+                          "question": f"What is the access code for the {colour} {obj}?",
+                          "lead": f" The access code for the {colour} {obj} is", "answer": code})
         lines = [(i, ln) for i, ln in enumerate(text.split("\n")) if len(ln.split()) >= 10]
         starts = np.cumsum([0] + [len(ln) + 1 for ln in text.split("\n")])
         for d in depths:
@@ -116,7 +120,8 @@ def _reduced(model, method, full, ids, keep, obs, seed):
         return copy.deepcopy(full)
     if method == "cluster+scan":
         return prefill(model, ids, keep, "cluster", seed=seed)[0]
-    return reduce(full, model, keep, method, tokens=ids, observation=obs, seed=seed)
+    name, _, form = method.partition("-")  # "cluster-kernel": the reducer with another mass form
+    return reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query")
 
 
 @torch.no_grad()
@@ -147,7 +152,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                 ref = model(cont, **{ka: copy.deepcopy(full)}).logits[0].float()
                 ref_logp = torch.log_softmax(ref, -1)
             for keep in keeps:
-                k, entries = plan_for(n, keep)
+                k, _, entries = plan_for(n, keep)
                 for m in methods:
                     if m == "full" and keep != keeps[0]:
                         continue
@@ -156,7 +161,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     t_red = time.perf_counter() - t1
                     got = red.entries() if hasattr(red, "entries") else n
                     for it in items:
-                        q = _ids(tok, f"Question: {it['question']}\nAnswer:")
+                        q = _ids(tok, f"Question: {it['question']}\nAnswer:{it.get('lead', '')}")
                         a = _ids(tok, " " + it["answer"])
                         lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,

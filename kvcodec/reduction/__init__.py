@@ -7,8 +7,13 @@ takes as its cache directly - ``model(ids, past_key_values=reduced)`` and ``mode
 keeps reducing as decoding appends to it.  Methods:
 
 - ``"cluster"`` (default), ``"sample"``: merge-reduce summaries (binary-counter buckets of ``K``-atom
-  summaries, blocks of ``B = K`` tokens, 4 raw attention sinks) with the protected-clustering or the
-  mass-proportional sampling reducer; atoms carry masses (:mod:`kvcodec.reduction.attention`).
+  summaries, blocks of ``B = K`` tokens, 4 raw attention sinks, optionally a raw recent ``window``) with the
+  protected-clustering or the mass-proportional sampling reducer; atoms carry masses
+  (:mod:`kvcodec.reduction.attention`).  ``form`` chooses the mass the reducers preserve
+  (:data:`kvcodec.reduction.cache.FORMS`): ``"query"`` (default) the mass seen from the mean of the last
+  64 queries of the prefill (the prefill is re-run on the cache's tokens when no ``observation`` is given),
+  ``"dot"`` the token counts (no forward pass), ``"kernel"`` the papers' Gaussian-kernel mass (measured
+  much worse on SmolLM2: BENCHMARKS.md).
 - ``"streaming"`` (StreamingLLM: sinks + recent window), ``"snapkv"`` (window 64, pool 5, GQA mean),
   ``"h2o"`` (half heavy hitters by normalised received attention, half recent): one-shot selections of
   original tokens, the baselines; later tokens are appended raw.  ``snapkv`` and ``h2o`` re-run the prefill
@@ -27,7 +32,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .attention import enable, observe, scalings
-from .cache import Plan, ReducedCache, ReducedLayer, ingest
+from .cache import FORMS, Plan, ReducedCache, ReducedLayer, ingest
 from .reducers import REDUCERS
 from .scan import prefill
 
@@ -38,33 +43,51 @@ BASELINES = ("streaming", "snapkv", "h2o")
 METHODS = MERGE_REDUCE + BASELINES
 
 
-def entries_for(n: int, k: int, sinks: int = 4, block: int | None = None) -> int:
-    """Entries a merge-reduce summary of ``n`` tokens holds per KV head (``block`` defaults to ``k``)."""
+
+def entries_for(n: int, k: int, sinks: int = 4, block: int | None = None, window: int = 0) -> int:
+    """Entries a merge-reduce summary of ``n`` tokens holds per KV head (``block`` defaults to ``k``; ``window``
+    recent tokens always raw)."""
     block = block or k
-    if n <= sinks:
+    if n <= sinks + window:
         return n
-    rest = n - sinks
+    rest = n - sinks - window
     blocks = rest // block
-    return sinks + min(k, block) * bin(blocks).count("1") + rest % block
+    return sinks + window + min(k, block) * bin(blocks).count("1") + rest % block
 
 
-def plan_for(n: int, keep: float | None = None, *, budget: int | None = None, sinks: int = 4) -> tuple[int, int]:
-    """``(K, entries)``: the ``K`` (blocks of ``K`` tokens) whose merge-reduce summary of ``n`` tokens holds the
-    most entries per KV head without exceeding ``budget`` (default ``round(keep * n)``); the larger ``K`` on a
-    tie.  (The entry count is not monotone in ``K``: it depends on the bits of ``(n - sinks) // K``.)"""
+def plan_for(n: int, keep: float | None = None, *, budget: int | None = None, sinks: int = 4,
+             window: float = 0.0) -> tuple[int, int, int]:
+    """``(K, W, entries)``: a raw recent window of ``W = round(window * budget)`` tokens and the ``K`` (blocks of
+    ``K`` tokens) whose merge-reduce summary of ``n`` tokens holds the most entries per KV head without
+    exceeding ``budget`` (default ``round(keep * n)``); the larger ``K`` on a tie.  (The entry count is not
+    monotone in ``K``: it depends on the bits of ``(n - sinks - W) // K``.)"""
     if budget is None:
         if keep is None or not 0 < keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {keep!r}")
         budget = round(keep * n)
+    if not 0 <= window < 1:
+        raise ValueError(f"window must be a fraction of the budget in [0, 1), got {window!r}")
     budget = max(int(budget), sinks + 1)
     if budget >= n:
-        return max(n, 1), n
+        return max(n, 1), 0, n
+    w = int(round(window * budget))
+    w = min(w, budget - sinks - 1)
     best = None
-    for k in range(1, budget - sinks + 1):
-        e = entries_for(n, k, sinks)
-        if e <= budget and (best is None or e >= best[1]):
-            best = (k, e)
-    return best or (1, entries_for(n, 1, sinks))  # nothing fits: the smallest summary there is
+    for k in range(1, budget - sinks - w + 1):
+        e = entries_for(n, k, sinks, window=w)
+        if e <= budget and (best is None or e >= best[2]):
+            best = (k, w, e)
+    return best or (1, w, entries_for(n, 1, sinks, window=w))  # nothing fits: the smallest summary there is
+
+
+def _anchor(form, keys, obs, layer_idx):
+    """The query a reducer tilts masses at (``[b, kv_heads, d]``): for the ``"query"`` form the mean of the
+    observed queries of the KV head's group, else ``None`` (the plan's form decides)."""
+    if form != "query":
+        return None
+    b, h, _, d = keys.shape
+    q = obs.queries[layer_idx].float()  # [b, hq, window, d]
+    return q.mean(2).view(b, h, q.shape[1] // h, d).mean(2)
 
 
 def _full_layers(cache):
@@ -125,13 +148,16 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 
 @torch.no_grad()
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
-           tokens=None, sinks: int = 4, seed: int = 0, observation=None) -> ReducedCache:
+           tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
+           form: str = "query") -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
     caches it computes exactly what it computed before.  ``observation``: what
     :func:`kvcodec.reduction.attention.observe` recorded during the prefill that made the cache (``snapkv`` and
-    ``h2o`` then skip their own re-run)."""
+    ``h2o`` then skip their own re-run).  ``window``: the fraction of the budget kept as raw recent tokens
+    (merge-reduce methods; default 0); ``form``: the mass the reducers preserve (``"query"``, ``"dot"``,
+    ``"kernel"``)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -142,17 +168,21 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     if not full:
         raise ValueError("the cache has no full-attention layer to reduce")
     n = int(cache.layers[full[0]].keys.shape[2])
-    k, entries = plan_for(n, keep, budget=budget, sinks=sinks)
+    if form not in FORMS:
+        raise ValueError(f"unknown mass form {form!r}; known: {', '.join(FORMS)}")
+    k, w, entries = plan_for(n, keep, budget=budget, sinks=sinks, window=window)
     enable(model)
     scale = scalings(model)
     obs = observation
-    if method in ("snapkv", "h2o") and (obs is None or (method == "h2o" and not obs.received)):
+    need_q = method in ("snapkv", "h2o") or (method in MERGE_REDUCE and form == "query")
+    if need_q and (obs is None or (method == "h2o" and not obs.received)):
         ids = _tokens(cache, model, tokens)
         if ids.shape[-1] != n:
             raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
         with observe(model, window=64, received=method == "h2o") as obs:
             model(ids, use_cache=False)
-    plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed)
+    plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed, window=w,
+                form=form)
     layers, pending = [], {}
     for i, layer in enumerate(cache.layers):
         if i not in full:
@@ -162,7 +192,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             raise ValueError(f"layer {i} holds {layer.keys.shape[2]} tokens, layer {full[0]} {n}")
         red = ReducedLayer(plan, i, scale[i])
         if method in MERGE_REDUCE:
-            pending.setdefault(scale[i], []).append((red, layer.keys, layer.values))
+            pending.setdefault(scale[i], []).append((red, layer.keys, layer.values, _anchor(form, layer.keys, obs, i)))
         else:
             keys, values = layer.keys, layer.values
             o = None if obs is None else {"queries": obs.queries.get(i), "scaling": obs.scaling.get(i),
@@ -173,7 +203,6 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             red.set_fixed(gk, gv, n)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
-        ingest([g[0] for g in group], [g[1] for g in group], [g[2] for g in group])
-    out = ReducedCache(model, plan, layers=layers)
-    out.method = method
-    return out
+        anchors = [g[3] for g in group] if form == "query" else None
+        ingest([g[0] for g in group], [g[1] for g in group], [g[2] for g in group], anchors)
+    return ReducedCache(model, plan, layers=layers, method=method)

@@ -7,11 +7,12 @@ Per layer and KV head the cache holds, in this order:
 - ``levels``: binary-counter buckets, level ``l`` empty or one ``K``-atom summary of ``2**l`` blocks;
 - ``buffer``: the most recent tokens, raw.
 
-Every token after the sinks enters the buffer; when the buffer holds ``B`` tokens, the oldest block leaves it as
+Every token after the sinks enters the buffer; when the buffer holds ``window + B`` tokens (``window`` recent
+tokens always stay raw, 0 in the paper's form), the oldest block leaves it as
 a leaf summary (reduced to ``K`` atoms if ``B > K``) and is carried up the levels: while level ``l`` is
 occupied, ``s = REDUCE(MERGE(level_l, s), K)`` and ``l`` increases.  Attention runs over all the entries, each
 atom's log-weight ``beta`` added to its logit (:mod:`kvcodec.reduction.attention`), so memory stays at most
-``sinks + K * popcount(blocks) + B + (new tokens of one call)`` entries.
+``sinks + K * popcount(blocks) + window + B + (new tokens of one call)`` entries.
 
 Sliding-window and linear-attention layers are kept as they are (their memory is already bounded).
 """
@@ -24,28 +25,41 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from ..state import REDUCE_FORMS, LayerState
 from . import reducers
-from .attention import set_bias
+from .attention import check_wrapped, set_bias
 
-__all__ = ["ReducedCache", "ReducedLayer", "Plan", "ingest", "seed_of"]
+__all__ = ["ReducedCache", "ReducedLayer", "Plan", "ingest", "seed_of", "FORMS"]
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a layer reduces: ``k`` atoms per summary, blocks of ``block`` tokens, ``sinks`` raw first tokens,
-    ``method`` a key of :data:`kvcodec.reduction.reducers.REDUCERS` or ``None`` (never reduce: append raw)."""
+    ``window`` most recent tokens always raw, ``method`` a key of :data:`kvcodec.reduction.reducers.REDUCERS`
+    or ``None`` (never reduce: append raw), ``form`` how the reducers weigh atoms (:data:`FORMS`)."""
 
     k: int
     block: int
     sinks: int = 4
     method: str | None = "cluster"
     seed: int = 0
+    window: int = 0
+    form: str = "query"
 
     def __post_init__(self):
-        if self.k < 1 or self.block < 1 or self.sinks < 0:
+        if self.form not in FORMS:
+            raise ValueError(f"unknown mass form {self.form!r}; known: {', '.join(FORMS)}")
+        if self.k < 1 or self.block < 1 or self.sinks < 0 or self.window < 0:
             raise ValueError(f"reduce plan needs k >= 1, block >= 1, sinks >= 0 (got {self})")
         if self.method is not None and self.method not in reducers.REDUCERS:
             raise ValueError(f"unknown reducer {self.method!r}; known: {sorted(reducers.REDUCERS)}")
+
+
+#: How a reducer weighs atoms (:func:`kvcodec.reduction.reducers.logmass`): ``"kernel"`` the Gaussian-kernel
+#: masses ``exp(beta + scaling |k|^2 / 2)`` (papers.md B.1); ``"dot"`` the token counts ``exp(beta)`` (the
+#: masses seen from the zero query); ``"query"`` the masses seen from an anchor query, the mean of the queries
+#: observed at the end of the prefill (per KV head; the zero query where none was observed).
+FORMS = REDUCE_FORMS
 
 
 def seed_of(*parts) -> int:
@@ -76,6 +90,7 @@ class ReducedLayer(DynamicLayer):
         self.beta = None
         self.cumulative_length = 0
         self.blocks = 0
+        self.anchor = None  # [b, kv_heads, d] query the reducers tilt the masses at, or None: kernel masses
 
     # --- state -------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -117,6 +132,7 @@ class ReducedLayer(DynamicLayer):
 
     # --- transformers' layer interface ------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
+        check_wrapped(self.layer_idx)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[2]
@@ -145,13 +161,21 @@ class ReducedLayer(DynamicLayer):
     def _reduce(self, summary, *where):
         fn = reducers.REDUCERS[self.plan.method]
         gen = torch.Generator().manual_seed(seed_of(self.plan.seed, self.layer_idx, *where))
-        return fn(summary, self.plan.k, self.scaling, gen)
+        return fn(summary, self.plan.k, self.scaling, gen, anchor=self.anchor_for(summary[0]))
+
+    def anchor_for(self, keys):
+        """The anchor query of the plan's form for atoms ``keys`` ``[b, h, n, d]`` (``None``: kernel masses)."""
+        if self.plan.form == "kernel":
+            return None
+        if self.anchor is not None and self.plan.form == "query":
+            return self.anchor
+        return keys.new_zeros(keys.shape[0], keys.shape[1], keys.shape[3], dtype=torch.float32)
 
     def _flush(self) -> bool:
         if self.plan.method is None:
             return False
         bs, done = self.plan.block, False
-        while self.buffer[0].shape[2] >= bs:
+        while self.buffer[0].shape[2] >= bs + self.plan.window:
             bk, bv = self.buffer[0][:, :, :bs], self.buffer[1][:, :, :bs]
             self.buffer = (self.buffer[0][:, :, bs:], self.buffer[1][:, :, bs:])
             s = (bk, bv, torch.zeros(bk.shape[:3]))
@@ -185,6 +209,8 @@ class ReducedLayer(DynamicLayer):
         self.sinks = tuple(fn(t) for t in self.sinks)
         self.levels = [None if s is None else tuple(fn(t) for t in s) for s in self.levels]
         self.buffer = tuple(fn(t) for t in self.buffer)
+        if self.anchor is not None:
+            self.anchor = fn(self.anchor)
         self.keys, self.values, self.beta = self.assemble()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -202,6 +228,48 @@ class ReducedLayer(DynamicLayer):
     def reset(self) -> None:
         self.__init__(self.plan, self.layer_idx, self.scaling)
 
+    def to_state(self) -> LayerState:
+        """The layer as a :class:`kvcodec.state.LayerState` of kind ``reduced`` (its entries are ``keys`` /
+        ``values``): log-weights of every entry, the anchor (form ``query``), the parts and the scaling."""
+        levels = [None if x is None else int(x[0].shape[2]) for x in self.levels]
+        parts = {"fixed": 0 if self.fixed is None else int(self.fixed[0].shape[2]),
+                 "sinks": int(self.sinks[0].shape[2]), "levels": levels, "buffer": int(self.buffer[0].shape[2])}
+        b, h, n = self.keys.shape[:3]
+        beta = self.beta if self.beta is not None else torch.zeros(b, h, n)
+        anchor = self.anchor if self.plan.form == "query" else None
+        return LayerState("reduced", 1, [None], [None], log_weights=beta.float().contiguous(),
+                          anchor=None if anchor is None else anchor.float().contiguous(), parts=parts,
+                          scaling=float(self.scaling))
+
+    @classmethod
+    def from_state(cls, plan: Plan, layer_idx: int, keys, values, tokens: int, state: LayerState) -> "ReducedLayer":
+        """The inverse of :meth:`to_state`: a layer holding ``keys`` / ``values`` (the entries, in storage order)
+        after ``tokens`` tokens."""
+        layer = cls(plan, layer_idx, float(state.scaling))
+        layer.lazy_initialization(keys, values)
+        beta, p, at = state.log_weights, state.parts, 0
+
+        def take(n, with_beta):
+            nonlocal at
+            out = (keys[:, :, at:at + n], values[:, :, at:at + n]) + ((beta[:, :, at:at + n],) if with_beta else ())
+            at += n
+            return out
+
+        if p["fixed"]:
+            layer.fixed = take(p["fixed"], True)
+        layer.sinks = take(p["sinks"], False)
+        levels = [None] * len(p["levels"])
+        for lvl in range(len(levels) - 1, -1, -1):  # stored highest level first
+            if p["levels"][lvl] is not None:
+                levels[lvl] = take(p["levels"][lvl], True)
+        layer.levels = levels
+        layer.buffer = take(p["buffer"], False)
+        layer.cumulative_length = int(tokens)
+        layer.blocks = sum(1 << lvl for lvl, x in enumerate(levels) if x is not None)
+        layer.anchor = state.anchor
+        layer.keys, layer.values, layer.beta = layer.assemble()
+        return layer
+
     def describe(self) -> dict:
         return {"entries": self.entries(), "tokens": self.cumulative_length, "blocks": self.blocks,
                 "levels": [None if s is None else int(s[0].shape[2]) for s in self.levels],
@@ -210,7 +278,7 @@ class ReducedLayer(DynamicLayer):
                 "fixed": int(self.fixed[0].shape[2]) if self.fixed is not None else 0}
 
 
-def ingest(layers: list, keys: list, values: list) -> None:
+def ingest(layers: list, keys: list, values: list, anchors: list | None = None) -> None:
     """Fill empty :class:`ReducedLayer` s (same plan and scaling) with whole caches ``[b, h, n, d]`` at once: the
     state the binary counter reaches after taking the ``n`` tokens in order, computed as one merge-reduce tree
     per level batched over every layer (:func:`kvcodec.reduction.tree.binary_counter`)."""
@@ -223,21 +291,27 @@ def ingest(layers: list, keys: list, values: list) -> None:
     k = torch.cat(keys, 0)  # layers stacked in the batch dimension
     v = torch.cat(values, 0)
     n = k.shape[2]
+    if plan.form == "kernel":
+        anchors = None
+    elif anchors is None or plan.form == "dot":
+        anchors = [torch.zeros(x.shape[0], x.shape[1], x.shape[3]) for x in keys]
+    anchor = None if anchors is None else torch.cat(anchors, 0).float()
     s = min(plan.sinks, n)
-    m = (n - s) // plan.block if plan.method is not None else 0
+    m = max(0, n - s - plan.window) // plan.block if plan.method is not None else 0
     body = s + m * plan.block
     buckets = {}
     if m:
         leaves = tree.leaves_of(k[:, :, s:body], v[:, :, s:body], plan.block)
         fn = reducers.REDUCERS[plan.method]
         buckets = tree.binary_counter(fn, plan.k, scaling, leaves,
-                                      lambda *where: seed_of(plan.seed, "ingest", *where))
+                                      lambda *where: seed_of(plan.seed, "ingest", *where), anchor)
     top = max(buckets) + 1 if buckets else 0
     for i, layer in enumerate(layers):
         sl = slice(i * b, (i + 1) * b)
         levels = [None if lvl not in buckets else tuple(t[0, sl] for t in buckets[lvl]) for lvl in range(top)]
         levels = [None if x is None else (x[0].to(k.dtype), x[1].to(v.dtype), x[2]) for x in levels]
         layer.set_state((k[sl, :, :s], v[sl, :, :s]), levels, (k[sl, :, body:], v[sl, :, body:]), n, m)
+        layer.anchor = None if anchor is None or plan.form != "query" else anchor[sl]
 
 
 class ReducedCache(DynamicCache):
@@ -248,11 +322,16 @@ class ReducedCache(DynamicCache):
     have been switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`), which
     the constructors here do."""
 
-    def __init__(self, model, plan: Plan, *, layers=None):
+    def __init__(self, model, plan: Plan, *, layers=None, method: str | None = None):
         from .attention import enable, scalings
 
-        enable(model)
+        if model is not None:
+            enable(model)
+        elif layers is None:
+            raise ValueError("ReducedCache: an empty cache needs the model")
         self.plan = plan
+        #: what made the cache: a merge-reduce reducer or a one-shot baseline (kvcodec.reduction.METHODS)
+        self.method = method or plan.method
         if layers is None:
             scale = scalings(model)
             template = DynamicCache(config=model.config)
@@ -273,6 +352,29 @@ class ReducedCache(DynamicCache):
         """Entries (atoms + raw tokens) per KV head of the first reduced layer."""
         red = self.reduced_layers()
         return red[0].entries() if red else 0
+
+    def kvcodec_reduce(self) -> dict:
+        """The header's ``reduce`` object (spec/kvz.md section 14): how the cache was reduced and how it keeps
+        reducing as tokens are appended."""
+        p = self.plan
+        return {"method": self.method, "reducer": p.method, "form": p.form, "k": p.k, "block": p.block,
+                "sinks": p.sinks, "window": p.window, "seed": p.seed}
+
+    @classmethod
+    def from_canonical(cls, kv, model=None) -> "ReducedCache":
+        """A :class:`kvcodec.KVCache` whose ``reduce`` is set (what a reduced ``.kvz`` decodes to) as a
+        ReducedCache; ``model`` (optional) is switched to the mass-aware attention."""
+        r = kv.reduce
+        plan = Plan(k=r["k"], block=r["block"], sinks=r["sinks"], method=r["reducer"], seed=r["seed"],
+                    window=r["window"], form=r["form"])
+        plain = kv.to_dynamic_cache(plain=True)
+        layers = []
+        for i, st in enumerate(kv.states):
+            if st is not None and st.kind == "reduced":
+                layers.append(ReducedLayer.from_state(plan, i, kv.keys[i], kv.values[i], kv.cumulative_length[i], st))
+            else:
+                layers.append(plain.layers[i])
+        return cls(model, plan, layers=layers, method=r["method"])
 
     def describe(self) -> dict:
         red = self.reduced_layers()

@@ -25,7 +25,7 @@ import torch
 
 from .attention import kernel_logmass
 
-__all__ = ["REDUCERS", "sample", "cluster", "merge"]
+__all__ = ["REDUCERS", "sample", "cluster", "merge", "logmass", "beta_of"]
 
 
 def merge(*summaries):
@@ -34,30 +34,43 @@ def merge(*summaries):
     return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(3))
 
 
-def sample(summary, k: int, scaling: float, gen: torch.Generator):
+def logmass(keys, beta, scaling: float, anchor=None):
+    """log of each atom's mass (float64): with ``anchor`` ``None`` the Gaussian-kernel mass
+    ``beta + scaling |k|^2 / 2``; with an anchor query ``a`` ``[b, h, d]`` the mass seen from ``a``,
+    ``beta + scaling <a, k>`` (the exponential tilt at ``a``; ``a = 0`` gives the token counts)."""
+    if anchor is None:
+        return kernel_logmass(keys, beta, scaling)
+    return beta.double() + scaling * (keys.double() @ anchor.double()[..., :, None])[..., 0]
+
+
+def beta_of(keys, lm, scaling: float, anchor=None):
+    """The log-weight that gives an atom at ``keys`` the log-mass ``lm`` (inverse of :func:`logmass`)."""
+    return (lm - logmass(keys, torch.zeros(keys.shape[:-1], dtype=torch.float64), scaling, anchor)).float()
+
+
+def sample(summary, k: int, scaling: float, gen: torch.Generator, anchor=None):
     keys, values, beta = summary
     b, h, n, _ = keys.shape
     if n <= k:
         return summary
-    lm = kernel_logmass(keys, beta, scaling)  # [b, h, n] float64
+    lm = logmass(keys, beta, scaling, anchor)  # [b, h, n] float64
     total = torch.logsumexp(lm, -1)  # log M
     p = torch.softmax(lm, -1).reshape(b * h, n).float()
     idx = torch.multinomial(p, k, replacement=True, generator=gen).reshape(b, h, k)
     idx_sorted, _ = idx.sort(-1)
     kk = keys.gather(2, idx_sorted[..., None].expand(-1, -1, -1, keys.shape[-1]))
     vv = values.gather(2, idx_sorted[..., None].expand(-1, -1, -1, values.shape[-1]))
-    # new kernel mass M / K per draw: beta' = log(M / K) - scaling |k|^2 / 2
+    # new mass M / K per draw
     new_lm = (total - math.log(k))[..., None].expand(-1, -1, k)
-    nb = new_lm - 0.5 * scaling * (kk.double() ** 2).sum(-1)
-    return kk, vv, nb.float()
+    return kk, vv, beta_of(kk, new_lm, scaling, anchor)
 
 
-def cluster(summary, k: int, scaling: float, gen: torch.Generator, iters: int = 5):
+def cluster(summary, k: int, scaling: float, gen: torch.Generator, anchor=None, iters: int = 5):
     keys, values, beta = summary
     b, h, n, dk = keys.shape
     if n <= k:
         return summary
-    lm = kernel_logmass(keys, beta, scaling)  # float64 [b, h, n]
+    lm = logmass(keys, beta, scaling, anchor)  # float64 [b, h, n]
     w = torch.softmax(lm, -1)  # normalised masses within the summary
     kf, vf = keys.double(), values.double()
     feats = torch.cat([kf, vf], -1)
@@ -88,10 +101,10 @@ def cluster(summary, k: int, scaling: float, gen: torch.Generator, iters: int = 
     vv = wk.transpose(-1, -2) @ vf
     clm = torch.log(mass.clamp_min(1e-300)) + top
     kk, vv = kk.to(keys.dtype), vv.to(values.dtype)
-    nb = clm - 0.5 * scaling * (kk.double() ** 2).sum(-1)
+    nb = beta_of(kk, clm, scaling, anchor)
     # an empty cluster becomes a zero-mass atom (beta = -inf would poison max-subtraction; use a large negative)
     nb = torch.where(used, nb, torch.full_like(nb, -1e4))
-    return kk, vv, nb.float()
+    return kk, vv, nb
 
 
 REDUCERS = {"sample": sample, "cluster": cluster}

@@ -46,8 +46,10 @@ def merge_reduce_attention(fn, plan: Plan, module, query, key, value, attention_
     def seed(*where):
         return seed_of(plan.seed, "prefill", layer, *where)
 
-    levels = tree.upsweep(fn_reduce, plan.k, scaling, leaves, seed)
-    pre = tree.exclusive_prefixes(fn_reduce, plan.k, scaling, levels, seed)  # [size, b, hk, K, d]
+    # causal: no query of the prompt may weigh the summaries, so the "query" form tilts at the zero query
+    anchor = None if plan.form == "kernel" else torch.zeros(b, hk, key.shape[-1])
+    levels = tree.upsweep(fn_reduce, plan.k, scaling, leaves, seed, anchor)
+    pre = tree.exclusive_prefixes(fn_reduce, plan.k, scaling, levels, seed, anchor)  # [size, b, hk, K, d]
     # per block: keys [sinks ; E_b ; own block], block-major in the batch dimension
     kk = torch.cat([key[:, :, :s].expand(size, -1, -1, -1, -1) if s else pre[0][..., :0, :],
                     pre[0].to(key.dtype), leaves[0]], -2)
@@ -83,7 +85,7 @@ def _causal(fn, module, q, k, v, args, kwargs):
 
 @torch.no_grad()
 def prefill(model, ids, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
-            sinks: int = 4, seed: int = 0, **model_kwargs):
+            sinks: int = 4, seed: int = 0, form: str = "dot", **model_kwargs):
     """Run ``model`` on ``ids`` ``[batch, n]`` with merge-reduce attention and return ``(cache, output)``: the
     :class:`ReducedCache` (the summary of all ``n`` tokens, ready for more tokens or ``generate``) and the model's
     output (its logits computed under the reduced attention)."""
@@ -94,8 +96,8 @@ def prefill(model, ids, keep: float | None = 0.1, method: str = "cluster", *, bu
         ids = ids[None]
     if method not in reducers.REDUCERS:
         raise ValueError(f"merge-reduce prefill needs a reducer ({', '.join(reducers.REDUCERS)}), got {method!r}")
-    k, _ = plan_for(int(ids.shape[1]), keep, budget=budget, sinks=sinks)
-    plan = Plan(k=k, block=k, sinks=sinks, method=method, seed=seed)
+    k, _, _ = plan_for(int(ids.shape[1]), keep, budget=budget, sinks=sinks)
+    plan = Plan(k=k, block=k, sinks=sinks, method=method, seed=seed, form=form)
     cache = ReducedCache(model, plan)
     from ..tokens.plan import cache_kwarg
 

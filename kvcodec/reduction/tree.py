@@ -33,13 +33,16 @@ def pad(summary, k: int):
     return torch.cat([keys, zk], -2), torch.cat([values, zv], -2), torch.cat([beta, zb], -1)
 
 
-def reduce_nodes(fn, k: int, scaling: float, summary, gen: torch.Generator):
-    """Apply reducer ``fn`` to every node of stacked summaries ``[nodes, batch, heads, n, d]``."""
+def reduce_nodes(fn, k: int, scaling: float, summary, gen: torch.Generator, anchor=None):
+    """Apply reducer ``fn`` to every node of stacked summaries ``[nodes, batch, heads, n, d]`` (``anchor``
+    ``[batch, heads, d]`` or ``None``, the same for every node)."""
     keys, values, beta = summary
     nodes, b, h, n, dk = keys.shape
     flat = (keys.reshape(nodes * b, h, n, dk), values.reshape(nodes * b, h, n, values.shape[-1]),
             beta.reshape(nodes * b, h, n))
-    ok, ov, ob = fn(flat, k, scaling, gen)
+    if anchor is not None:
+        anchor = anchor.expand(nodes, *anchor.shape).reshape(nodes * b, h, -1)
+    ok, ov, ob = fn(flat, k, scaling, gen, anchor=anchor)
     m = ok.shape[2]
     return ok.reshape(nodes, b, h, m, dk), ov.reshape(nodes, b, h, m, values.shape[-1]), ob.reshape(nodes, b, h, m)
 
@@ -50,22 +53,22 @@ def _pairs(summary, count: int):
                  for t in summary)
 
 
-def upsweep(fn, k: int, scaling: float, leaves, seed_of):
+def upsweep(fn, k: int, scaling: float, leaves, seed_of, anchor=None):
     """Levels of the tree over ``leaves`` (each padded to ``k`` atoms): ``levels[0] = leaves``, level ``l + 1``
     node ``i`` = REDUCE(MERGE(level l nodes 2i, 2i+1), k); a level with an odd count leaves its last node
     unpaired.  ``seed_of(level)`` seeds each level's call."""
     if leaves[0].shape[-2] > k:
-        leaves = reduce_nodes(fn, k, scaling, leaves, torch.Generator().manual_seed(seed_of("leaf", 0)))
+        leaves = reduce_nodes(fn, k, scaling, leaves, torch.Generator().manual_seed(seed_of("leaf", 0)), anchor)
     levels = [pad(leaves, k)]
     while levels[-1][0].shape[0] >= 2:
         count = levels[-1][0].shape[0] // 2
         merged = _pairs(levels[-1], count)
         gen = torch.Generator().manual_seed(seed_of("up", len(levels)))
-        levels.append(reduce_nodes(fn, k, scaling, merged, gen))
+        levels.append(reduce_nodes(fn, k, scaling, merged, gen, anchor))
     return levels
 
 
-def exclusive_prefixes(fn, k: int, scaling: float, levels, seed_of):
+def exclusive_prefixes(fn, k: int, scaling: float, levels, seed_of, anchor=None):
     """Down-sweep: the summary of all blocks before each leaf, ``[leaves, ...]`` (leaf 0's is all padding), for
     a tree whose leaf count is a power of two.  The left child inherits its parent's prefix; the right child
     gets REDUCE(MERGE(parent prefix, left sibling), k), or the left sibling itself when the parent has no
@@ -81,7 +84,7 @@ def exclusive_prefixes(fn, k: int, scaling: float, levels, seed_of):
         if nodes > 1:
             merged = tuple(torch.cat([p[1:], lt[1:]], dim=-2 if p.dim() == 5 else -1) for p, lt in zip(pre, left))
             gen = torch.Generator().manual_seed(seed_of("down", lvl))
-            red = reduce_nodes(fn, k, scaling, merged, gen)
+            red = reduce_nodes(fn, k, scaling, merged, gen, anchor)
             for t, r in zip(right_pre, red):
                 t[1:] = r
         # interleave: child 2i <- pre[i], child 2i+1 <- right_pre[i]
@@ -89,12 +92,12 @@ def exclusive_prefixes(fn, k: int, scaling: float, levels, seed_of):
     return pre
 
 
-def binary_counter(fn, k: int, scaling: float, leaves, seed_of):
+def binary_counter(fn, k: int, scaling: float, leaves, seed_of, anchor=None):
     """The buckets a binary counter holds after taking ``m`` leaves in order: ``{level: summary}`` for each set
     bit of ``m``; the bucket at level ``l`` summarises ``2**l`` consecutive leaves (the last complete node of
     level ``l`` of the tree).  Summaries are ``[1, batch, heads, k, d]``."""
     m = leaves[0].shape[0]
-    levels = upsweep(fn, k, scaling, leaves, seed_of)
+    levels = upsweep(fn, k, scaling, leaves, seed_of, anchor)
     out = {}
     for lvl, summ in enumerate(levels):
         count = m >> lvl

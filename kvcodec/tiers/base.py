@@ -25,6 +25,7 @@ registry entry, its spec section and its golden vectors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -125,6 +126,8 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
         "model": model_record(model),
         "info": {"kvcodec_version": __version__} if info is None else info,
     }
+    if kv.reduce is not None:  # (1.4) a reduced cache: its plan (spec section 14)
+        h["reduce"] = dict(kv.reduce)
     if extra is not None:
         h[extra[0]] = extra[1]
         runs = []
@@ -156,7 +159,8 @@ def read_states(f, layers) -> dict:
         info = h.layers[li].state
         if info is None:
             continue
-        st = LayerState(info.kind, info.slots, [None] * info.slots, [None] * info.slots)
+        st = LayerState(info.kind, info.slots, [None] * info.slots, [None] * info.slots, parts=info.parts,
+                        scaling=info.scaling)
         for j, t in enumerate(info.tensors):
             e = r.entry(L.SECTION_STATE, li, j, 0)
             st.set(t.name, t.slot, decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset))
@@ -268,8 +272,7 @@ class DirectTier(Tier):
                               "(tier 'exact' stores them all)")
         if job.tokens is not None:  # stored beside the tensors
             kv = job.kv
-            job.kv = KVCache(kv.keys, kv.values, job.tokens, kv.start_position, kv.sliding_window,
-                             kv.cumulative_length)
+            job.kv = dataclasses.replace(kv, tokens=job.tokens)
         kv = job.kv
         codec = self.codec(job)
         ids = None if kv.tokens is None else kv.tokens.to("cpu", torch.int64).numpy()
