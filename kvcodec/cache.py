@@ -95,6 +95,8 @@ class KVCache:
                                      "cumulative_length >= seq and the cache's reduce plan")
         if self.reduce is not None and not any(st is not None and st.kind == "reduced" for st in self.states):
             raise ValueError("a cache with a reduce plan needs at least one reduced layer")
+        if self.reduce is not None and self.tokens is not None:
+            raise ValueError("a reduced cache holds entries, not tokens: it stores no token ids")
         if self.tokens is not None:
             t = self.tokens
             if t.dim() != 2 or t.shape[0] != b or t.dtype not in (torch.int32, torch.int64):

@@ -191,6 +191,10 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.theory:
+        from .lab.bench_theory import run_theory_bench
+
+        return run_theory_bench(args)
     if args.reduce:
         from .lab.bench_reduce import run_reduce_bench
 
@@ -418,13 +422,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reduce", action="store_true",
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
                         "the full cache and SnapKV / H2O / StreamingLLM at equal entries (bench_reduce.md, .svg)")
-    s.add_argument("--keeps", type=float, nargs="*", default=[0.05, 0.1, 0.25, 0.5], help="reduce: fractions kept")
+    s.add_argument("--theory", action="store_true",
+                   help="the reduce tier's theory per head: tr Sigma / K and tail_{K/3} / K against the measured risk "
+                        "of each reducer, span(Phi) capture, risk over merge-reduce levels (bench_theory.md)")
+    s.add_argument("--keeps", type=float, nargs="*", default=[0.05, 0.1, 0.25, 0.5],
+                   help="reduce, theory: fractions kept")
     s.add_argument("--methods", nargs="*",
-                   default=["cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming"],
-                   help="reduce: methods besides the full cache")
-    s.add_argument("--context", type=int, default=3000, help="reduce: tokens of each document")
+                   default=["cluster", "sample", "cluster-kernel", "snapkv", "h2o", "streaming"],
+                   help="reduce: methods besides the full cache (also: cluster+scan, the merge-reduce prefill; "
+                        "<reducer>-<form> such as sample-dot)")
+    s.add_argument("--context", type=int, default=2048, help="reduce, theory: tokens of each document's cache")
     s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")
-    s.add_argument("--documents", type=int, default=6, help="reduce: documents (corpus files long enough)")
+    s.add_argument("--documents", type=int, default=6, help="reduce, theory: documents (corpus files long enough)")
     s.add_argument("--seed", type=int, default=0, help="reduce: seed of the items and of the random reducers")
     s.add_argument("--sessions", type=int, nargs="*", default=[10, 100], help="store: numbers of sessions")
     s.add_argument("--prefix-tokens", type=int, default=1000, help="store: tokens of the shared prefix")

@@ -467,3 +467,29 @@ def test_hostile_reduce_headers_are_refused_by_name(mutate, match, cls):
     body = hd.dumps(_reduced_header(mutate))
     with pytest.raises(getattr(kvcodec.errors, cls), match=match):
         hd.parse(body, offset=16)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda h: h["cache"]["layers"][0].update(cumulative_length=h["cache"]["layers"][0]["cumulative_length"] + 1),
+     "parts stand for"),
+    (lambda h: h["cache"]["layers"][0]["state"]["tensors"].pop(), "anchor"),
+    (lambda h: h["cache"]["layers"][0]["state"]["parts"]["levels"].append(None), "last level"),
+    (lambda h: h["cache"].update(num_tokens=1), "num_tokens"),
+    (lambda h: h.update(reduce=None), "reduce"),
+    (lambda h: h["reduce"].update(reducer="streaming"), "reducer"),
+])
+def test_reduced_layer_consistency_rules(mutate, match):
+    """spec section 14.2: the parts must stand for cumulative_length tokens, the anchor is there if and only if
+    the form is query, no trailing null level, no token ids."""
+    from kvcodec.container import header as hd
+
+    with pytest.raises(kvcodec.errors.KvzError, match=match):
+        hd.parse(hd.dumps(_reduced_header(mutate)), offset=16)
+
+
+def test_reduced_cache_with_tokens_is_refused():
+    m = _model("llama")
+    ids = _ids(60)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids)
+    with pytest.raises(kvcodec.ConfigError, match="token ids"):
+        kvcodec.encode(red, tokens=ids[:, :red.entries()])

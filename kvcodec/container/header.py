@@ -350,7 +350,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         if sw is None and cum != seq and not reduced:
             v.fail(f"{p}.cumulative_length", "must equal seq_len for a full-attention layer")
         if reduced:
-            _check_reduced(v, p, state, reduce, heads, kd, seq, sw)
+            _check_reduced(v, p, state, reduce, heads, kd, seq, sw, cum)
         if state is not None and state.kind == "indexed" and (
                 sw is not None or state.tensors[0].shape[1] != seq):
             v.fail(f"{p}.state", "indexer_keys hold one row per cached token ([batch, seq_len, index_dim]) of a "
@@ -367,6 +367,8 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
                 v.fail(f"model.{key}", "must be 64 lowercase hex digits")
     if reduce is not None and not any(lay.state is not None and lay.state.kind == "reduced" for lay in layers):
         v.fail("reduce", "a reduced cache has at least one layer of state kind 'reduced'")
+    if reduce is not None and ntok:
+        v.fail("cache.num_tokens", "a reduced cache stores no token ids (0)")
     hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model,
                  reduce=reduce)
     if tier.header_key is not None and tier.header_key not in obj:
@@ -480,7 +482,7 @@ def _parse_reduce(v: Validator, r, lim: dict) -> dict:
 
 
 def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, heads: int, kd: int, seq: int,
-                   sw) -> None:
+                   sw, cum: int) -> None:
     """A reduced layer against its layer and the ``reduce`` object (spec section 14.2)."""
     if reduce is None:
         v.fail(f"{p}.state", "a layer of kind 'reduced' needs the header's reduce object")
@@ -489,11 +491,15 @@ def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, 
     lw = state.tensors[0]
     if lw.dtype != "float32" or lw.shape[1:] != (heads, seq):
         v.fail(f"{p}.state.tensors[0]", f"log_weights are float32 [batch, {heads}, {seq}]")
+    if (len(state.tensors) == 2) != (reduce["form"] == "query"):
+        v.fail(f"{p}.state.tensors", "a reduced layer holds an anchor if and only if the form is 'query'")
     if len(state.tensors) == 2:
         a = state.tensors[1]
-        if reduce["form"] != "query" or a.dtype != "float32" or a.shape[1:] != (heads, kd):
-            v.fail(f"{p}.state.tensors[1]", f"an anchor (form 'query' only) is float32 [batch, {heads}, {kd}]")
+        if a.dtype != "float32" or a.shape[1:] != (heads, kd):
+            v.fail(f"{p}.state.tensors[1]", f"the anchor is float32 [batch, {heads}, {kd}]")
     pr = state.parts
+    if pr["levels"] and pr["levels"][-1] is None:
+        v.fail(f"{p}.state.parts.levels", "the last level is not null")
     held = pr["fixed"] + pr["sinks"] + pr["buffer"] + sum(x or 0 for x in pr["levels"])
     if held != seq:
         v.fail(f"{p}.state.parts", f"the parts hold {held} entries, the layer {seq}")
@@ -505,8 +511,15 @@ def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, 
     else:
         if pr["fixed"]:
             v.fail(f"{p}.state.parts.fixed", f"method {reduce['method']!r} holds no fixed entries")
-        if any(x is not None and x > reduce["k"] for x in pr["levels"]):
-            v.fail(f"{p}.state.parts.levels", f"a level holds at most k = {reduce['k']} atoms")
+        if any(x is not None and x > min(reduce["k"], reduce["block"] << lvl) for lvl, x in enumerate(pr["levels"])):
+            v.fail(f"{p}.state.parts.levels", f"level l holds at most min(k = {reduce['k']}, block * 2^l) atoms")
         if pr["buffer"] >= reduce["window"] + reduce["block"]:
             v.fail(f"{p}.state.parts.buffer", f"{pr['buffer']} raw tokens; a buffer holds fewer than window + "
                                                f"block = {reduce['window'] + reduce['block']}")
+        if pr["sinks"] < reduce["sinks"] and (pr["buffer"] or any(x is not None for x in pr["levels"])):
+            v.fail(f"{p}.state.parts", "tokens after the sinks while the sinks are not full")
+        tokens = pr["sinks"] + reduce["block"] * sum(1 << lvl for lvl, x in enumerate(pr["levels"]) if x is not None) \
+            + pr["buffer"]
+        if tokens != cum:
+            v.fail(f"{p}.cumulative_length", f"{cum}, but the parts stand for {tokens} tokens (sinks + block * "
+                                             "blocks of the levels + buffer)")

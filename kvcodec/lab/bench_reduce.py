@@ -114,14 +114,21 @@ def _continuation_kl(model, cache, cont, ref_logp):
 
 
 def _reduced(model, method, full, ids, keep, obs, seed):
+    """(the method's cache, bytes of its .kvz or None)."""
+    from ..api import decode, encode
     from ..reduction import prefill, reduce
 
     if method == "full":
-        return copy.deepcopy(full)
+        return copy.deepcopy(full), None
     if method == "cluster+scan":
-        return prefill(model, ids, keep, "cluster", seed=seed)[0]
+        return prefill(model, ids, keep, "cluster", seed=seed)[0], None
+    method, _, bits = method.partition("+lossy")  # "cluster+lossy3": reduced, then stored in the lossy tier
     name, _, form = method.partition("-")  # "cluster-kernel": the reducer with another mass form
-    return reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query")
+    red = reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query")
+    if not bits:
+        return red, None
+    data = encode(red, tier="lossy", bits=float(bits))
+    return decode(data, model), len(data)
 
 
 @torch.no_grad()
@@ -157,7 +164,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     if m == "full" and keep != keeps[0]:
                         continue
                     t1 = time.perf_counter()
-                    red = _reduced(model, m, full, ids, keep, obs, seed)
+                    red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
                     t_red = time.perf_counter() - t1
                     got = red.entries() if hasattr(red, "entries") else n
                     for it in items:
@@ -166,7 +173,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                         lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
-                                     "entries": got, "answer_bits": lp, "exact": em,
+                                     "entries": got, "answer_bits": lp, "exact": em, "kvz_bytes": nbytes,
                                      "reduce_s": round(t_red, 3), "prefill_s": round(t_prefill, 3)})
                     if cont is not None:
                         kl = _continuation_kl(model, copy.deepcopy(red), cont, ref_logp)

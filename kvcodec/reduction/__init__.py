@@ -181,8 +181,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
         with observe(model, window=64, received=method == "h2o") as obs:
             model(ids, use_cache=False)
+    # the one-shot baselines keep tokens with no masses to weigh: their plan says "dot" (counts)
     plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed, window=w,
-                form=form)
+                form=form if method in MERGE_REDUCE else "dot")
     layers, pending = [], {}
     for i, layer in enumerate(cache.layers):
         if i not in full:

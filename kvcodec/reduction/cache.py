@@ -236,7 +236,9 @@ class ReducedLayer(DynamicLayer):
                  "sinks": int(self.sinks[0].shape[2]), "levels": levels, "buffer": int(self.buffer[0].shape[2])}
         b, h, n = self.keys.shape[:3]
         beta = self.beta if self.beta is not None else torch.zeros(b, h, n)
-        anchor = self.anchor if self.plan.form == "query" else None
+        anchor = None
+        if self.plan.form == "query":  # the zero query where none was observed (what anchor_for uses)
+            anchor = self.anchor if self.anchor is not None else torch.zeros(b, h, self.keys.shape[3])
         return LayerState("reduced", 1, [None], [None], log_weights=beta.float().contiguous(),
                           anchor=None if anchor is None else anchor.float().contiguous(), parts=parts,
                           scaling=float(self.scaling))

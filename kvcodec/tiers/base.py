@@ -266,6 +266,8 @@ class DirectTier(Tier):
 
     def write(self, job: EncodeJob) -> int:
         held = job.kv.seq_len
+        if job.tokens is not None and job.kv.reduce is not None:
+            raise ConfigError("a reduced cache holds entries, not tokens: it stores no token ids (drop tokens=)")
         if job.tokens is not None and job.tokens.shape[-1] != held:
             raise ConfigError(f"tier {self.tier_id!r} stores token ids only for the {held} positions the cache holds; "
                               f"these {job.tokens.shape[-1]} ids also cover positions its sliding windows dropped "

@@ -34,18 +34,24 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 3
+IMPL_MINOR = 4
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_STATE, SEC_INDEX = 1, 2, 3, 4, 5, 6, 0xFFFF
 KNOWN_SEC = {1, 2, 3, 4, 5, 6, 0xFFFF}
-STATE_KINDS = ("linear", "hybrid", "indexed")
-STATE_NAMES = ("conv", "recurrent", "indexer_keys")  # also their order inside a slot (state order, §4.2)
-# which tensor names each kind may hold (§4.2): indexer_keys in `indexed` only, conv / recurrent never there
+STATE_KINDS = ("linear", "hybrid", "indexed", "reduced")
+# also their order inside a slot (state order, §4.2; log_weights before anchor, §14.2)
+STATE_NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
+# which tensor names each kind may hold (§4.2): indexer_keys in `indexed` only, conv / recurrent never there;
+# (1.4) log_weights / anchor in `reduced` only (§4.2 "its tensors are log_weights and anchor", registry.md)
 STATE_KIND_NAMES = {"linear": ("conv", "recurrent"), "hybrid": ("conv", "recurrent"),
-                    "indexed": ("indexer_keys",)}
+                    "indexed": ("indexer_keys",), "reduced": ("log_weights", "anchor")}
+# (1.4) reduced caches (§14.1, registry.md)
+REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o")
+REDUCERS = ("cluster", "sample")  # the merge-reduce methods
+REDUCE_FORMS = ("query", "dot", "kernel")
 ZSTD_MAGIC = 0xFD2FB528
 
 
@@ -187,7 +193,7 @@ def _model_obj(m, where):
 
 
 def validate_header(h, minor):
-    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info"], "header")
+    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info", "reduce"], "header")
     if h["format"] != "kvz":
         raise FormatError("format")
     tier = h["tier"]
@@ -210,6 +216,17 @@ def validate_header(h, minor):
         raise FormatError(f"codec {codec['id']} for tier {tier}")
     if "info" in h and not isinstance(h["info"], dict):
         raise FormatError("info")
+    reduce = None
+    if "reduce" in h:
+        # (1.4, §3, §4, §14) stamped 1.4 or later, tiers lossless and lossy only
+        if minor < 4:
+            raise FormatError(f"header.reduce in a file stamped 1.{minor} (needs 1.4)")
+        if tier not in ("lossless", "lossy"):
+            raise FormatError(f"header.reduce in tier {tier} (lossless and lossy only)")
+        # `reduce` is an object when present: null (or any non-object) is invalid (§14.1)
+        if not isinstance(h["reduce"], dict):
+            raise FormatError("header.reduce is not an object (null is invalid, §14.1)")
+        reduce = validate_reduce(h["reduce"])
     cache = h["cache"]
     _keys(cache, ["dtype", "batch", "chunk_tokens", "start_position", "num_tokens", "layers"], (), "cache")
     if not isinstance(cache["dtype"], str):
@@ -235,9 +252,7 @@ def validate_header(h, minor):
         sw = L["sliding_window"]
         if sw is not None:
             sw = _int(L, "sliding_window", 1, where=w, limit=1 << 31)
-        cl = _int(L, "cumulative_length", S, where=w)
-        if sw is None and cl != S:
-            raise FormatError(f"{w}.cumulative_length != seq_len for a full layer")
+        cl = _int(L, "cumulative_length", S, where=w, limit=(1 << 31) + (1 << 32))
         rep = 1
         if "repeat" in L:
             if minor < 1:
@@ -250,12 +265,20 @@ def validate_header(h, minor):
         if "state" in L:
             if minor < 3:
                 raise FormatError(f"{w}.state in a file stamped 1.{minor} (needs 1.3)")
-            state = validate_state(L["state"], B, S, sw, f"{w}.state")
+            state = validate_state(L["state"], B, S, sw, f"{w}.state", H=H, Dk=Dk, reduce=reduce, cl=cl)
             if state["kind"] == "linear" and not (H == 1 and Dk == 1 and Dv == 1 and S == 0 and cl == 0
                                                   and sw is None):
                 raise FormatError(f"{w}: a linear layer needs kv_heads/k_dim/v_dim 1, seq_len 0, "
                                   "cumulative_length 0, sliding_window null")
+        # a full layer has seen exactly what it holds, except a reduced layer (§4, §14.2)
+        if sw is None and cl != S and not (state is not None and state["kind"] == "reduced"):
+            raise FormatError(f"{w}.cumulative_length != seq_len for a full layer")
         runs.append((rep, dict(H=H, Dk=Dk, Dv=Dv, S=S, sw=sw, cl=cl, state=state)))
+    if reduce is not None and not any(L["state"] is not None and L["state"]["kind"] == "reduced"
+                                      for _, L in runs):
+        raise FormatError("header.reduce without a layer of state kind reduced (§14.1)")
+    if reduce is not None and nt != 0:
+        raise FormatError(f"cache.num_tokens={nt}: a reduced file stores no token ids, num_tokens is 0 (§14.1)")
     # output limit and section count, on counts
     isz = ITEMSIZE[cache["dtype"]]
     out = 4 * B * nt
@@ -300,18 +323,140 @@ def validate_header(h, minor):
     layers = []
     for rep, L in runs:
         layers.extend([L] * rep)
-    return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp)
+    return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp, reduce=reduce)
 
 
-def validate_state(st, B, S, sw, w):
-    """layers[i].state (§4.2) of a layer with seq_len S and sliding_window sw.
-    Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)])."""
-    _keys(st, ["kind", "slots", "tensors"], (), w)
+def validate_reduce(r):
+    """The header's reduce object (1.4, §14.1). Returns it as a dict."""
+    w = "header.reduce"
+    _keys(r, ["method", "reducer", "form", "k", "block", "sinks", "window", "seed"], (), w)
+    m = r["method"]
+    if not isinstance(m, str):
+        raise FormatError(f"{w}.method")
+    if m not in REDUCE_METHODS:
+        raise UnknownId(f"{w}.method {m!r}")
+    red = r["reducer"]
+    if red is not None:
+        if not isinstance(red, str):
+            raise FormatError(f"{w}.reducer")
+        # any string other than cluster / sample is UnknownId, the one-shot method names included (§14.1)
+        if red not in REDUCERS:
+            raise UnknownId(f"{w}.reducer {red!r} (not a reducer)")
+    # a known reducer that breaks "equals method for a merge-reduce method, null otherwise": FormatError
+    want = m if m in REDUCERS else None
+    if red != want:
+        raise FormatError(f"{w}.reducer {red!r}: must be {want!r} for method {m!r}")
+    f = r["form"]
+    if not isinstance(f, str):
+        raise FormatError(f"{w}.form")
+    if f not in REDUCE_FORMS:
+        raise UnknownId(f"{w}.form {f!r}")
+    # k, block, sinks, window: 2^31 is a limit (§9, §14.1): LimitExceeded above it, FormatError below the
+    # range; seed's range is fixed: FormatError on either side. All are required and in range even for a
+    # one-shot method (reducer null), where only sinks constrains the file (§14.1).
+    return dict(method=m, reducer=red, form=f,
+                k=_int(r, "k", 1, where=w, limit=1 << 31), block=_int(r, "block", 1, where=w, limit=1 << 31),
+                sinks=_int(r, "sinks", 0, where=w, limit=1 << 31),
+                window=_int(r, "window", 0, where=w, limit=1 << 31),
+                seed=_int(r, "seed", 0, (1 << 63) - 1, w))
+
+
+def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w):
+    """The kind-specific rules of a layer of state kind `reduced` (1.4, §14.2) [FormatError; LimitExceeded for
+    a parts count above 2^31, §9] of a layer with kv_heads H, seq_len S, k_dim Dk, sliding_window sw and
+    cumulative_length cl; the generic tensor rules of §4.2 have already been applied to `tensors`.
+    Returns the parsed parts and scaling (as a float)."""
+    if reduce is None:
+        raise FormatError(f"{w}: a layer of kind reduced without a header reduce object (§14.1)")
+    if sw is not None:
+        raise FormatError(f"{w}: a reduced layer has sliding_window null")
+    if st["slots"] != 1:
+        raise FormatError(f"{w}.slots={st['slots']}: a reduced layer has 1 slot")
+    if not 1 <= len(tensors) <= 2:
+        raise FormatError(f"{w}.tensors: a reduced layer has 1 or 2 tensors, not {len(tensors)}")
+    # tensors[0] log_weights; tensors[1] anchor present if and only if form is query (§14.2)
+    want = [("log_weights", (B, H, S))]
+    if reduce["form"] == "query":
+        want.append(("anchor", (B, H, Dk)))
+    if len(tensors) != len(want):
+        raise FormatError(f"{w}.tensors: {len(tensors)} tensors; form {reduce['form']!r} needs {len(want)} "
+                          "(log_weights, and an anchor if and only if form is query)")
+    for j, (t, (name, shape)) in enumerate(zip(tensors, want)):
+        if t["name"] != name:
+            raise FormatError(f"{w}.tensors[{j}].name {t['name']!r}, expected {name!r}")
+        if t["slot"] != 0:
+            raise FormatError(f"{w}.tensors[{j}].slot {t['slot']}, expected 0")
+        if t["dtype"] != "float32":
+            raise FormatError(f"{w}.tensors[{j}].dtype {t['dtype']!r}: a {name} tensor is float32")
+        if t["shape"] != shape:
+            raise FormatError(f"{w}.tensors[{j}].shape {list(t['shape'])}, expected {list(shape)}")
+    # parts
+    p = st["parts"]
+    wp = f"{w}.parts"
+    _keys(p, ["fixed", "sinks", "levels", "buffer"], (), wp)
+    # the parts counts: 2^31 is a limit (§9): LimitExceeded above, FormatError below; `levels` at most 64
+    # items (fixed: FormatError), each null or 1 .. 2^31 (a count too: LimitExceeded above), the last not null
+    fixed = _int(p, "fixed", 0, where=wp, limit=1 << 31)
+    sinks = _int(p, "sinks", 0, where=wp, limit=1 << 31)
+    buf = _int(p, "buffer", 0, where=wp, limit=1 << 31)
+    lv = p["levels"]
+    if not isinstance(lv, list) or len(lv) > 64:
+        raise FormatError(f"{wp}.levels: a list of at most 64 items")
+    for i, x in enumerate(lv):
+        if x is not None:
+            if not _is_int(x) or x < 1:
+                raise FormatError(f"{wp}.levels[{i}]: null or an integer 1 .. 2^31")
+            if x > 1 << 31:
+                raise LimitExceeded(f"{wp}.levels[{i}]={x} above limit 2^31")
+    if lv and lv[-1] is None:
+        raise FormatError(f"{wp}.levels: the last item is null")
+    if fixed + sinks + sum(x for x in lv if x is not None) + buf != S:
+        raise FormatError(f"{wp}: fixed + sinks + levels + buffer != seq_len {S}")
+    if sinks > reduce["sinks"]:
+        raise FormatError(f"{wp}.sinks={sinks} above reduce.sinks={reduce['sinks']}")
+    if reduce["reducer"] is None:
+        if any(x is not None for x in lv):
+            raise FormatError(f"{wp}.levels: every level null without a reducer")
+    else:
+        if fixed != 0:
+            raise FormatError(f"{wp}.fixed={fixed}: 0 with a reducer")
+        for i, x in enumerate(lv):
+            if x is not None and x > min(reduce["k"], reduce["block"] << i):
+                raise FormatError(f"{wp}.levels[{i}]={x} above min(reduce.k, block * 2^{i})")
+        if not buf < reduce["window"] + reduce["block"]:
+            raise FormatError(f"{wp}.buffer={buf}: not below reduce.window + reduce.block")
+        # the binary counter (§14.2): level l summarises 2^l blocks of `block` tokens
+        seen = sinks + reduce["block"] * sum(1 << i for i, x in enumerate(lv) if x is not None) + buf
+        if cl != seen:
+            raise FormatError(f"{w}: cumulative_length={cl}, but sinks + block*sum(2^l) + buffer = {seen}")
+        if sinks < reduce["sinks"] and (any(x is not None for x in lv) or buf != 0):
+            raise FormatError(f"{wp}: sinks={sinks} < reduce.sinks={reduce['sinks']}, so every level must be "
+                              "null and buffer 0")
+    # scaling: any JSON number (integer or not) whose binary64 value is > 0 (§14.2)
+    sc = st["scaling"]
+    if not _is_num(sc):
+        raise FormatError(f"{w}.scaling is not a number")
+    sc = float(sc)  # an integer literal (<= 40 characters, §4) is finite as binary64
+    if not sc > 0:
+        raise FormatError(f"{w}.scaling={sc!r}: its binary64 value must be > 0")
+    return dict(fixed=fixed, sinks=sinks, levels=list(lv), buffer=buf), sc
+
+
+def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None):
+    """layers[i].state (§4.2) of a layer with seq_len S and sliding_window sw (kind `reduced`, 1.4: also
+    kv_heads H, k_dim Dk and the header's validated reduce object or None).
+    Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)]) (+ parts, scaling)."""
+    if not isinstance(st, dict):
+        raise FormatError(f"{w} is not an object")
+    if "kind" not in st:
+        raise FormatError(f"missing key {w}.kind")
     kind = st["kind"]
     if not isinstance(kind, str):
         raise FormatError(f"{w}.kind")
     if kind not in STATE_KINDS:
         raise UnknownId(f"{w}.kind {kind!r}")
+    # kind `reduced` has two more keys (§4.2); for the others they are unknown keys
+    _keys(st, ["kind", "slots", "tensors"] + (["parts", "scaling"] if kind == "reduced" else []), (), w)
     slots = _int(st, "slots", 1, 256, w)
     if kind == "indexed":
         if slots != 1:
@@ -348,7 +493,7 @@ def validate_state(st, B, S, sw, w):
                 raise LimitExceeded(f"{wj}.shape[{i}]={d} above 2^31")
         if shape[0] != B:
             raise FormatError(f"{wj}.shape[0]={shape[0]} is not batch {B}")
-        if name in ("conv", "indexer_keys") and len(shape) != 3:
+        if name in ("conv", "indexer_keys", "log_weights", "anchor") and len(shape) != 3:
             raise FormatError(f"{wj}.shape: a {name} tensor has exactly 3 dimensions")
         if name == "indexer_keys" and shape[1] != S:
             raise FormatError(f"{wj}.shape[1]={shape[1]} is not the layer's seq_len {S}")
@@ -366,7 +511,10 @@ def validate_state(st, B, S, sw, w):
     if kind == "indexed" and len(tensors) != 1:
         raise FormatError(f"{w}.tensors: an indexed layer has exactly one tensor (indexer_keys), "
                           f"not {len(tensors)}")
-    return dict(kind=kind, slots=slots, tensors=tensors)
+    out = dict(kind=kind, slots=slots, tensors=tensors)
+    if kind == "reduced":
+        out["parts"], out["scaling"] = validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w)
+    return out
 
 
 def state_tensors(info):
