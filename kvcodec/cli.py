@@ -95,6 +95,9 @@ def cmd_encode(args) -> int:
     from .cache import to_canonical
 
     needs_model = registry.tier(args.tier).needs_model
+    if args.reduce is not None and (needs_model or args.text is None):
+        raise ConfigError("--reduce needs --text (the model runs over it) and tier lossless or lossy: a reduced "
+                          "cache's atoms are not tokens the token tiers could recompute")
     if args.cache is not None:
         kv = _cache_from_safetensors(args.cache)
         cache, ids = kv, kv.tokens
@@ -104,6 +107,11 @@ def cmd_encode(args) -> int:
         model = _load_model(args.model, args.dtype)
         ids = tokenize(model[1], text, args.max_tokens)
         cache = prefill(model[0], ids)
+        if args.reduce is not None:
+            from .reduction import reduce
+
+            cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids)
+            ids = None  # entries, not tokens: a reduced file stores no token ids
         kv = to_canonical(cache)
     if needs_model:
         bar = _progress(kv.seq_len, "encoding", "token")
@@ -118,10 +126,12 @@ def cmd_encode(args) -> int:
             raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
     n = save(out, cache, model, overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
-             tokens=ids if args.store_tokens or args.tier != "lossless" else None, progress=bar.update, **opts)
+             tokens=ids if ids is not None and (args.store_tokens or args.tier != "lossless") else None,
+             progress=bar.update, **opts)
     bar.close()
     dt = time.perf_counter() - t0
-    _report(args, f"{out}: {kv.seq_len} tokens, {_human(kv.nbytes())} {kv.dtype_name} cache -> {_human(n)} "
+    what = "tokens" if kv.reduce is None else f"entries (reduced: {args.reduce_method}, keep {args.reduce:g})"
+    _report(args, f"{out}: {kv.seq_len} {what}, {_human(kv.nbytes())} {kv.dtype_name} cache -> {_human(n)} "
             f"({kv.nbytes() / n:.3f}x) in {dt:.1f} s", file=out, tier=args.tier, tokens=kv.seq_len,
             dtype=kv.dtype_name, cache_bytes=kv.nbytes(), file_bytes=n, seconds=round(dt, 3))
     return 0
@@ -376,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per section: smaller allows reading part of a layer (default 4096)")
     s.add_argument("--no-tokens", dest="store_tokens", action="store_false",
                    help="tier lossless: do not store the token ids")
+    s.add_argument("--reduce", type=float, default=None, metavar="KEEP",
+                   help="--text: reduce the cache to this fraction of its entries first (kvcodec.reduce; tiers "
+                        "lossless and lossy)")
+    s.add_argument("--reduce-method", default="cluster", choices=["cluster", "sample", "streaming", "snapkv", "h2o"],
+                   help="--reduce: the reducer or baseline (default cluster)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)
 

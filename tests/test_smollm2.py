@@ -1,6 +1,7 @@
 """Integration tests on the real embedded model (SmolLM2-135M-Instruct)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -147,3 +148,23 @@ def test_token_tier_wrong_model_and_tokenizer(smollm2):
     other = copy.deepcopy(tok)
     other.add_tokens(["<kvcodec-test-token>"])
     check_rejects(kvcodec.ModelMismatch, data, (model, other), match="tokenizer")
+
+
+def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
+    """`kvz encode --reduce`: SmolLM2 over a real text, reduced to 10 % (clustering), stored lossy; the file
+    says what it is and decodes to a cache SmolLM2 generates from."""
+    from kvcodec.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text(demo_text())
+    out = tmp_path / "t.kvz"
+    assert main(["encode", "--text", str(text), "--max-tokens", "400", "--reduce", "0.1", "--tier", "lossy",
+                 "--bits", "3", "--dtype", "fp32", "-o", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    info = kvcodec.inspect(out)
+    assert info["tier"] == "lossy" and info["reduce"]["method"] == "cluster"
+    assert info["reduce"]["tokens"] == 400 and info["reduce"]["entries"] <= 40 and rep["tokens"] == info["tokens"]
+    model, tok = smollm2
+    cache = kvcodec.load(out, model)
+    nxt = model.generate(tokenize(tok, demo_text(), 401), cache=cache, max_new_tokens=3, do_sample=False)
+    assert nxt.shape[1] == 404
