@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 import kvcodec
 from kvcodec.cli import main
+from kvcodec.container import layout as L
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 VEC = VECTORS / "fp32_chunked_tokens.kvz"
@@ -126,7 +127,7 @@ def test_version_and_json_on_every_reporting_verb(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and "format 1.3" in capsys.readouterr().out
+    assert e.value.code == 0 and f"format 1.{L.FORMAT_VERSION_MINOR}" in capsys.readouterr().out
     assert main(["verify", str(VEC), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     out = tmp_path / "x.safetensors"
