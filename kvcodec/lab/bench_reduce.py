@@ -184,6 +184,40 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
     return rows
 
 
+@torch.no_grad()
+def sizes(model, tok, doc, keeps, bits=(2.0, 3.0), progress=print):
+    """Bytes of one document's cache (bf16, as stored in practice): the full cache in the lossless and exact
+    tiers, and reduced by clustering at each keep, lossless and lossy at each of ``bits``."""
+    import warnings
+
+    from ..api import encode
+    from ..reduction import reduce
+    from ..tokens.plan import cache_kwarg
+
+    ids = _ids(tok, doc["text"])
+    mb = copy.deepcopy(model).to(torch.bfloat16)
+    out = mb(ids, **{cache_kwarg(mb): None}, use_cache=True)
+    full = out["cache"] if "cache" in out else out["past_key_values"]
+    raw = sum(la.keys.numel() * 2 * 2 for la in full.layers)
+    rows = [{"what": "full cache, raw bf16", "entries": ids.shape[1], "bytes": raw},
+            {"what": "full cache, lossless", "entries": ids.shape[1], "bytes": len(encode(full))},
+            {"what": "full cache, exact (tokens + residual; needs the model)", "entries": ids.shape[1],
+             "bytes": len(encode(full, mb, tokens=ids))}]
+    for keep in keeps:
+        red = reduce(full, mb, keep, "cluster", tokens=ids)
+        rows.append({"what": f"cluster, keep {keep:g}, lossless", "entries": red.entries(),
+                     "bytes": len(encode(red))})
+        for b in bits:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows.append({"what": f"cluster, keep {keep:g}, lossy {b:g} bits", "entries": red.entries(),
+                             "bytes": len(encode(red, tier="lossy", bits=b))})
+        progress(f"sizes: keep {keep} done")
+    for r in rows:
+        r["ratio_vs_raw"] = raw / r["bytes"]
+    return {"file": doc["file"], "tokens": int(ids.shape[1]), "rows": rows}
+
+
 def _boot_ci(x, reps=2000, seed=0):
     x = np.asarray(x, float)
     if len(x) < 2:
@@ -314,6 +348,12 @@ def to_markdown(res) -> str:
         lo, hi = v["ci95"]
         lines.append(f"| {v['keep']:g} | {v['a']} | {v['b']} | {v['items']} | {v['delta_bits_mean']:+.2f} "
                      f"[{lo:+.2f}, {hi:+.2f}] | {v['a_better']} / {v['b_better']} | {v['sign_test_p']:.3f} |")
+    if res.get("sizes"):
+        sz = res["sizes"]
+        lines += ["", f"Bytes of one document's cache ({sz['file']}, {sz['tokens']} tokens, SmolLM2 bf16):", "",
+                  "| stored as | entries | bytes | × smaller than raw |", "|---|---:|---:|---:|"]
+        for r in sz["rows"]:
+            lines.append(f"| {r['what']} | {r['entries']} | {r['bytes']:,} | {r['ratio_vs_raw']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -341,6 +381,8 @@ def run_reduce_bench(args) -> int:
            "files": [d["file"] for d in docs], "questions": sum(len(d["items"]) for d in docs),
            "depths": args.depths, "keeps": keeps, "methods": methods, "seed": args.seed,
            "seconds": round(time.perf_counter() - t0, 1), "summary": summary, "versus": versus, "rows": rows}
+    if getattr(args, "sizes", False):
+        res["sizes"] = sizes(model, tok, docs[0], keeps)
     out = write_report(args.out, "bench_reduce", res, to_markdown(res))
     _svg(summary, keeps, methods, Path(out) / "bench_reduce.svg")
     return 0
