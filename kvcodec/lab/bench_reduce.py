@@ -374,6 +374,13 @@ def run_reduce_bench(args) -> int:
     if not docs:
         print(f"kvz bench --reduce: no document of the corpus has {args.context} + 64 tokens")
         return 1
+    if getattr(args, "export_items", None):  # for the peers' runner (scripts/peers/kvpress_reduce.py)
+        import json
+
+        Path(args.export_items).write_text(json.dumps(
+            [{**d, "continuation": [int(t) for t in d["continuation"]]} for d in docs]))
+        print(f"wrote {len(docs)} documents' items to {args.export_items}")
+        return 0
     t0 = time.perf_counter()
     rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
     summary, versus = summarise(rows, keeps, methods)
