@@ -139,7 +139,7 @@ class KVCache:
 
     def equal(self, other: "KVCache") -> bool:
         """Bit-identical tensors (NaN payloads included), states included."""
-        if self.num_layers != other.num_layers or self.dtype != other.dtype:
+        if self.num_layers != other.num_layers or self.dtype != other.dtype or self.reduce != other.reduce:
             return False
         for a, b in zip(self.states, other.states):
             if (a is None) != (b is None) or (a is not None and not a.equal(b)):

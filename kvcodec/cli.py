@@ -359,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true", help="also read every payload and check its checksum")
     s.set_defaults(func=cmd_inspect)
 
+    from .state import REDUCE_METHODS
+
     s = sub.add_parser("encode", help="store a KV cache: a model's over a text file, or a cache saved as "
                                       "safetensors")
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
@@ -389,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reduce", type=float, default=None, metavar="KEEP",
                    help="--text: reduce the cache to this fraction of its entries first (kvcodec.reduce; tiers "
                         "lossless and lossy)")
-    s.add_argument("--reduce-method", default="cluster", choices=["cluster", "sample", "streaming", "snapkv", "h2o"],
+    s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
                    help="--reduce: the reducer or baseline (default cluster)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)

@@ -123,7 +123,7 @@ class KvzFile:
         return KVCache([d[i, L.PART_KEYS] for i in range(n)], [d[i, L.PART_VALUES] for i in range(n)], tokens,
                        h.start_position, [lay.sliding_window for lay in h.layers],
                        [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)],
-                       reduce=h.raw.get("reduce"))
+                       reduce=h.reduce)
 
     def describe(self, verify_checksums: bool = False) -> dict:
         """``kvz inspect``: the file from its header and index, without decoding payloads (JSON-able)."""

@@ -414,20 +414,47 @@ def test_reduced_cache_refuses_token_tiers_and_legacy_output():
     assert kvcodec.inspect(kvcodec.encode(red, m))["tier"] == "lossless"  # the default with a model
     with pytest.raises(kvcodec.ConfigError, match="legacy"):
         kvcodec.decode(kvcodec.encode(red), output="legacy")
+    with pytest.raises(kvcodec.ConfigError, match="bits="):
+        kvcodec.encode(red, m, tier="lossy", max_kl=0.01)
 
 
-def test_decoded_reduced_cache_without_enable_is_refused_not_silently_wrong():
-    """Without the mass-aware attention the log-weights would be ignored; the cache notices at the second
-    reduced layer of the forward pass and raises before the model returns anything."""
-    m = _model("llama")
+@pytest.mark.parametrize("kind", ["llama", "qwen2_mixed"])  # qwen2_mixed: a single reduced layer
+def test_decoded_reduced_cache_without_the_model_is_refused_before_any_change(kind):
+    """Without the mass-aware attention the log-weights would be ignored: a cache decoded without its model
+    refuses the first reduced layer's update (before anything changes) until it is bound to the model."""
+    m = _model(kind)
     ids = _ids(80)
     data = kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
-    fresh = _model("llama")  # same weights, attention not switched
+    fresh = _model(kind)  # same weights, attention not switched
     back = kvcodec.decode(data)
-    with pytest.raises(kvcodec.ConfigError, match="enable"):
+    before = back.describe()
+    with pytest.raises(kvcodec.ConfigError, match="bound"):
         fresh(_ids(2, 1), past_key_values=back)
-    ok = kvcodec.decode(data, fresh)
-    assert fresh(_ids(2, 1), past_key_values=ok).logits.isfinite().all()
+    assert back.describe() == before and back.get_seq_length() == 80
+    ref = m(_ids(2, 1), past_key_values=kvcodec.decode(data, m)).logits
+    assert torch.equal(fresh(_ids(2, 1), past_key_values=back.bind(fresh)).logits, ref)
+    fresh.set_attn_implementation("eager")  # switched away again: refused again
+    with pytest.raises(kvcodec.ConfigError, match="bind"):
+        fresh(_ids(2, 1), past_key_values=back)
+
+
+def test_hand_built_reduced_cache_that_breaks_the_spec_is_refused_at_encode():
+    m = _model("llama")
+    ids = _ids(100)
+    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
+    kv.states[0].anchor = None  # form query without its anchor
+    with pytest.raises(kvcodec.ConfigError, match="anchor"):
+        kvcodec.encode(kv)
+
+
+def test_raw_tokens_with_log_weights_are_refused_at_decode():
+    m = _model("llama")
+    ids = _ids(100)
+    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
+    kv.states[0].log_weights = kv.states[0].log_weights.clone()
+    kv.states[0].log_weights[..., -1] = 3.0  # a buffer token
+    with pytest.raises(kvcodec.FormatError, match="raw tokens"):
+        kvcodec.decode(kvcodec.encode(kv))
 
 
 def _move(parts, a, b):

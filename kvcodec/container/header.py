@@ -447,8 +447,10 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
     if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
         v.fail(f"{p}.parts.levels", f"must be a list of at most {MAX_LEVELS} entries")
     for j, x in enumerate(levels):
-        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= lim["max_seq_len"]):
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
             v.fail(f"{p}.parts.levels[{j}]", "must be null or an integer >= 1")
+        if x is not None and x > lim["max_seq_len"]:
+            v.fail(f"{p}.parts.levels[{j}]", f"{x} above {lim['max_seq_len']}", LimitExceeded)
     got["levels"] = list(levels)
     scaling = st["scaling"]
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:

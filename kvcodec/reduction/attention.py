@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["enable", "enabled_name", "set_bias", "clear_bias", "check_wrapped", "float_mask", "observe", "Observation",
+__all__ = ["enable", "enabled_name", "set_bias", "clear_bias", "float_mask", "observe", "Observation",
            "kernel_logmass",
            "scalings", "softmax_attention", "kernel_attention", "prefill_mode"]
 
@@ -47,23 +47,6 @@ def set_bias(layer_idx: int, keys: torch.Tensor, beta: torch.Tensor | None) -> N
         _pending().pop(layer_idx, None)
     else:
         _pending()[layer_idx] = (keys, beta)
-
-
-def check_wrapped(layer_idx: int) -> None:
-    """Called by a reduced layer's update: raise :class:`~kvcodec.errors.ConfigError` if, since the update of an
-    earlier layer in the same forward pass, attention ran without the mass-aware wrapper and left that layer's
-    log-weights untaken (the model was not switched with :func:`enable`, so the atoms' log-weights would be
-    silently ignored)."""
-    from ..errors import ConfigError
-
-    calls = getattr(_state, "calls", 0)
-    last = getattr(_state, "last_update", None)
-    _state.last_update = (layer_idx, calls)
-    if last is not None and layer_idx > last[0] and calls == last[1] and last[0] in _pending():
-        _state.last_update = None
-        raise ConfigError("the model's attention does not apply the reduced cache's atom masses: call "
-                          "kvcodec.reduction.enable(model) (kvcodec.reduce and kvcodec.decode(..., model) do) "
-                          "before running it on a reduced cache")
 
 
 def clear_bias(layer_idx: int) -> None:
@@ -103,7 +86,6 @@ def _wrapper(original: str):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        _state.calls = getattr(_state, "calls", 0) + 1
         fn = _module_eager(module) if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
         obs = getattr(_state, "observer", None)
         if obs is not None:
@@ -128,7 +110,8 @@ def _wrapper(original: str):
 
 
 def enabled_name(model) -> str | None:
-    impl = getattr(model.config, "_attn_implementation", None)
+    """The mass-aware attention implementation ``model`` (or a model config) runs, or None."""
+    impl = getattr(getattr(model, "config", model), "_attn_implementation", None)
     return impl if isinstance(impl, str) and impl.startswith(_PREFIX) else None
 
 

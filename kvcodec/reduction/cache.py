@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..state import REDUCE_FORMS, LayerState
 from . import reducers
-from .attention import check_wrapped, set_bias
+from .attention import set_bias
 
 __all__ = ["ReducedCache", "ReducedLayer", "Plan", "ingest", "seed_of", "FORMS"]
 
@@ -49,8 +49,10 @@ class Plan:
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"unknown mass form {self.form!r}; known: {', '.join(FORMS)}")
-        if self.k < 1 or self.block < 1 or self.sinks < 0 or self.window < 0:
-            raise ValueError(f"reduce plan needs k >= 1, block >= 1, sinks >= 0 (got {self})")
+        if self.k < 1 or self.block < 1 or self.sinks < 0 or self.window < 0 or (
+                self.method is not None and self.block < self.k):
+            raise ValueError(f"reduce plan needs k >= 1, block >= 1 (>= k with a reducer: a summary never holds "
+                             f"more atoms than tokens), sinks >= 0, window >= 0 (got {self})")
         if self.method is not None and self.method not in reducers.REDUCERS:
             raise ValueError(f"unknown reducer {self.method!r}; known: {sorted(reducers.REDUCERS)}")
 
@@ -132,7 +134,6 @@ class ReducedLayer(DynamicLayer):
 
     # --- transformers' layer interface ------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
-        check_wrapped(self.layer_idx)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[2]
@@ -325,13 +326,14 @@ class ReducedCache(DynamicCache):
     the constructors here do."""
 
     def __init__(self, model, plan: Plan, *, layers=None, method: str | None = None):
-        from .attention import enable, scalings
+        from .attention import scalings
 
-        if model is not None:
-            enable(model)
-        elif layers is None:
+        if model is None and layers is None:
             raise ValueError("ReducedCache: an empty cache needs the model")
         self.plan = plan
+        self.config = None  # the config of the model it is bound to (bind)
+        if model is not None:
+            self.bind(model)
         #: what made the cache: a merge-reduce reducer or a one-shot baseline (kvcodec.reduction.METHODS)
         self.method = method or plan.method
         if layers is None:
@@ -346,6 +348,28 @@ class ReducedCache(DynamicCache):
                 else:
                     layers.append(layer)
         Cache.__init__(self, layers=layers)
+
+    def bind(self, model) -> "ReducedCache":
+        """Switch ``model`` to the mass-aware attention (:func:`kvcodec.reduction.attention.enable`) and remember
+        it: the cache refuses to run on a model whose attention would ignore its atoms' masses."""
+        from .attention import enable
+
+        enable(model)
+        self.config = model.config
+        return self
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        from ..errors import ConfigError
+        from .attention import enabled_name
+
+        if isinstance(self.layers[layer_idx], ReducedLayer) and (
+                self.config is None or enabled_name(self.config) is None):
+            raise ConfigError("this reduced cache is not bound to a model whose attention applies its atoms' masses "
+                              "(they would be ignored): decode it with kvcodec.decode(..., model) / load(..., model), "
+                              "or call cache.bind(model) first" if self.config is None else
+                              "the model this reduced cache is bound to was switched away from the mass-aware "
+                              "attention: call cache.bind(model) again")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reduced_layers(self) -> list[ReducedLayer]:
         return [layer for layer in self.layers if isinstance(layer, ReducedLayer)]

@@ -128,6 +128,7 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
     }
     if kv.reduce is not None:  # (1.4) a reduced cache: its plan (spec section 14)
         h["reduce"] = dict(kv.reduce)
+        _check_reduced_header(h)
     if extra is not None:
         h[extra[0]] = extra[1]
         runs = []
@@ -138,6 +139,18 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                 runs.append(dict(lay))
         h["cache"]["layers"] = runs
     return h
+
+
+def _check_reduced_header(h: dict) -> None:
+    """A reduced cache built by hand can break spec section 14's rules (a plan and parts that disagree): refuse
+    to write a file the decoder would reject, with the decoder's own reason."""
+    from ..container.header import dumps, parse
+    from ..errors import KvzError
+
+    try:
+        parse(dumps(h), offset=L.PREAMBLE.size)
+    except KvzError as e:
+        raise ConfigError(f"this reduced cache is not a valid .kvz reduced cache: {e}") from None
 
 
 def write_states(writer, kv: KVCache, which=None) -> None:
@@ -164,8 +177,20 @@ def read_states(f, layers) -> dict:
         for j, t in enumerate(info.tensors):
             e = r.entry(L.SECTION_STATE, li, j, 0)
             st.set(t.name, t.slot, decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset))
+            if t.name == "log_weights":
+                _raw_weights_zero(st.log_weights, info.parts, e.payload_offset)
         out[li] = st
     return out
+
+
+def _raw_weights_zero(beta, parts, offset: int) -> None:
+    """spec section 14.2: the log-weights of a reduced layer's raw tokens (sinks, buffer) are 0."""
+    a = parts["fixed"]
+    b = a + parts["sinks"]
+    c = beta.shape[-1] - parts["buffer"]
+    if beta[..., a:b].any() or beta[..., c:].any():
+        raise FormatError("a reduced layer's raw tokens (sinks, buffer) have log-weights other than 0",
+                          field="State.Data", offset=offset)
 
 
 def tensor_slice(kv: KVCache, li: int, part: int, where: Slice) -> torch.Tensor:

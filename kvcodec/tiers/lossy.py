@@ -120,6 +120,9 @@ def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: 
 
     if model is None:
         raise ConfigError("max_kl= needs the model: encode(cache, model, tier='lossy', max_kl=...)")
+    if kv.reduce is not None:
+        raise ConfigError("max_kl= calibrates on the cache's own last tokens, which a reduced cache's entries are "
+                          "not: use bits= for a reduced cache")
     mdl, _ = split_model(model)
     s = kv.seq_len
     n = min(calib_tokens, s // 4)

@@ -1440,8 +1440,15 @@ def decode_file(buf, regen=None):
             i = 1
         for s in secs[i:]:
             if s["type"] == SEC_STATE:
-                states[s["layer"]][s["part"]] = decode_state_payload(
-                    s["payload"], L[s["layer"]]["state"]["tensors"][s["part"]])
+                t = L[s["layer"]]["state"]["tensors"][s["part"]]
+                a = states[s["layer"]][s["part"]] = decode_state_payload(s["payload"], t)
+                if t["name"] == "log_weights":  # §14.2: raw tokens (sinks, buffer) have beta 0
+                    pr = L[s["layer"]]["state"]["parts"]
+                    f = np.asarray(a).view("<f4")
+                    S = f.shape[-1]
+                    if (f[..., pr["fixed"]:pr["fixed"] + pr["sinks"]] != 0).any() or \
+                            (f[..., S - pr["buffer"]:] != 0).any():
+                        raise FormatError("log_weights of sinks/buffer are not 0 (State.Data)")
                 continue
             lay = L[s["layer"]]
             D = lay["Dk"] if s["part"] == 0 else lay["Dv"]
