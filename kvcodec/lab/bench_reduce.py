@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from .common import corpus_files, missing_corpus, write_report
+from .common import missing_corpus, selected_files, write_report
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
@@ -362,11 +362,9 @@ def run_reduce_bench(args) -> int:
 
     from ..models import load_model
 
-    files = corpus_files(args.corpus)
+    files = selected_files(args)
     if not files:
         return missing_corpus("kvz bench --reduce")
-    if args.genres:
-        files = [f for f in files if f.name in set(args.genres)]
     model, tok = load_model("smollm2", dtype=torch.float32)
     keeps = sorted(args.keeps)
     methods = ["full"] + [m for m in args.methods if m != "full"]

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from .common import corpus_files, missing_corpus, write_report
+from .common import missing_corpus, selected_files, write_report
 
 FORMS = ("kernel", "dot", "query", "optimal")
 
@@ -268,11 +268,9 @@ def to_markdown(res) -> str:
 def run_theory_bench(args) -> int:
     from ..models import load_model
 
-    files = corpus_files(args.corpus)
+    files = selected_files(args)
     if not files:
         return missing_corpus("kvz bench --theory")
-    if args.genres:
-        files = [f for f in files if f.name in set(args.genres)]
     model, tok = load_model("smollm2", dtype=torch.float32)
     n = args.context
     keeps = sorted(args.keeps)

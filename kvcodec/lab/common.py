@@ -41,6 +41,14 @@ def missing_corpus(command: str) -> int:
     return 1
 
 
+def selected_files(args) -> list[Path]:
+    """The corpus texts ``--corpus`` names, narrowed to ``--genres`` when given."""
+    files = corpus_files(args.corpus)
+    if getattr(args, "genres", None):
+        files = [f for f in files if f.name in set(args.genres)]
+    return files
+
+
 def median_time(fn, repeats: int) -> tuple[float, object]:
     """Median wall time of ``repeats`` calls of ``fn``, and the last result."""
     times, out = [], None
