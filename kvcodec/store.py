@@ -411,6 +411,10 @@ class Store:
     def _check_storable(self, kv: KVCache) -> int:
         if kv.batch != 1:
             raise UnsupportedCache(f"a store keeps one session per put: batch {kv.batch} (put each row)")
+        if kv.reduce is not None:
+            raise UnsupportedCache("a reduced cache holds atoms, not token positions: the store cannot chunk or "
+                                   "share it. save() it as one .kvz (tier lossless or lossy), or put() the full "
+                                   "cache and kvcodec.reduce() what get() / match() return")
         if kv.has_state:
             raise UnsupportedCache("layers with recurrent / conv state or indexer keys have no per-token slices "
                                    "to share between sessions: save() such a cache as one .kvz file")

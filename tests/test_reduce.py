@@ -520,3 +520,47 @@ def test_reduced_cache_with_tokens_is_refused():
     red = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids)
     with pytest.raises(kvcodec.ConfigError, match="token ids"):
         kvcodec.encode(red, tokens=ids[:, :red.entries()])
+
+
+def test_bench_method_options_and_variant_pairs():
+    """`kvz bench --reduce` methods with reduce()'s options (the sinks ablation), paired against their method."""
+    from kvcodec.lab import bench_reduce as br
+
+    m = _model("llama")
+    ids = _ids(96)
+    cache = model_cache(m, ids)
+    red, nbytes = br._reduced(m, "cluster,sinks=0", cache, ids, 0.25, None, 0)
+    assert nbytes is None and red.plan.sinks == 0 and red.plan.method == "cluster"
+    win, _ = br._reduced(m, "streaming,sinks=0", cache, ids, 0.25, None, 0)
+    k = cache.layers[0].keys
+    assert torch.equal(win.layers[0].keys, k[:, :, 96 - win.entries():])  # a pure recent window
+    with pytest.raises(ValueError, match="unknown method option"):
+        br._reduced(m, "cluster,sink=0", cache, ids, 0.25, None, 0)
+    rows = []
+    for i, (method, bits) in enumerate([("full", -1.0), ("cluster", -3.0), ("cluster,sinks=0", -5.0),
+                                        ("streaming", -2.0)] * 2):
+        rows.append({"file": "f", "kind": "needle", "depth": i // 4, "method": method, "keep": 1.0 if method == "full"
+                     else 0.1, "answer_bits": bits - i // 4, "exact": False, "entries": 9, "reduce_s": 0.0})
+    summary, versus = br.summarise(rows, [0.1], ["full", "cluster", "cluster,sinks=0", "streaming"])
+    pair = {(v["a"], v["b"]): v for v in versus}
+    assert pair[("cluster,sinks=0", "cluster")]["delta_bits_mean"] == -2.0
+    assert pair[("cluster,sinks=0", "cluster")]["b_better"] == 2
+    assert pair[("cluster", "streaming")]["delta_bits_mean"] == -1.0
+    assert {s["method"] for s in summary} == {"cluster", "cluster,sinks=0", "streaming"}
+
+
+def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):
+    """The store chunks by token position, which atoms do not have: put(reduced) is refused by name; the
+    composition that works is reduce() on what the store returns."""
+    from kvcodec.errors import UnsupportedCache
+
+    m = _model("llama")
+    ids = _ids(80)
+    store = kvcodec.Store(tmp_path / "s", m, chunk_tokens=32)
+    key = store.put(model_cache(m, ids), tokens=ids)
+    red = kvcodec.reduce(store.get(key), m, keep=0.25, tokens=ids)
+    with pytest.raises(UnsupportedCache, match="atoms, not token positions"):
+        store.put(red, tokens=ids)
+    nxt = _ids(3, 5)
+    direct = kvcodec.reduce(model_cache(m, ids), m, keep=0.25, tokens=ids)
+    assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=direct).logits)

@@ -19,7 +19,9 @@ the full cache: the answer's log-likelihood (bits; primary), greedy exact match 
 entries per KV head (:func:`kvcodec.reduction.plan_for`).  ``cluster+scan`` computes the prefill itself under
 merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too;
 ``<reducer>-<form>`` (``cluster-kernel``, ``sample-dot``) runs a reducer with another mass form
-(:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``).
+(:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N`` and ``,window=F`` pass
+:func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
+budget a raw recent window); ``+lossyN`` stores the reduced cache in the lossy tier at N bits and decodes it.
 """
 
 from __future__ import annotations
@@ -122,9 +124,16 @@ def _reduced(model, method, full, ids, keep, obs, seed):
         return copy.deepcopy(full), None
     if method == "cluster+scan":
         return prefill(model, ids, keep, "cluster", seed=seed)[0], None
+    method, *options = method.split(",")  # "cluster,sinks=0", "cluster,window=0.5": reduce()'s options
     method, _, bits = method.partition("+lossy")  # "cluster+lossy3": reduced, then stored in the lossy tier
     name, _, form = method.partition("-")  # "cluster-kernel": the reducer with another mass form
-    red = reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query")
+    kw = {}
+    for o in options:
+        key, _, value = o.partition("=")
+        if key not in ("sinks", "window"):
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F)")
+        kw[key] = int(value) if key == "sinks" else float(value)
+    red = reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query", **kw)
     if not bits:
         return red, None
     data = encode(red, tier="lossy", bits=float(bits))
@@ -266,23 +275,33 @@ def summarise(rows, keeps, methods):
                         "needle_exact": acc, "needle_exact_full": acc_f,
                         "kl_bits_mean": float(np.mean(kls)) if kls else float("nan"),
                         "reduce_s_median": float(np.median([r["reduce_s"] for r in sel]))})
-    # best merge-reduce reducer vs each baseline, paired per item
+    # each merge-reduce method vs each baseline, and each variant ("cluster,sinks=0") vs its method, per item
+    present = {r["method"] for r in rows}
+    pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample") and "-" not in a
+             for b in ("snapkv", "streaming", "h2o")]
+    pairs += [(a, a.split(",")[0]) for a in methods if "," in a]
     vs = []
     for keep in keeps:
-        for a in ("cluster", "sample"):
-            for b in ("snapkv", "streaming", "h2o"):
-                ra = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == a and r["keep"] == keep
-                      and "answer_bits" in r}
-                rb = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == b and r["keep"] == keep
-                      and "answer_bits" in r}
-                common = sorted(set(ra) & set(rb))
-                if not common:
-                    continue
-                d = [ra[c]["answer_bits"] - rb[c]["answer_bits"] for c in common]
-                vs.append({"keep": keep, "a": a, "b": b, "items": len(d), "delta_bits_mean": float(np.mean(d)),
-                           "ci95": _boot_ci(d), "sign_test_p": _sign_test(d),
-                           "a_better": sum(x > 0 for x in d), "b_better": sum(x < 0 for x in d)})
+        for a, b in pairs:
+            if a not in present or b not in present:
+                continue
+            ra = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == a and r["keep"] == keep
+                  and "answer_bits" in r}
+            rb = {(r["file"], r["kind"], r["depth"]): r for r in rows if r["method"] == b and r["keep"] == keep
+                  and "answer_bits" in r}
+            common = sorted(set(ra) & set(rb))
+            if not common:
+                continue
+            d = [ra[c]["answer_bits"] - rb[c]["answer_bits"] for c in common]
+            vs.append({"keep": keep, "a": a, "b": b, "items": len(d), "delta_bits_mean": float(np.mean(d)),
+                       "ci95": _boot_ci(d), "sign_test_p": _sign_test(d),
+                       "a_better": sum(x > 0 for x in d), "b_better": sum(x < 0 for x in d)})
     return out, vs
+
+
+def _base(method: str) -> str:
+    """``"cluster"`` of ``"cluster-kernel+lossy3,sinks=0"``."""
+    return method.split(",")[0].split("+")[0].split("-")[0]
 
 
 def _svg(summary, keeps, methods, path):
