@@ -16,6 +16,7 @@ Public API::
 from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
 from .api import Encoder, KvzFile, decode, encode, inspect, load, open_kvz, save  # noqa: E402
 from .cache import KVCache, to_canonical  # noqa: E402
+from .calibrate import Profile, calibrate  # noqa: E402
 from .errors import (  # noqa: E402
     BackendUnavailable,
     BadMagic,
@@ -43,6 +44,7 @@ from .version import __version__
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
     "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical", "Store", "reduce", "ReducedCache",
+    "calibrate", "Profile",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
     "UnsupportedCache",

@@ -125,6 +125,14 @@ def cmd_encode(args) -> int:
         if not isinstance(opts, dict):
             raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
+        if opts.get("quantizer") == "weighted":  # the key channels' weights: --profile, else calibrated here
+            from .calibrate import Profile, calibrate
+
+            if args.profile:
+                opts["profile"] = Profile.load(args.profile)
+            else:
+                mdl = model if model is not None else _load_model(args.model, kv.dtype_name)
+                opts["profile"] = calibrate(mdl[0], tokenizer=mdl[1])
     n = save(out, cache, model, overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
              tokens=ids if ids is not None and (args.store_tokens or args.tier != "lossless") else None,
              progress=bar.update, **opts)
@@ -376,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lossy: average bits per quantized component, all side info included (exact tokens on top)")
     s.add_argument("--max-kl", type=float, default=None,
                    help="lossy: instead of --bits, the coarsest step keeping the mean KL (bits) within this")
+    s.add_argument("--profile", default=None,
+                   help="lossy, quantizer weighted: a calibration profile (JSON, kvcodec.Profile.save); default: "
+                        "calibrated with the model on 128 tokens of the embedded text")
     s.add_argument("--lossy-options", default=None,
                    help='lossy: other vq_rans options as JSON, e.g. \'{"window": 64, "quantizer": "kivi"}\'')
     s.add_argument("--token-model", default="lm", choices=["lm", "static"],
@@ -447,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--methods", nargs="*",
                    default=["cluster", "sample", "cluster-kernel", "snapkv", "h2o", "streaming"],
                    help="reduce: methods besides the full cache (also: cluster+scan, the merge-reduce prefill; "
-                        "<reducer>-<form> such as sample-dot)")
+                        "<reducer>-<form> such as sample-dot; <method>+lossyN; options ,sinks=N ,window=F as in "
+                        "cluster,sinks=0)")
     s.add_argument("--context", type=int, default=2048, help="reduce, theory: tokens of each document's cache")
     s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")
     s.add_argument("--documents", type=int, default=6, help="reduce, theory: documents (corpus files long enough)")

@@ -145,6 +145,11 @@ def lossy_cases():
     # (1.4) a reduced cache's atoms quantized; its log-weights and anchors stay exact
     yield "lossy_reduced", reduced_cache(rng, torch.float16), {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3,
                                                                 "group": 4, "sink": 0}
+    # (1.5) quantizer "weighted": keys in Method 5 with per-channel steps from a profile, values in Method 1
+    kv = [(structured(rng, (1, 2, 20, 8), torch.float32), structured(rng, (1, 2, 20, 8), torch.float32))]
+    profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (2, 8)).astype(np.float32)], model=None, tokens=0)
+    yield "lossy_weighted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "profile": profile}
 
 
 def tiny():
@@ -276,7 +281,8 @@ def build():
         data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
         if opts.get("tier") == "lossy":
             out = kvcodec.decode(data, output="kvcache")
-            meta = {"options": opts, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
+            shown = {**opts, "profile": json.loads(opts["profile"].to_json())} if "profile" in opts else opts
+            meta = {"options": shown, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
                     "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
                     "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
                     "tokens": None, "start_position": 0, **states_meta(kv)}

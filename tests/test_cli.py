@@ -190,3 +190,24 @@ def test_every_option_has_help():
     missing = [(verb, a.option_strings or a.dest) for verb, sp in sub.choices.items() for a in sp._actions
                if a.help is None and not isinstance(a, argparse._HelpAction)]
     assert not missing
+
+
+def test_encode_lossy_weighted_with_a_saved_profile(tmp_path, capsys):
+    """kvz encode --tier lossy, quantizer weighted: the profile from --profile; the keys' sections use Method 5."""
+    import numpy as np
+
+    st = tmp_path / "c.safetensors"
+    src = VECTORS / "lossy_weighted.kvz"
+    assert main(["decode", str(src), "-o", str(st)]) == 0
+    kv = kvcodec.load(src, output="kvcache")
+    prof = tmp_path / "p.json"
+    kvcodec.Profile([np.ones((k.shape[1], k.shape[3]), np.float32) for k in kv.keys]).save(prof)
+    out = tmp_path / "w.kvz"
+    assert main(["encode", "--cache", str(st), "--tier", "lossy", "--bits", "6", "--lossy-options",
+                 '{"quantizer": "weighted"}', "--profile", str(prof), "-o", str(out)]) == 0
+    coding = [s["coding"]["quantizer"] for s in kvcodec.inspect(out)["sections"] if s["type"] == "kv"]
+    assert coding == ["channel", "uniform"]
+    prof.write_text("{}")
+    assert main(["encode", "--cache", str(st), "--tier", "lossy", "--lossy-options", '{"quantizer": "weighted"}',
+                 "--profile", str(prof), "-o", str(tmp_path / "x.kvz")]) == 2  # a bad input file
+    assert "Profile.format" in capsys.readouterr().err

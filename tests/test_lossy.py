@@ -249,3 +249,152 @@ def test_max_kl_calibrates_the_step_with_the_model():
     assert rates[0.003] > rates[0.05] + 0.5
     check_rejects(kvcodec.ConfigError, cache, model, tier="lossy", max_kl=1e-9, match="not reachable")
     check_rejects(kvcodec.ConfigError, cache, tier="lossy", max_kl=0.01, match="needs the model")
+
+
+def test_weighted_study_pieces():
+    """kvcodec.lab.study_weighted (issue 15's direction 1): the weighted transform decodes to within half a step
+    in weighted units, the RoPE-pair average is a per-channel weight equal on each pair, and the front keeps
+    only points no other point beats."""
+    from kvcodec.cache import KVCache
+    from kvcodec.lab import study_weighted as sw
+
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(1, 2, 40, 8, generator=g) for _ in range(2)]
+    values = [torch.randn(1, 2, 40, 8, generator=g) for _ in range(2)]
+    kv = KVCache(keys, values)
+    c = torch.randn(2, 8, 8, generator=g, dtype=torch.float64)
+    c = c @ c.transpose(1, 2) + 0.1 * torch.eye(8, dtype=torch.float64)
+    pc = sw.rope_pair_average(c)
+    d = torch.diagonal(pc, dim1=-2, dim2=-1)
+    assert torch.equal(pc, torch.diag_embed(d)) and torch.equal(d[:, :4], d[:, 4:])
+    a, ai = sw.sqrt_and_inverse(c)
+    assert torch.allclose(a @ a, c, atol=1e-9) and torch.allclose(a @ ai, torch.eye(8, dtype=torch.float64), atol=1e-9)
+    w = {li: (a, ai) for li in range(2)}
+    nbytes, rec = sw.transformed(kv, (w, None), 0.05, 0.05)
+    for x, y in zip(kv.keys, rec.keys):
+        assert torch.equal(x[:, :, :1], y[:, :, :1])  # token 0 exact
+        err = torch.einsum("hde,bhte->bhtd", a, (y - x).double())[:, :, 1:]
+        assert err.abs().max() <= 0.025 + 1e-5
+    for x, y in zip(kv.values, rec.values):
+        assert (x - y).abs().max() < 0.1
+    assert nbytes > 0
+    assert sw.front([(2.0, 0.5), (1.0, 1.0), (3.0, 0.6), (2.5, 0.2)]) == [(1.0, 1.0), (2.0, 0.5), (2.5, 0.2)]
+    assert abs(sw._interp([(1.0, 0.1), (3.0, 0.001)], 2.0) - 0.01) < 1e-12
+
+
+def _weighted_case(seq=40, dim=8, seed=3):
+    rng = np.random.default_rng(seed)
+    cache = kvcodec.KVCache([k for k, _ in structured_cache(layers=2, heads=2, seq=seq, dim=dim, dtype=torch.float32,
+                                                             seed=seed)],
+                            [v for _, v in structured_cache(layers=2, heads=2, seq=seq, dim=dim,
+                                                            dtype=torch.float32, seed=seed + 1)])
+    profile = kvcodec.Profile([rng.uniform(0.1, 4.0, (2, dim)).astype(np.float32) for _ in range(2)])
+    return cache, profile
+
+
+def test_weighted_keys_use_per_channel_steps_within_half_a_step():
+    """Quantizer "weighted": keys in Method 5 with the steps step * key_ratio / w (float16), values in Method 1;
+    every quantized key component is within half its channel's step; the file is stamped 1.5 (earlier ones
+    keep their minor version); decoding needs no profile."""
+    from kvcodec.codecs.vq_rans import channel_steps
+
+    cache, profile = _weighted_case()
+    data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", step=0.2, key_ratio=0.5, profile=profile)
+    assert struct.unpack_from("<H", data, 10)[0] == 5
+    assert struct.unpack_from("<H", kvcodec.encode(cache, tier="lossy", step=0.2), 10)[0] == 2
+    out = kvcodec.decode(data, output="kvcache")
+    info = kvcodec.inspect(data)
+    methods = [s["coding"]["quantizer"] for s in info["sections"] if s["type"] == "kv"]
+    assert methods == ["channel", "uniform"] * 2
+    for li in range(2):
+        st = torch.from_numpy(channel_steps(0.2, 0.5, profile.key_weights[li]).astype(np.float32))
+        err = (out.keys[li] - cache.keys[li])[:, :, 1:].abs()  # token 0: the exact sink (Mode 2)
+        assert (err <= st[None, :, None, :] / 2 * (1 + 1e-6)).all()
+        assert torch.equal(out.keys[li][:, :, :1], cache.keys[li][:, :, :1])
+        assert 0 < float(err.max()) and float((out.values[li] - cache.values[li]).abs().max()) > 0
+    # a finer key_ratio: finer keys, the values as they were
+    fine = kvcodec.decode(kvcodec.encode(cache, tier="lossy", quantizer="weighted", step=0.2, key_ratio=0.1,
+                                         profile=profile), output="kvcache")
+    assert _rel_mse(fine.keys, cache.keys) < _rel_mse(out.keys, cache.keys) / 10
+    assert all(torch.equal(a, b) for a, b in zip(fine.values, out.values))
+
+
+def test_weighted_meets_bits_and_refuses_bad_profiles():
+    cache, profile = _weighted_case(seq=512, dim=64)
+    data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", bits=3.0, profile=profile)
+    comps = sum(t.numel() for t in cache.keys + cache.values)
+    payload = sum(s["bytes"] for s in kvcodec.inspect(data)["sections"] if s["type"] == "kv")
+    assert 2.5 < 8 * payload / comps < 3.3  # the exact sink tokens are counted here, not in the budget
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", quantizer="weighted", bits=3, match="needs profile")
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", bits=3, profile=profile, match="for quantizer")
+    bad = kvcodec.Profile([w[:, :8] for w in profile.key_weights])
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", quantizer="weighted", profile=bad, match="layer 0")
+    short = kvcodec.Profile(profile.key_weights[:1])
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", quantizer="weighted", profile=short, match="layers")
+    check_rejects(kvcodec.ConfigError, cache, tier="lossy", quantizer="weighted", profile=profile, key_ratio=0,
+                  match="key_ratio")
+    bad = kvcodec.KVCache([k.clone() for k in cache.keys], cache.values)
+    bad.keys[1][0, 1, 7, 3] = float("inf")
+    for q, extra in (("weighted", {"profile": profile}), ("uniform", {})):
+        check_rejects(kvcodec.ConfigError, bad, tier="lossy", quantizer=q, bits=3, match="layer 1 keys: a value is "
+                      "not finite", **extra)
+
+
+def test_hostile_method_5_fields_are_refused_by_name():
+    cache, profile = _weighted_case()
+    data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", step=0.2, sink=0, profile=profile)
+    reseal = fuzz_tools().reseal
+    with KvzReader(data) as r:
+        at = r.sections[0].payload_offset
+    steps_at = at + 28  # fixed fields (24) + Index_Offset (4)
+    for value, field in ((0.0, "Channel_Steps"), (float("inf"), "Channel_Steps"), (-1.0, "Channel_Steps"),
+                         (float("nan"), "Channel_Steps")):
+        bad = bytearray(data)
+        bad[steps_at + 6:steps_at + 8] = np.float16(value).tobytes()
+        check_rejects(kvcodec.FormatError, reseal(bytes(bad)), match=field)
+    bad = bytearray(data)
+    bad[at + 8] = 1  # Seed must be 0 for Method 5
+    check_rejects(kvcodec.FormatError, reseal(bytes(bad)), match="Seed")
+    bad = bytearray(data)
+    bad[at + 20] = 1  # Norms_Length must be 0
+    check_rejects(kvcodec.FormatError, reseal(bytes(bad)), match="Norms_Length")
+    old = bytearray(data)
+    old[10:12] = struct.pack("<H", 4)  # a Method 5 payload in a file stamped 1.4
+    err = check_rejects(kvcodec.FormatError, reseal(bytes(old)), match="stamped 1.4")
+    assert err.field == "VQ.Method"
+
+
+def test_calibrate_profiles_pairs_and_json():
+    """kvcodec.calibrate: one weight per KV head and key channel, equal on each rotary pair (Llama layout), not
+    averaged without RoPE (GPT-2); a profile survives JSON and a hostile one is refused by name."""
+    from .common import tiny_model
+
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(0))
+    llama = tiny_model("llama")
+    p = kvcodec.calibrate(llama, ids)
+    kv_heads = llama.config.num_key_value_heads
+    d = llama.config.hidden_size // llama.config.num_attention_heads
+    assert len(p.key_weights) == llama.config.num_hidden_layers and p.tokens == 48
+    for w in p.key_weights:
+        assert w.shape == (kv_heads, d) and (w > 0).all()
+        assert np.array_equal(w[:, : d // 2], w[:, d // 2:])
+    g = kvcodec.calibrate(tiny_model("gpt2"), ids)
+    assert any(not np.array_equal(w[:, : w.shape[1] // 2], w[:, w.shape[1] // 2:]) for w in g.key_weights)
+    back = kvcodec.Profile.from_json(p.to_json())
+    assert back.model == p.model and all(np.array_equal(a, b) for a, b in zip(back.key_weights, p.key_weights))
+    import json
+
+    obj = json.loads(p.to_json())
+    for mutate, field in ((lambda o: o.update(format="x"), "Profile.format"),
+                          (lambda o: o.update(version=2), "Profile.version"),
+                          (lambda o: o["key_weights"][0][0].__setitem__(0, -1.0), "Profile.key_weights"),
+                          (lambda o: o["key_weights"].__setitem__(1, "x"), "Profile.key_weights")):
+        o = json.loads(json.dumps(obj))
+        mutate(o)
+        with pytest.raises(kvcodec.FormatError) as ei:
+            kvcodec.Profile.from_json(json.dumps(o))
+        assert ei.value.field.startswith(field)
+    with pytest.raises(kvcodec.FormatError):
+        kvcodec.Profile.from_json("{")
+    with pytest.raises(kvcodec.ConfigError, match="tokenizer"):
+        kvcodec.calibrate(llama)

@@ -33,7 +33,7 @@ REQUIRED = {
     ("residual", 1), ("residual", 2), ("tolerance", "number"), ("padding", "mask"), ("token_ids", "stored"),
     ("sliding_window", "yes"), ("repeat", "yes"),
     # section 13: every method, both modes, a slice with no quantized token, both KIVI axes, Sign_Rule 1
-    *[("vq_method", m) for m in (1, 2, 3, 4)], ("vq_mode", 1), ("vq_mode", 2), ("vq_all_exact", "yes"),
+    *[("vq_method", m) for m in (1, 2, 3, 4, 5)], ("vq_mode", 1), ("vq_mode", 2), ("vq_all_exact", "yes"),
     ("vq_exact_tail", "yes"), ("kivi_axis", 0), ("kivi_axis", 1), ("sign_rule", 1),
     # sections 4.2, 5.6 (1.3): both state kinds, both codings, several slots with a tensor missing, a state
     # dtype other than the cache's, a token-tier file with a stored and a regenerated state tensor

@@ -22,7 +22,7 @@ LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_slidi
             "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
                "tokens_tolerance_padded", "exact_state"]
-LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced"]
+LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
 
@@ -254,5 +254,8 @@ def test_reencode_lossy_vector_from_its_inputs(case):
     assert [sha(t) for t in kv.values] == meta["input_values_sha256"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        data = kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **meta["options"])
+        opts = dict(meta["options"])
+        if "profile" in opts:  # quantizer "weighted": the calibration profile, recorded as its JSON
+            opts["profile"] = kvcodec.Profile.from_json(json.dumps(opts["profile"]))
+        data = kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **opts)
     assert data == expected

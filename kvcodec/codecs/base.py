@@ -38,6 +38,7 @@ class Slice:
     layer_tokens: int = 0  #: tokens held by the whole layer
     num_layers: int = 1
     offset: int = 0  #: byte offset of the payload in the file (decoder error messages)
+    minor: int = 99  #: the file's Version_Minor (what its payloads may use); encoders: the latest
 
 
 class Codec(ABC):

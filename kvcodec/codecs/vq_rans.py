@@ -20,6 +20,11 @@ Keys get a step ``sqrt(key_weight)`` finer than values (equal *weighted*
 distortion; measured on SmolLM2, 512 tokens: quantizing only the keys costs 9x
 the KL of quantizing only the values; ``key_weight=8`` halves the KL at 2
 bits/component against equal steps, and 4..16 are within 20 % of each other).
+``weighted`` (format 1.5) puts the key bits where the queries look: a key error δk moves a query's logit by
+s·⟨q, δk⟩, so each key channel d gets its own step ``step * key_ratio / w_d`` with w_d the RMS of s·q_d
+from a calibration profile (:func:`kvcodec.calibrate`; Method 5: no rotation, no norms, the float16 steps
+in the payload, so decoding needs no profile); values keep the rotated uniform quantizer.  On SmolLM2 it
+roughly halves the KL at 2 bits per component (BENCHMARKS.md).
 Without rotation, for comparison: ``kivi`` (min-max groups, keys per channel
 over token groups, values per token) and ``cachegen`` (per-token max-abs
 scaling over all heads, finer bins in shallow layers, as LMCache ships it).
@@ -51,7 +56,13 @@ METHOD_UNIFORM = 1
 METHOD_LLOYD = 2
 METHOD_KIVI = 3
 METHOD_CACHEGEN = 4
-METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI, "cachegen": METHOD_CACHEGEN}
+METHOD_CHANNEL = 5
+CHANNEL_MINOR = 5  # the format minor version that introduced Method 5
+METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI, "cachegen": METHOD_CACHEGEN,
+           "channel": METHOD_CHANNEL}
+#: quantizers a user picks (``quantizer=``); ``weighted`` writes keys with Method 5 (per-channel steps from a
+#: calibration profile) and values with Method 1 (the rotated uniform quantizer)
+QUANTIZERS = ("uniform", "lloyd", "kivi", "cachegen", "weighted")
 _KIVI = struct.Struct("<BBH")  # Axis (0: per channel over token groups, 1: per token over channel groups), Bits, Group
 MAX_SYMBOL_BITS = 12
 _FIXED = struct.Struct("<BBBBIQfI")  # Mode, Method, Symbol_Bits, Sign_Rule, Exact_Tokens, Seed, Step, Norms_Length
@@ -61,17 +72,23 @@ DEFAULTS = {"quantizer": "uniform", "bits": 3.0, "step": None, "lloyd_bits": 3, 
             "kivi_bits": 2, "group": 32, "key_weight": 8.0,
             # CacheGen as LMCache ships it (7B/8B preset): per-token max-abs bins, finer in shallow layers
             "cachegen_bins": [32, 16], "cachegen_key_fine": 0.3125, "cachegen_value_fine": 0.0625}
+#: options of quantizer ``weighted`` only (recorded in the header only for it, so other files keep their bytes):
+#: the key step in logit units per value step (measured on SmolLM2, BENCHMARKS.md: 0.15-0.2 at 2 bits)
+WEIGHTED_DEFAULTS = {"key_ratio": 0.15}
 _CTX = floatctx.DEFAULTS  # the indices are coded like float_ctx_rans symbols
 
 
 def check_config(cfg: dict) -> dict:
     cfg = {k: v for k, v in cfg.items() if k not in ("max_kl", "calibrated_kl")}  # recorded, informative
-    unknown = set(cfg) - set(DEFAULTS)
+    unknown = set(cfg) - set(DEFAULTS) - set(WEIGHTED_DEFAULTS)
     if unknown:
-        raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: {sorted(DEFAULTS)})")
-    out = {**DEFAULTS, **cfg}
-    if out["quantizer"] not in METHODS:
-        raise ConfigError(f"{CODEC_ID}: quantizer must be one of {sorted(METHODS)}")
+        raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: "
+                          f"{sorted(set(DEFAULTS) | set(WEIGHTED_DEFAULTS))})")
+    out = {**DEFAULTS, **(WEIGHTED_DEFAULTS if cfg.get("quantizer") == "weighted" else {}), **cfg}
+    if out["quantizer"] not in QUANTIZERS:
+        raise ConfigError(f"{CODEC_ID}: quantizer must be one of {sorted(QUANTIZERS)}")
+    if "key_ratio" in out and not (isinstance(out["key_ratio"], (int, float)) and 1e-4 <= out["key_ratio"] <= 1e4):
+        raise ConfigError(f"{CODEC_ID}: key_ratio must be a number in [1e-4, 10000]")
     if out["step"] is not None and not (isinstance(out["step"], (int, float)) and out["step"] > 0):
         raise ConfigError(f"{CODEC_ID}: step must be a positive number")
     if not (isinstance(out["bits"], (int, float)) and 0.05 <= out["bits"] <= 12):
@@ -246,15 +263,50 @@ def cachegen_bins(cfg: dict, part: int, layer: int, num_layers: int) -> int:
     return cfg["cachegen_bins"][0] if layer < math.ceil(fine * num_layers) else cfg["cachegen_bins"][1]
 
 
+def channel_steps(step: float, key_ratio: float, weights: np.ndarray) -> np.ndarray:
+    """Method 5's float16 steps ``[H, D]``: ``step * key_ratio / weights`` (weights: each key channel's
+    importance, the RMS logit change per unit of the channel, from a calibration profile), clamped to the
+    positive finite float16 range."""
+    with np.errstate(divide="ignore", over="ignore"):
+        st = np.float64(step) * np.float64(key_ratio) / np.asarray(weights, dtype=np.float64)
+    st = np.nan_to_num(st, nan=65504.0, posinf=65504.0)
+    return np.clip(st, 2.0 ** -14, 65504.0).astype(np.float16)
+
+
+def index_payload(q: np.ndarray, levels: int | None = None) -> tuple[bytes, int, int]:
+    """(``Indices``, ``Symbol_Bits``, ``Index_Offset``) of integer indices ``q [B, H, T', D]``: one coded row
+    per (batch, head, channel) over the tokens; the symbols offset to start at 0, or (a codebook of
+    ``levels`` entries) the indices themselves."""
+    b, h, t, d = q.shape
+    lo = int(q.min()) if levels is None else 0
+    span = int(q.max()) - lo + 1 if levels is None else levels
+    k = max(2, math.ceil(math.log2(span)) if span > 1 else 1)
+    if k > MAX_SYMBOL_BITS:
+        raise ConfigError(f"{CODEC_ID}: {span} quantization levels need more than {MAX_SYMBOL_BITS} bits; "
+                          "raise the step / lower the rate")
+    syms = (q - lo).astype(np.uint16)
+    rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
+    return floatctx.encode_symbols(rows, k, _CTX), k, lo
+
+
+def _encode_channel(x: np.ndarray, steps16: np.ndarray) -> tuple[list[bytes], int, int]:
+    """(Method 5 fields after Index_Offset, Symbol_Bits, Index_Offset) of ``x [B, H, T', D]``."""
+    q = np.rint(x.astype(np.float32) / steps16.astype(np.float32)[None, :, None, :]).astype(np.int64)
+    idx, k, lo = index_payload(q)
+    return [steps16.astype("<f2").tobytes(), idx], k, lo
+
+
 def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
            exact_bits: np.ndarray | None = None, head_tokens: int = 0, head_bits: np.ndarray | None = None,
-           step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1, rotq=None) -> bytes:
+           step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1, rotq=None,
+           weights: np.ndarray | None = None) -> bytes:
     """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
     (``exact_bits``: their bit patterns in ``dtype``), and so are the first ``head_tokens`` (``head_bits``;
     Mode 2: attention-sink tokens).  ``step`` overrides the rate search.  ``part`` (0 keys, 1 values) picks
     KIVI's axis: keys per channel, values per token.  ``rotq(step, seed, a, b)``, if given, returns the
     (float16 norms, indices) of the slice's tokens ``a .. b`` for Method 1 (the Triton kernel: bit-exact
-    with the NumPy path it replaces)."""
+    with the NumPy path it replaces).  ``weights`` ``[H, D]``: quantizer ``weighted``, the key channels'
+    importances of this layer (:class:`kvcodec.calibrate`'s profile)."""
     cfg = check_config(cfg)
     if head_tokens:
         if head_tokens + exact_tokens > x.shape[2]:
@@ -262,11 +314,27 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         body = encode(np.ascontiguousarray(x[:, :, head_tokens:]), cfg, exact_tokens=exact_tokens, dtype=dtype,
                       exact_bits=exact_bits, step=step, part=part, layer=layer, num_layers=num_layers,
                       rotq=None if rotq is None else (lambda st, sd, a, b: rotq(st, sd, a + head_tokens,
-                                                                                b + head_tokens)))
+                                                                                b + head_tokens)),
+                      weights=weights)
         head = floatctx.encode(np.ascontiguousarray(head_bits), dtype, {})
         n = _FIXED.size + 4
         return b"".join([bytes([2]), body[1:n], _HEAD.pack(head_tokens, len(head)), head, body[n:]])
     b, h, t, d = x.shape
+    if cfg["quantizer"] == "weighted" and part == 0:  # keys: Method 5, per-channel steps
+        if weights is None or np.shape(weights) != (h, d):
+            raise ConfigError(f"{CODEC_ID}: quantizer 'weighted' needs the key weights [{h}, {d}] of layer {layer} "
+                              "(profile=kvcodec.calibrate(model))")
+        tq = t - exact_tokens
+        st = step if step is not None else cfg["step"]
+        if st is None:
+            raise ConfigError(f"{CODEC_ID}: quantizer 'weighted' needs a step (the tier sets it from bits=)")
+        body, k, lo = [], 2, 0
+        if tq > 0:
+            body, k, lo = _encode_channel(np.ascontiguousarray(x[:, :, :tq]),
+                                          channel_steps(st, cfg["key_ratio"], weights))
+        tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {}) if exact_tokens else b""
+        return b"".join([_FIXED.pack(1, METHOD_CHANNEL, k, SIGN_RULE, exact_tokens, 0, 0.0, 0),
+                         struct.pack("<i", lo), *body, struct.pack("<I", len(tail)), tail])
     if cfg["quantizer"] in ("kivi", "cachegen"):
         tq = t - exact_tokens
         body = []
@@ -282,7 +350,7 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
     if d & (d - 1):
         raise ConfigError(f"{CODEC_ID}: head dimension {d} is not a power of two (the Hadamard rotation needs one)")
     tq = t - exact_tokens
-    method = METHODS[cfg["quantizer"]]
+    method = METHODS.get(cfg["quantizer"], METHOD_UNIFORM)  # "weighted": values by the uniform quantizer
     seed = int(cfg["seed"])
     parts = []
     if tq > 0:
@@ -292,7 +360,7 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
             norms16, z = directions(vecs, seed)
         if method == METHOD_UNIFORM:
             st = np.float32(st if st is not None else step_for_rate(z, cfg["bits"]))
-            if part == 0:  # keys: a finer step (equal weighted distortion: D_k = D_v / key_weight)
+            if part == 0 and cfg["quantizer"] == "uniform":  # keys: a finer step (D_k = D_v / key_weight)
                 st = np.float32(st / np.float32(math.sqrt(cfg["key_weight"])))
             if rotq is not None:
                 norms16, q = rotq(st, seed, 0, tq)
@@ -304,15 +372,8 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
             st = np.float32(0)
             q = np.searchsorted((cb[1:] + cb[:-1]) / 2, z).astype(np.int64)
             codebook = cb.astype("<f4").tobytes()
-        lo = int(q.min()) if method == METHOD_UNIFORM else 0
-        span = int(q.max()) - lo + 1 if method == METHOD_UNIFORM else 1 << cfg["lloyd_bits"]
-        k = max(2, math.ceil(math.log2(span)) if span > 1 else 1)
-        if k > MAX_SYMBOL_BITS:
-            raise ConfigError(f"{CODEC_ID}: {span} quantization levels need more than {MAX_SYMBOL_BITS} bits; "
-                              "raise the step / lower the rate")
-        syms = (q - lo).astype(np.uint16).reshape(b, h, tq, d)
-        rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, tq)
-        idx = floatctx.encode_symbols(rows, k, _CTX)
+        levels = None if method == METHOD_UNIFORM else 1 << cfg["lloyd_bits"]
+        idx, k, lo = index_payload(q.reshape(b, h, tq, d), levels)
         nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
         parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)),
                  struct.pack("<i", lo), codebook, nbytes, idx]
@@ -359,8 +420,9 @@ class Decoded(NamedTuple):
     head_tokens: int  # H0
 
 
-def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0) -> Decoded:
-    """Decode a payload of a ``[B, H, T, D]`` slice.  Every field is validated before use."""
+def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0, minor: int = 99) -> Decoded:
+    """Decode a payload of a ``[B, H, T, D]`` slice of a file stamped 1.``minor``.  Every field is validated
+    before use."""
     mv = memoryview(payload)
     b, h, t, d = shape
     if len(mv) < _FIXED.size + 4:
@@ -384,8 +446,11 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         head = floatctx.decode(mv[p:p + head_len], (b, h, head_tokens, d), dtype, offset=offset + p)
         p += head_len
         t -= head_tokens
-    if method not in (METHOD_UNIFORM, METHOD_LLOYD, METHOD_KIVI, METHOD_CACHEGEN):
+    if method not in (METHOD_UNIFORM, METHOD_LLOYD, METHOD_KIVI, METHOD_CACHEGEN, METHOD_CHANNEL):
         raise FormatError(f"unknown quantizer method {method}", field="VQ.Method", offset=offset + 1)
+    if method == METHOD_CHANNEL and minor < CHANNEL_MINOR:
+        raise FormatError(f"Method 5 in a file stamped 1.{minor} (it needs 1.{CHANNEL_MINOR})", field="VQ.Method",
+                          offset=offset + 1)
     if not 2 <= k <= MAX_SYMBOL_BITS:
         raise FormatError(f"Symbol_Bits {k} outside [2, {MAX_SYMBOL_BITS}]", field="VQ.Symbol_Bits", offset=offset + 2)
     if rule > 1:
@@ -398,10 +463,10 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     tq = t - exact
     step_bits = struct.unpack_from("<I", mv, 16)[0]
     for name, value, at, must_be_zero in (
-            ("Seed", seed, 8, method in (METHOD_KIVI, METHOD_CACHEGEN)),
+            ("Seed", seed, 8, method in (METHOD_KIVI, METHOD_CACHEGEN, METHOD_CHANNEL)),
             ("Step", step_bits, 16, method != METHOD_UNIFORM or tq == 0),
-            ("Norms_Length", norms_len, 20, method in (METHOD_KIVI, METHOD_CACHEGEN) or tq == 0),
-            ("Index_Offset", lo, 24, method != METHOD_UNIFORM or tq == 0)):
+            ("Norms_Length", norms_len, 20, method in (METHOD_KIVI, METHOD_CACHEGEN, METHOD_CHANNEL) or tq == 0),
+            ("Index_Offset", lo, 24, method not in (METHOD_UNIFORM, METHOD_CHANNEL) or tq == 0)):
         if must_be_zero and value:
             raise FormatError(f"{name} must be 0 for Method {method} with {tq} quantized tokens (spec section 13)",
                               field=f"VQ.{name}", offset=offset + at)
@@ -410,6 +475,8 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CACHEGEN:
         out, p = _decode_cachegen(mv, p, (b, h, tq, d), k, offset)
+    elif tq and method == METHOD_CHANNEL:
+        out, p = _decode_channel(mv, p, (b, h, tq, d), k, lo, offset)
     elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
@@ -454,6 +521,23 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     elif tail_len:
         raise FormatError("a tail without exact tokens", field="VQ.Tail_Length", offset=offset + p - 4)
     return Decoded(out, tail, exact, head, head_tokens)
+
+
+def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
+    """Method 5: ``float32(symbol + Index_Offset) * Channel_Steps[h, d]`` (one binary32 product)."""
+    b, h, t, d = shape
+    n = 2 * h * d
+    if len(mv) < p + n:
+        raise FormatError("payload shorter than its Channel_Steps", field="VQ.Channel_Steps", offset=offset + p)
+    st = np.frombuffer(mv[p:p + n], dtype="<f2").astype(np.float32).reshape(h, d)
+    if not (np.isfinite(st).all() and (st > 0).all()):
+        raise FormatError("a channel step is not a positive finite number", field="VQ.Channel_Steps",
+                          offset=offset + p)
+    p += n
+    syms = np.empty((b * h, t, d), dtype=np.uint16)
+    p += floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
+    q = (syms.reshape(b, h, t, d).astype(np.int64) + lo).astype(np.float32)
+    return q * st[None, :, None, :], p
 
 
 def _decode_kivi(mv, p: int, shape, k: int, offset: int):
@@ -554,14 +638,19 @@ class VqRans(Codec):
         return sum(len(floatctx.encode(np.ascontiguousarray(bit_patterns(x)), where.dtype, {}))
                    for x, m in ((t[:, :, :head], head), (t[:, :, n - exact:], exact)) if m)
 
+    #: quantizer ``weighted``: per layer, the key channels' weights ``[H, D]`` (a calibration profile's; the
+    #: tier sets them, they are not part of the header's params)
+    key_weights = None
+
     def encode(self, t, where: Slice, prediction=None, step: float | None = None) -> bytes:
         p = self.params
         n = t.shape[2]
         head, exact = self.exact_split(where)
+        weights = None if self.key_weights is None else self.key_weights[where.layer]
         return encode(t.float().cpu().numpy(), p, exact_tokens=exact, dtype=where.dtype,
                       exact_bits=bit_patterns(t[:, :, n - exact:]) if exact else None, head_tokens=head,
                       head_bits=bit_patterns(t[:, :, :head]) if head else None, step=step, part=where.part,
-                      layer=where.layer, num_layers=where.num_layers, rotq=_kernel_rotq(t))
+                      layer=where.layer, num_layers=where.num_layers, rotq=_kernel_rotq(t), weights=weights)
 
     def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
         """The reconstruction's bit patterns in the cache's dtype (float32 values rounded by torch, which is
@@ -569,7 +658,7 @@ class VqRans(Codec):
         import torch
 
         dt = DTYPES[where.dtype]
-        dec = decode(payload, where.shape, where.dtype, offset=where.offset)
+        dec = decode(payload, where.shape, where.dtype, offset=where.offset, minor=where.minor)
         if out is None:
             out = np.empty(where.shape, dtype=dt.uint)
         h0, t = dec.head_tokens, where.shape[2]

@@ -40,7 +40,9 @@ class KvzWriter:
         if len(body) > L.MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(body)} bytes exceeds {L.MAX_HEADER_BYTES}")
         tier = header.get("tier")
-        minor = registry.tier(tier).min_minor if registry.has_tier(tier) else L.FORMAT_VERSION_MINOR
+        params = (header.get("codec") or {}).get("params")
+        minor = (registry.tier(tier).file_minor(params if isinstance(params, dict) else {})
+                 if registry.has_tier(tier) else L.FORMAT_VERSION_MINOR)
         if any("state" in lay for lay in header["cache"]["layers"]):
             minor = max(minor, STATE_MINOR)
         if "reduce" in header:

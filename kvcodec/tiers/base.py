@@ -224,6 +224,12 @@ class Tier:
     header_key: ClassVar[str | None] = None
     option_names: ClassVar[frozenset[str]] = frozenset()
 
+    @classmethod
+    def file_minor(cls, params: dict) -> int:
+        """The lowest minor version a file of this tier written with codec ``params`` needs (the writer stamps
+        it; layer states and reduced caches may raise it)."""
+        return cls.min_minor
+
     # -- encoder ------------------------------------------------------------------------------------
     def check(self, opts: Options, model) -> None:
         """Refuse options this tier does not take (:class:`ConfigError`), before any work."""
@@ -370,7 +376,7 @@ class _DirectDecoder:
             lay = h.layers[li]
             a, b = lay.chunk_range(c, h.chunk_tokens)
             where = Slice((h.batch, lay.kv_heads, b - a, lay.dim(p)), h.dtype, li, p, a, lay.seq_len, len(h.layers),
-                          prepared[1])
+                          prepared[1], f.reader.version[1])
             whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
             return self.codec.decode(prepared[0], where, out=outs[li, p] if whole else None)
 

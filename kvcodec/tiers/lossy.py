@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..cache import KVCache
-from ..codecs.vq_rans import DEFAULTS, VqRans, describe, global_step
+from ..codecs.vq_rans import CHANNEL_MINOR, DEFAULTS, WEIGHTED_DEFAULTS, VqRans, describe, global_step
 from ..container import layout as L
 from ..dtypes import from_bit_patterns
 from ..errors import ConfigError, warn
@@ -34,23 +34,43 @@ class LossyTier(DirectTier):
     read_minor = 1
     summary = "quantized tensors (--bits or --max-kl); no model needed to decode"
     codec_ids = (VqRans.codec_id,)
-    option_names = frozenset(DEFAULTS) | {"max_kl"}
+    option_names = frozenset(DEFAULTS) | frozenset(WEIGHTED_DEFAULTS) | {"max_kl", "profile"}
+
+    @classmethod
+    def file_minor(cls, params: dict) -> int:
+        """1.5 for quantizer ``weighted`` (its keys are ``vq_rans`` Method 5 payloads), else the tier's."""
+        return CHANNEL_MINOR if params.get("quantizer") == "weighted" else cls.min_minor
 
     def codec(self, job: EncodeJob) -> VqRans:
         options = dict(job.options.codec)
         max_kl = options.pop("max_kl", None)
+        profile = options.pop("profile", None)
         codec = VqRans.configure(options, job.kv.dtype_name)
         params, kv = codec.params, job.kv
-        for t in kv.keys + kv.values:
-            if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd"):
+        if params["quantizer"] == "weighted":
+            from ..calibrate import Profile
+
+            if not isinstance(profile, Profile):
+                raise ConfigError("quantizer 'weighted' needs profile=kvcodec.calibrate(model) (the key channels' "
+                                  "weights; decoding does not need it)")
+            profile.check(kv.keys)
+            codec.key_weights = profile.key_weights
+        elif profile is not None:
+            raise ConfigError("profile= is for quantizer 'weighted'")
+        for i, t in enumerate(kv.keys + kv.values):
+            if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd", "weighted"):
                 raise ConfigError(f"{VqRans.codec_id}: head dimension {t.shape[-1]} is not a power of two (the "
                                   "Hadamard rotation needs one)")
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                part, layer = ("keys", i) if i < len(kv.keys) else ("values", i - len(kv.keys))
+                raise ConfigError(f"layer {layer} {part}: a value is not finite; the lossy tier quantizes finite "
+                                  "values (tier 'lossless' stores any bit pattern)")
         if max_kl is not None:
             if params["quantizer"] != "uniform" or options.get("step") is not None:
                 raise ConfigError("max_kl= picks the step of the uniform quantizer; do not give step=")
             params["step"], params["calibrated_kl"] = step_for_kl(kv, job.model, float(max_kl), codec)
             params["max_kl"] = float(max_kl)
-        elif params["quantizer"] == "uniform" and params["step"] is None:
+        elif params["quantizer"] in ("uniform", "weighted") and params["step"] is None:
             params["step"] = global_step(kv.keys + kv.values, params)
         return codec
 
@@ -61,7 +81,8 @@ class LossyTier(DirectTier):
         ~0.5 bit."""
         given = job.options.codec
         params, kv = codec.params, job.kv
-        if params["quantizer"] != "uniform" or given.get("step") is not None or given.get("max_kl") is not None:
+        if (params["quantizer"] not in ("uniform", "weighted") or given.get("step") is not None
+                or given.get("max_kl") is not None):
             return None  # a fixed step
         threads = 1 if job.options.threads is None else job.options.threads
         work = self.encode_slice(job, codec)

@@ -34,7 +34,7 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 4
+IMPL_MINOR = 5
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -1065,8 +1065,10 @@ def vq_payload(payload, shape, dtype, W, minor):
     o = rd.u("i")
     if mode not in (1, 2):
         raise FormatError("VQ Mode")
-    if method not in (1, 2, 3, 4):
+    if method not in (1, 2, 3, 4, 5):
         raise FormatError("VQ Method")
+    if method == 5 and minor < 5:
+        raise FormatError("VQ Method 5 in a file stamped below 1.5")
     if not (2 <= k <= 12):
         raise FormatError("Symbol_Bits")
     if rule not in (0, 1) or (minor >= 2 and rule != 1) or (minor == 1 and rule != 0):
@@ -1087,15 +1089,15 @@ def vq_payload(payload, shape, dtype, W, minor):
     if E > T - H0:
         raise FormatError("Exact_Tokens")
     Tq = T - E - H0
-    if method in (3, 4) and seed != 0:
-        raise FormatError("Seed must be 0 for Methods 3, 4")
+    if method in (3, 4, 5) and seed != 0:
+        raise FormatError("Seed must be 0 for Methods 3, 4, 5")
     if method != 1 or Tq == 0:
         if step != 0.0 or struct.pack("<f", step) != b"\0\0\0\0":
             raise FormatError("Step must be 0")
     else:
         if not (math.isfinite(step) and step > 0):
             raise FormatError("Step")
-    if method != 1 and o != 0:
+    if (method not in (1, 5) or Tq == 0) and o != 0:
         raise FormatError("Index_Offset must be 0")
     if Tq == 0 and norms_len != 0:
         raise FormatError("Norms_Length")
@@ -1125,6 +1127,14 @@ def vq_payload(payload, shape, dtype, W, minor):
             y = wht_f32(z.astype(np.float32))
             sign = np.array(splitmix_signs(seed, D), np.float32)
             q = ((y * sign) * np.float32(1.0 / D)) * norms  # norms [B,H,Tq,1]
+        elif method == 5:  # (1.5) a float16 step per head and channel
+            if norms_len != 0:
+                raise FormatError("Norms_Length")
+            cs = f16_to_f32(np.frombuffer(rd.take(2 * H * D), "<u2").reshape(H, D))
+            if not (np.isfinite(cs).all() and (cs > 0).all()):
+                raise FormatError("Channel_Steps")
+            s = indices_payload(rd, (B, H, Tq, D), k)
+            q = (s + o).astype(np.float32) * cs[None, :, None, :].astype(np.float32)
         elif method == 3:
             if norms_len != 0:
                 raise FormatError("Norms_Length")
