@@ -114,7 +114,15 @@ def test_exact_tier_prefill_and_generation_bit_identical(smollm2, dtype):
     plain = kvcodec.to_canonical(rec).to_dynamic_cache()
     for c in (rec, plain):
         data = kvcodec.encode(c, (model, tok))
-        assert kvcodec.inspect(data)["token_channel"]["schedule"] == [[32, 1], [1, 11]]
+        schedule = kvcodec.inspect(data)["token_channel"]["schedule"]
+        if c is rec:
+            assert schedule == [[32, 1], [1, 11]]
+        else:
+            # inferred: the smallest prefill whose later positions all reproduce as single steps. Where this
+            # CPU's bf16 kernels give position 31 the same bits either way, prefill 31 is as exact as prefill 32
+            # (float-dependent, hence a range; the residual below proves whichever was chosen is bit-exact)
+            assert len(schedule) == 2 and 1 <= schedule[0][0] <= 32 and schedule[0][1] == 1
+            assert schedule[1] == [1, 43 - schedule[0][0]]
         assert _residual_bytes(data) == 0
         restored = kvcodec.decode(data, (model, tok))
         assert kvcodec.to_canonical(restored).equal(kvcodec.to_canonical(rec))
