@@ -168,3 +168,84 @@ def test_table_round_trip_and_validation():
         rans.unpack_tables(packed + b"\0", 2, 5, 8)
     with pytest.raises(FormatError, match="outside alphabet"):
         rans.unpack_tables(packed, 2, 3, 8)
+
+
+def _words_problem(rng, bh, ntok, dim, kbits, lowbits, nclass, ntables, skew):
+    """A full [bh, ntok, dim] matrix of (kbits + lowbits)-bit words, its symbols' context problem and raw bits."""
+    dtype = np.uint16 if kbits + lowbits <= 16 else np.uint32
+    a = 1 << kbits
+    rows_n = bh * dim
+    if skew and a > 4:
+        base = rng.integers(0, a - 4, size=(rows_n, 1))
+        syms = (base + rng.integers(0, 4, size=(rows_n, ntok))).astype(np.uint16)
+    else:
+        syms = rng.integers(0, a, size=(rows_n, ntok)).astype(np.uint16)
+    low = rng.integers(0, 1 << lowbits, size=(rows_n, ntok)).astype(np.uint64) if lowbits else np.zeros(
+        (rows_n, ntok), np.uint64)
+    rows = (syms.astype(np.uint64) << np.uint64(lowbits)) | low
+    full = np.ascontiguousarray(rows.reshape(bh, dim, ntok).transpose(0, 2, 1).astype(dtype))
+    refs = rng.integers(0, a >> 1, size=rows_n).astype(np.uint16)
+    cmap = rng.integers(0, ntables, size=(rows_n, nclass)).astype(np.uint8)
+    ctx = rans.contexts(syms, refs, cmap, kbits, nclass)
+    counts = np.zeros((ntables, a), np.int64)
+    np.add.at(counts, (ctx.ravel(), syms.ravel().astype(np.int64)), 1)
+    return full, syms, low, refs, cmap, counts
+
+
+@given(seed=st.integers(0, 2**32 - 1), bh=st.integers(1, 3), groups=st.integers(1, 3), ntok=st.integers(1, 30),
+       kbits=st.integers(2, 11), lowbits=st.integers(0, 21), nclass=st.sampled_from([1, 6]),
+       ntables=st.integers(1, 4), ways=st.sampled_from(rans.FAST_WAYS), skew=st.booleans(), sb=st.integers(8, 15))
+def test_local_table_decoder_matches_the_reference(seed, bh, groups, ntok, kbits, lowbits, nclass, ntables, ways,
+                                                   skew, sb):
+    """The fast_w* kernels (lane groups inside one head, <= 256 symbols per table) decode every stream the
+    general kernels and the pure-Python reference decode, to the same words."""
+    rng = np.random.default_rng(seed)
+    dim = ways * groups
+    full, syms, low, refs, cmap, counts = _words_problem(rng, bh, ntok, dim, kbits, lowbits, nclass, ntables, skew)
+    if (counts > 0).sum(axis=1).max() > 1 << sb:
+        sb = 15 if kbits <= 11 else sb
+    freq = rans.normalize_counts(counts, sb)
+    words = rans.lanes_encode(syms, refs, cmap, freq, sb, ways, kbits, nclass)
+    raw = rans.pack_bits(rans.coding_order(low, ways), lowbits)
+    want = f"fast_w{ways}" if (freq > 0).sum(axis=1).max() <= 256 else {4: "decode_w4", 8: "decode_w8"}.get(
+        ways, "generic")
+    assert rans.decode_kernel(ways, dim, freq) == want
+    out = np.zeros_like(full)
+    rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
+    np.testing.assert_array_equal(out, full)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCODEC_BACKEND", "python")
+        ref = np.zeros_like(full)
+        rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, ref)
+        np.testing.assert_array_equal(ref, full)
+
+
+def test_kernel_choice_and_fallbacks():
+    """More than 256 symbols in a table, or lane groups across heads: the general kernels, same words."""
+    rng = np.random.default_rng(5)
+    for dim, kbits, skew, want in ((8, 10, False, "decode_w8"), (12, 6, True, "decode_w8"), (16, 6, True, "fast_w8")):
+        full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 300, dim, kbits, 6, 6, 2, skew)
+        freq = rans.normalize_counts(counts, 12)
+        assert rans.decode_kernel(8, dim, freq) == want
+        words = rans.lanes_encode(syms, refs, cmap, freq, 12, 8, kbits, 6)
+        raw = rans.pack_bits(rans.coding_order(low, 8), 6)
+        out = np.zeros_like(full)
+        rans.lanes_decode(words, refs, cmap, freq, 12, 8, kbits, 6, 6, raw, out)
+        np.testing.assert_array_equal(out, full)
+    assert rans.decode_kernel(3, 9, freq) == "generic"
+
+
+@pytest.mark.parametrize("ways", rans.FAST_WAYS)
+def test_local_table_decoder_refuses_corrupt_streams(ways):
+    rng = np.random.default_rng(ways)
+    full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 40, ways, 6, 5, 6, 2, True)
+    freq = rans.normalize_counts(counts, 10)
+    assert rans.decode_kernel(ways, ways, freq) == f"fast_w{ways}"
+    words = rans.lanes_encode(syms, refs, cmap, freq, 10, ways, 6, 6)
+    raw = rans.pack_bits(rans.coding_order(low, ways), 5)
+    zero_state = words.copy()
+    zero_state[0] = 0
+    for bad, what in ((words[:-1], "ended|final"), (np.concatenate([words, [7]]).astype(np.uint16), "left over"),
+                      (zero_state, "initial")):
+        with pytest.raises(FormatError, match=what):
+            rans.lanes_decode(bad, refs, cmap, freq, 10, ways, 6, 6, 5, raw, np.zeros_like(full))

@@ -7,7 +7,7 @@ unrolled for a fixed number of ways.  Same bitstream, same status codes.
 import numba as nb
 import numpy as np
 
-from ._rans_numba import ERR_STREAM_SHORT, RANS_L, lanes_decode_tail
+from ._rans_numba import ERR_FINAL_STATE, ERR_STREAM_SHORT, OK, RANS_L, lanes_decode_tail
 
 
 @nb.njit(cache=True, nogil=True)
@@ -336,3 +336,581 @@ def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
     states[7] = x7
     return lanes_decode_tail(words, nwords, pos, states, full, refs, ctx_map, entry, symt, scale_bits, kbits,
                              nclass, lowbits, raw, rp, acc, nacc, out)
+
+
+@nb.njit(cache=True, nogil=True)
+def fast_w4(words, nwords, refs, cbase, slot8, info, scale_bits, kbits, lowbits, raw64, out):
+    """Fused decode with 4 ways and local tables (see scripts/gen_lanes.py): symbols + raw low bits ->
+    ``out[bh, t, d]``; needs ``dim % 4 == 0``.  ``cbase[6 r + class]`` is row r's table for that class times
+    ``2**scale_bits``; ``slot8[table << scale_bits | slot]`` the symbol's index in its table; ``info[table << 8 |
+    index]`` = ``freq | cum << 16 | symbol << 32``.  ``words`` carries 4 zero words of padding, ``raw64`` the
+    raw bytes as little-endian 64-bit words plus two zero words.  Returns (status, pos).
+    """
+    bh_n, ntok, dim = out.shape
+    rows = bh_n * dim
+    x0 = (np.uint64(words[0]) << np.uint64(16)) | np.uint64(words[1])
+    x1 = (np.uint64(words[2]) << np.uint64(16)) | np.uint64(words[3])
+    x2 = (np.uint64(words[4]) << np.uint64(16)) | np.uint64(words[5])
+    x3 = (np.uint64(words[6]) << np.uint64(16)) | np.uint64(words[7])
+    pos = np.uint64(8)
+    mask = np.uint64((1 << scale_bits) - 1)
+    sb = np.uint64(scale_bits)
+    sb8 = np.uint64(scale_bits - 8)
+    lo = np.uint64(RANS_L)
+    kb1 = np.uint64(kbits - 1)
+    mm = np.uint64((1 << (kbits - 1)) - 1)
+    lmask = np.uint64((1 << lowbits) - 1)
+    lb = np.uint64(lowbits)
+    m16 = np.uint64(0xFFFF)
+    bp = np.uint64(0)
+    flat = out.reshape(bh_n * ntok * dim)
+    for g0 in range(0, rows, 4):
+        p0 = np.uint64(refs[g0 + 0])
+        r0 = p0 & mm
+        p1 = np.uint64(refs[g0 + 1])
+        r1 = p1 & mm
+        p2 = np.uint64(refs[g0 + 2])
+        r2 = p2 & mm
+        p3 = np.uint64(refs[g0 + 3])
+        r3 = p3 & mm
+        b0 = np.uint64(g0 * 6)
+        o0 = np.uint64((g0 // dim) * ntok * dim + g0 % dim)
+        for t in range(ntok):
+            ot = o0 + np.uint64(t * dim)
+            g = p0 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(0) + (p0 >> kb1) * np.uint64(3) + np.uint64(g >= r0) + np.uint64(g > r0)])
+            slot = x0 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p0 = inf >> np.uint64(32)
+            x0 = (inf & m16) * (x0 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x0 < lo)
+            x0 = (x0 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p1 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(6) + (p1 >> kb1) * np.uint64(3) + np.uint64(g >= r1) + np.uint64(g > r1)])
+            slot = x1 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p1 = inf >> np.uint64(32)
+            x1 = (inf & m16) * (x1 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x1 < lo)
+            x1 = (x1 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p2 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(12) + (p2 >> kb1) * np.uint64(3) + np.uint64(g >= r2) + np.uint64(g > r2)])
+            slot = x2 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p2 = inf >> np.uint64(32)
+            x2 = (inf & m16) * (x2 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x2 < lo)
+            x2 = (x2 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p3 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(18) + (p3 >> kb1) * np.uint64(3) + np.uint64(g >= r3) + np.uint64(g > r3)])
+            slot = x3 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p3 = inf >> np.uint64(32)
+            x3 = (inf & m16) * (x3 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x3 < lo)
+            x3 = (x3 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            if pos > np.uint64(nwords):
+                return ERR_STREAM_SHORT, np.int64(pos)
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(0)] = (p0 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(1)] = (p1 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(2)] = (p2 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(3)] = (p3 << lb) | (v & lmask)
+            bp += lb
+    if x0 != lo or x1 != lo or x2 != lo or x3 != lo:
+        return ERR_FINAL_STATE, np.int64(pos)
+    return OK, np.int64(pos)
+
+
+@nb.njit(cache=True, nogil=True)
+def fast_w8(words, nwords, refs, cbase, slot8, info, scale_bits, kbits, lowbits, raw64, out):
+    """Fused decode with 8 ways and local tables (see scripts/gen_lanes.py): symbols + raw low bits ->
+    ``out[bh, t, d]``; needs ``dim % 8 == 0``.  ``cbase[6 r + class]`` is row r's table for that class times
+    ``2**scale_bits``; ``slot8[table << scale_bits | slot]`` the symbol's index in its table; ``info[table << 8 |
+    index]`` = ``freq | cum << 16 | symbol << 32``.  ``words`` carries 8 zero words of padding, ``raw64`` the
+    raw bytes as little-endian 64-bit words plus two zero words.  Returns (status, pos).
+    """
+    bh_n, ntok, dim = out.shape
+    rows = bh_n * dim
+    x0 = (np.uint64(words[0]) << np.uint64(16)) | np.uint64(words[1])
+    x1 = (np.uint64(words[2]) << np.uint64(16)) | np.uint64(words[3])
+    x2 = (np.uint64(words[4]) << np.uint64(16)) | np.uint64(words[5])
+    x3 = (np.uint64(words[6]) << np.uint64(16)) | np.uint64(words[7])
+    x4 = (np.uint64(words[8]) << np.uint64(16)) | np.uint64(words[9])
+    x5 = (np.uint64(words[10]) << np.uint64(16)) | np.uint64(words[11])
+    x6 = (np.uint64(words[12]) << np.uint64(16)) | np.uint64(words[13])
+    x7 = (np.uint64(words[14]) << np.uint64(16)) | np.uint64(words[15])
+    pos = np.uint64(16)
+    mask = np.uint64((1 << scale_bits) - 1)
+    sb = np.uint64(scale_bits)
+    sb8 = np.uint64(scale_bits - 8)
+    lo = np.uint64(RANS_L)
+    kb1 = np.uint64(kbits - 1)
+    mm = np.uint64((1 << (kbits - 1)) - 1)
+    lmask = np.uint64((1 << lowbits) - 1)
+    lb = np.uint64(lowbits)
+    m16 = np.uint64(0xFFFF)
+    bp = np.uint64(0)
+    flat = out.reshape(bh_n * ntok * dim)
+    for g0 in range(0, rows, 8):
+        p0 = np.uint64(refs[g0 + 0])
+        r0 = p0 & mm
+        p1 = np.uint64(refs[g0 + 1])
+        r1 = p1 & mm
+        p2 = np.uint64(refs[g0 + 2])
+        r2 = p2 & mm
+        p3 = np.uint64(refs[g0 + 3])
+        r3 = p3 & mm
+        p4 = np.uint64(refs[g0 + 4])
+        r4 = p4 & mm
+        p5 = np.uint64(refs[g0 + 5])
+        r5 = p5 & mm
+        p6 = np.uint64(refs[g0 + 6])
+        r6 = p6 & mm
+        p7 = np.uint64(refs[g0 + 7])
+        r7 = p7 & mm
+        b0 = np.uint64(g0 * 6)
+        o0 = np.uint64((g0 // dim) * ntok * dim + g0 % dim)
+        for t in range(ntok):
+            ot = o0 + np.uint64(t * dim)
+            g = p0 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(0) + (p0 >> kb1) * np.uint64(3) + np.uint64(g >= r0) + np.uint64(g > r0)])
+            slot = x0 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p0 = inf >> np.uint64(32)
+            x0 = (inf & m16) * (x0 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x0 < lo)
+            x0 = (x0 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p1 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(6) + (p1 >> kb1) * np.uint64(3) + np.uint64(g >= r1) + np.uint64(g > r1)])
+            slot = x1 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p1 = inf >> np.uint64(32)
+            x1 = (inf & m16) * (x1 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x1 < lo)
+            x1 = (x1 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p2 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(12) + (p2 >> kb1) * np.uint64(3) + np.uint64(g >= r2) + np.uint64(g > r2)])
+            slot = x2 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p2 = inf >> np.uint64(32)
+            x2 = (inf & m16) * (x2 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x2 < lo)
+            x2 = (x2 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p3 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(18) + (p3 >> kb1) * np.uint64(3) + np.uint64(g >= r3) + np.uint64(g > r3)])
+            slot = x3 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p3 = inf >> np.uint64(32)
+            x3 = (inf & m16) * (x3 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x3 < lo)
+            x3 = (x3 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p4 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(24) + (p4 >> kb1) * np.uint64(3) + np.uint64(g >= r4) + np.uint64(g > r4)])
+            slot = x4 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p4 = inf >> np.uint64(32)
+            x4 = (inf & m16) * (x4 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x4 < lo)
+            x4 = (x4 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p5 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(30) + (p5 >> kb1) * np.uint64(3) + np.uint64(g >= r5) + np.uint64(g > r5)])
+            slot = x5 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p5 = inf >> np.uint64(32)
+            x5 = (inf & m16) * (x5 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x5 < lo)
+            x5 = (x5 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p6 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(36) + (p6 >> kb1) * np.uint64(3) + np.uint64(g >= r6) + np.uint64(g > r6)])
+            slot = x6 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p6 = inf >> np.uint64(32)
+            x6 = (inf & m16) * (x6 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x6 < lo)
+            x6 = (x6 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p7 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(42) + (p7 >> kb1) * np.uint64(3) + np.uint64(g >= r7) + np.uint64(g > r7)])
+            slot = x7 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p7 = inf >> np.uint64(32)
+            x7 = (inf & m16) * (x7 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x7 < lo)
+            x7 = (x7 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            if pos > np.uint64(nwords):
+                return ERR_STREAM_SHORT, np.int64(pos)
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(0)] = (p0 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(1)] = (p1 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(2)] = (p2 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(3)] = (p3 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(4)] = (p4 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(5)] = (p5 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(6)] = (p6 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(7)] = (p7 << lb) | (v & lmask)
+            bp += lb
+    if x0 != lo or x1 != lo or x2 != lo or x3 != lo or x4 != lo or x5 != lo or x6 != lo or x7 != lo:
+        return ERR_FINAL_STATE, np.int64(pos)
+    return OK, np.int64(pos)
+
+
+@nb.njit(cache=True, nogil=True)
+def fast_w16(words, nwords, refs, cbase, slot8, info, scale_bits, kbits, lowbits, raw64, out):
+    """Fused decode with 16 ways and local tables (see scripts/gen_lanes.py): symbols + raw low bits ->
+    ``out[bh, t, d]``; needs ``dim % 16 == 0``.  ``cbase[6 r + class]`` is row r's table for that class times
+    ``2**scale_bits``; ``slot8[table << scale_bits | slot]`` the symbol's index in its table; ``info[table << 8 |
+    index]`` = ``freq | cum << 16 | symbol << 32``.  ``words`` carries 16 zero words of padding, ``raw64`` the
+    raw bytes as little-endian 64-bit words plus two zero words.  Returns (status, pos).
+    """
+    bh_n, ntok, dim = out.shape
+    rows = bh_n * dim
+    x0 = (np.uint64(words[0]) << np.uint64(16)) | np.uint64(words[1])
+    x1 = (np.uint64(words[2]) << np.uint64(16)) | np.uint64(words[3])
+    x2 = (np.uint64(words[4]) << np.uint64(16)) | np.uint64(words[5])
+    x3 = (np.uint64(words[6]) << np.uint64(16)) | np.uint64(words[7])
+    x4 = (np.uint64(words[8]) << np.uint64(16)) | np.uint64(words[9])
+    x5 = (np.uint64(words[10]) << np.uint64(16)) | np.uint64(words[11])
+    x6 = (np.uint64(words[12]) << np.uint64(16)) | np.uint64(words[13])
+    x7 = (np.uint64(words[14]) << np.uint64(16)) | np.uint64(words[15])
+    x8 = (np.uint64(words[16]) << np.uint64(16)) | np.uint64(words[17])
+    x9 = (np.uint64(words[18]) << np.uint64(16)) | np.uint64(words[19])
+    x10 = (np.uint64(words[20]) << np.uint64(16)) | np.uint64(words[21])
+    x11 = (np.uint64(words[22]) << np.uint64(16)) | np.uint64(words[23])
+    x12 = (np.uint64(words[24]) << np.uint64(16)) | np.uint64(words[25])
+    x13 = (np.uint64(words[26]) << np.uint64(16)) | np.uint64(words[27])
+    x14 = (np.uint64(words[28]) << np.uint64(16)) | np.uint64(words[29])
+    x15 = (np.uint64(words[30]) << np.uint64(16)) | np.uint64(words[31])
+    pos = np.uint64(32)
+    mask = np.uint64((1 << scale_bits) - 1)
+    sb = np.uint64(scale_bits)
+    sb8 = np.uint64(scale_bits - 8)
+    lo = np.uint64(RANS_L)
+    kb1 = np.uint64(kbits - 1)
+    mm = np.uint64((1 << (kbits - 1)) - 1)
+    lmask = np.uint64((1 << lowbits) - 1)
+    lb = np.uint64(lowbits)
+    m16 = np.uint64(0xFFFF)
+    bp = np.uint64(0)
+    flat = out.reshape(bh_n * ntok * dim)
+    for g0 in range(0, rows, 16):
+        p0 = np.uint64(refs[g0 + 0])
+        r0 = p0 & mm
+        p1 = np.uint64(refs[g0 + 1])
+        r1 = p1 & mm
+        p2 = np.uint64(refs[g0 + 2])
+        r2 = p2 & mm
+        p3 = np.uint64(refs[g0 + 3])
+        r3 = p3 & mm
+        p4 = np.uint64(refs[g0 + 4])
+        r4 = p4 & mm
+        p5 = np.uint64(refs[g0 + 5])
+        r5 = p5 & mm
+        p6 = np.uint64(refs[g0 + 6])
+        r6 = p6 & mm
+        p7 = np.uint64(refs[g0 + 7])
+        r7 = p7 & mm
+        p8 = np.uint64(refs[g0 + 8])
+        r8 = p8 & mm
+        p9 = np.uint64(refs[g0 + 9])
+        r9 = p9 & mm
+        p10 = np.uint64(refs[g0 + 10])
+        r10 = p10 & mm
+        p11 = np.uint64(refs[g0 + 11])
+        r11 = p11 & mm
+        p12 = np.uint64(refs[g0 + 12])
+        r12 = p12 & mm
+        p13 = np.uint64(refs[g0 + 13])
+        r13 = p13 & mm
+        p14 = np.uint64(refs[g0 + 14])
+        r14 = p14 & mm
+        p15 = np.uint64(refs[g0 + 15])
+        r15 = p15 & mm
+        b0 = np.uint64(g0 * 6)
+        o0 = np.uint64((g0 // dim) * ntok * dim + g0 % dim)
+        for t in range(ntok):
+            ot = o0 + np.uint64(t * dim)
+            g = p0 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(0) + (p0 >> kb1) * np.uint64(3) + np.uint64(g >= r0) + np.uint64(g > r0)])
+            slot = x0 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p0 = inf >> np.uint64(32)
+            x0 = (inf & m16) * (x0 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x0 < lo)
+            x0 = (x0 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p1 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(6) + (p1 >> kb1) * np.uint64(3) + np.uint64(g >= r1) + np.uint64(g > r1)])
+            slot = x1 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p1 = inf >> np.uint64(32)
+            x1 = (inf & m16) * (x1 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x1 < lo)
+            x1 = (x1 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p2 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(12) + (p2 >> kb1) * np.uint64(3) + np.uint64(g >= r2) + np.uint64(g > r2)])
+            slot = x2 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p2 = inf >> np.uint64(32)
+            x2 = (inf & m16) * (x2 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x2 < lo)
+            x2 = (x2 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p3 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(18) + (p3 >> kb1) * np.uint64(3) + np.uint64(g >= r3) + np.uint64(g > r3)])
+            slot = x3 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p3 = inf >> np.uint64(32)
+            x3 = (inf & m16) * (x3 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x3 < lo)
+            x3 = (x3 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p4 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(24) + (p4 >> kb1) * np.uint64(3) + np.uint64(g >= r4) + np.uint64(g > r4)])
+            slot = x4 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p4 = inf >> np.uint64(32)
+            x4 = (inf & m16) * (x4 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x4 < lo)
+            x4 = (x4 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p5 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(30) + (p5 >> kb1) * np.uint64(3) + np.uint64(g >= r5) + np.uint64(g > r5)])
+            slot = x5 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p5 = inf >> np.uint64(32)
+            x5 = (inf & m16) * (x5 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x5 < lo)
+            x5 = (x5 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p6 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(36) + (p6 >> kb1) * np.uint64(3) + np.uint64(g >= r6) + np.uint64(g > r6)])
+            slot = x6 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p6 = inf >> np.uint64(32)
+            x6 = (inf & m16) * (x6 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x6 < lo)
+            x6 = (x6 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p7 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(42) + (p7 >> kb1) * np.uint64(3) + np.uint64(g >= r7) + np.uint64(g > r7)])
+            slot = x7 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p7 = inf >> np.uint64(32)
+            x7 = (inf & m16) * (x7 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x7 < lo)
+            x7 = (x7 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p8 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(48) + (p8 >> kb1) * np.uint64(3) + np.uint64(g >= r8) + np.uint64(g > r8)])
+            slot = x8 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p8 = inf >> np.uint64(32)
+            x8 = (inf & m16) * (x8 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x8 < lo)
+            x8 = (x8 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p9 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(54) + (p9 >> kb1) * np.uint64(3) + np.uint64(g >= r9) + np.uint64(g > r9)])
+            slot = x9 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p9 = inf >> np.uint64(32)
+            x9 = (inf & m16) * (x9 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x9 < lo)
+            x9 = (x9 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p10 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(60) + (p10 >> kb1) * np.uint64(3) + np.uint64(g >= r10) + np.uint64(g > r10)])
+            slot = x10 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p10 = inf >> np.uint64(32)
+            x10 = (inf & m16) * (x10 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x10 < lo)
+            x10 = (x10 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p11 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(66) + (p11 >> kb1) * np.uint64(3) + np.uint64(g >= r11) + np.uint64(g > r11)])
+            slot = x11 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p11 = inf >> np.uint64(32)
+            x11 = (inf & m16) * (x11 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x11 < lo)
+            x11 = (x11 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p12 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(72) + (p12 >> kb1) * np.uint64(3) + np.uint64(g >= r12) + np.uint64(g > r12)])
+            slot = x12 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p12 = inf >> np.uint64(32)
+            x12 = (inf & m16) * (x12 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x12 < lo)
+            x12 = (x12 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p13 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(78) + (p13 >> kb1) * np.uint64(3) + np.uint64(g >= r13) + np.uint64(g > r13)])
+            slot = x13 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p13 = inf >> np.uint64(32)
+            x13 = (inf & m16) * (x13 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x13 < lo)
+            x13 = (x13 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p14 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(84) + (p14 >> kb1) * np.uint64(3) + np.uint64(g >= r14) + np.uint64(g > r14)])
+            slot = x14 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p14 = inf >> np.uint64(32)
+            x14 = (inf & m16) * (x14 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x14 < lo)
+            x14 = (x14 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            g = p15 & mm
+            cb = np.uint64(cbase[b0 + np.uint64(90) + (p15 >> kb1) * np.uint64(3) + np.uint64(g >= r15) + np.uint64(g > r15)])
+            slot = x15 & mask
+            inf = info[(cb >> sb8) | np.uint64(slot8[cb | slot])]
+            p15 = inf >> np.uint64(32)
+            x15 = (inf & m16) * (x15 >> sb) + slot - ((inf >> np.uint64(16)) & m16)
+            n = np.uint64(x15 < lo)
+            x15 = (x15 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+            pos += n
+            if pos > np.uint64(nwords):
+                return ERR_STREAM_SHORT, np.int64(pos)
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(0)] = (p0 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(1)] = (p1 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(2)] = (p2 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(3)] = (p3 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(4)] = (p4 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(5)] = (p5 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(6)] = (p6 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(7)] = (p7 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(8)] = (p8 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(9)] = (p9 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(10)] = (p10 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(11)] = (p11 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(12)] = (p12 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(13)] = (p13 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(14)] = (p14 << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[ot + np.uint64(15)] = (p15 << lb) | (v & lmask)
+            bp += lb
+    if x0 != lo or x1 != lo or x2 != lo or x3 != lo or x4 != lo or x5 != lo or x6 != lo or x7 != lo or x8 != lo or x9 != lo or x10 != lo or x11 != lo or x12 != lo or x13 != lo or x14 != lo or x15 != lo:
+        return ERR_FINAL_STATE, np.int64(pos)
+    return OK, np.int64(pos)

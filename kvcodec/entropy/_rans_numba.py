@@ -124,6 +124,30 @@ def build_decode_tables(freq, cum, entry, sym):
 
 
 @nb.njit(cache=True, nogil=True)
+def build_local_tables(freq, scale_bits, slot8, info):
+    """The local tables of the ``fast_w*`` decoders: ``slot8[c << scale_bits | slot]`` = the index of the slot's
+    symbol among table c's symbols of non-zero frequency (in symbol order), ``info[c << 8 | index]`` = ``freq |
+    cum << 16 | symbol << 32``.  Returns False (tables left partly built) when a table has more than 256
+    symbols: the caller then uses the general decoder."""
+    for c in range(freq.shape[0]):
+        li = 0
+        cum = 0
+        base = c << scale_bits
+        for s in range(freq.shape[1]):
+            f = freq[c, s]
+            if f == 0:
+                continue
+            if li == 256:
+                return False
+            info[(c << 8) | li] = np.uint64(f) | (np.uint64(cum) << np.uint64(16)) | (np.uint64(s) << np.uint64(32))
+            for k in range(f):
+                slot8[base + cum + k] = li
+            cum += f
+            li += 1
+    return True
+
+
+@nb.njit(cache=True, nogil=True)
 def lanes_decode_tail(words, nwords, pos, states, start_row, refs, ctx_map, entry, symt, scale_bits, kbits, nclass,
                       lowbits, raw, rp, acc, nacc, out):
     """Fused decode of the groups from ``start_row`` on, any number of ways.

@@ -22,7 +22,7 @@ from ..errors import FormatError
 __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
-    "pack_tables", "unpack_tables", "max_tables_bytes", "backend",
+    "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel",
 ]
 
 MIN_SCALE_BITS = 8
@@ -183,6 +183,11 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         words_out[order] = (syms.ravel().astype(np.uint64)[order] << np.uint64(lowbits)) | low.astype(np.uint64)
         out[...] = words_out.reshape(bh, dim, ntok).transpose(0, 2, 1)
         return
+    refs = np.ascontiguousarray(refs, dtype=np.uint16)
+    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
+    if decode_kernel(ways, dim, freq).startswith("fast") and _decode_fast(
+            words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset):
+        return
     from ._rans_numba import build_decode_tables, lanes_decode_fused
 
     entry = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint32)
@@ -191,8 +196,6 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
     rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
     # compact dtypes, as on the wire: per-row side information is bounded by the output (spec section 9)
-    refs = np.ascontiguousarray(refs, dtype=np.uint16)
-    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
     args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, rawp, out)
     if ways in (4, 8):
         from . import _lanes_unrolled as U
@@ -204,6 +207,46 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
     if rp != raw.shape[0]:  # cannot happen for a validated raw length; kept as an invariant check
         raise FormatError(f"raw bits: used {rp} of {raw.shape[0]} bytes", field="Raw_Bits", offset=raw_offset)
+
+
+#: lane counts with a local-table decoder (``_lanes_unrolled.fast_w*``)
+FAST_WAYS = (4, 8, 16)
+
+
+def decode_kernel(ways: int, dim: int, freq: np.ndarray) -> str:
+    """Which decoder :func:`lanes_decode` runs for a stream of ``ways`` lanes into rows of ``dim`` channels with
+    tables ``freq``: ``fast_w4/8/16`` (local tables: at most 256 symbols per table, lane groups inside one head),
+    ``decode_w4/8`` (unrolled, any table), ``generic``, or ``python`` (the reference backend)."""
+    if backend() == "python":
+        return "python"
+    if ways in FAST_WAYS and dim % ways == 0 and int((np.asarray(freq) > 0).sum(axis=1).max()) <= 256:
+        return f"fast_w{ways}"
+    return f"decode_w{ways}" if ways in (4, 8) else "generic"
+
+
+def _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
+                 offset) -> bool:
+    """Decode with the local-table kernel; False (nothing written) when a table has more than 256 symbols."""
+    from . import _lanes_unrolled as U
+    from ._rans_numba import build_local_tables
+
+    g = freq.shape[0]
+    slot8 = np.empty(g << scale_bits, dtype=np.uint8)
+    info = np.empty(g << 8, dtype=np.uint64)
+    if not build_local_tables(freq, scale_bits, slot8, info):
+        return False
+    ctx6 = ctx_map if nclass == 6 else np.repeat(ctx_map[:, :1], 6, axis=1)
+    cbase = (ctx6.astype(np.uint32) << np.uint32(scale_bits)).ravel()
+    raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
+    raw64.view(np.uint8)[:raw.shape[0]] = raw
+    padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
+    kernel = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
+    status, pos = kernel(padded, words.shape[0], refs, cbase, slot8, info, scale_bits, kbits, lowbits, raw64, out)
+    if status == 0 and pos != words.shape[0]:
+        status = 4
+    if status:
+        raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
+    return True
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
