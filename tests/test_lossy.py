@@ -398,3 +398,31 @@ def test_calibrate_profiles_pairs_and_json():
         kvcodec.Profile.from_json("{")
     with pytest.raises(kvcodec.ConfigError, match="tokenizer"):
         kvcodec.calibrate(llama)
+
+
+@pytest.mark.parametrize("d", [4, 8, 64, 128])
+def test_fused_reconstruction_kernels_match_the_spec_arithmetic(d):
+    """The Numba reconstruction (one pass per token vector) gives the bits of the spec's binary32 expressions,
+    written here in NumPy in the spec's order: Methods 1 and 2 (butterfly, signs, 1/D, norm) and Method 5."""
+    from kvcodec.codecs import _vq_numba
+    from kvcodec.codecs.hadamard import fwht, signs
+
+    rng = np.random.default_rng(d)
+    n = 37
+    syms = rng.integers(0, 16, size=(n, d)).astype(np.uint16)
+    norms = (rng.random(n) * 40).astype(np.float16).astype(np.float32)
+    sign = signs(0x6B767A, d)
+    step, lo = np.float32(0.3183), -7
+    cb = rng.standard_normal(16).astype(np.float32)
+    for use_cb in (False, True):
+        z = cb[syms] if use_cb else (syms.astype(np.int64) + lo).astype(np.float32) * step
+        want = (fwht(z) * sign[None, :] * np.float32(1.0 / d)) * norms[:, None]
+        got = np.empty((n, d), np.float32)
+        _vq_numba.rotate_back(syms, 0 if use_cb else lo, step, cb, use_cb, sign, np.float32(1.0 / d), norms, got)
+        assert got.view(np.uint32).tolist() == want.astype(np.float32).view(np.uint32).tolist()
+    steps = (rng.random((3, d)) + 0.01).astype(np.float16).astype(np.float32)
+    s3 = rng.integers(0, 40, size=(6, 5, d)).astype(np.uint16)
+    want = (s3.reshape(2, 3, 5, d).astype(np.int64) + lo).astype(np.float32) * steps[None, :, None, :]
+    got = np.empty((6, 5, d), np.float32)
+    _vq_numba.channel_dequant(s3, lo, steps, got)
+    assert np.array_equal(got.reshape(2, 3, 5, d).view(np.uint32), want.view(np.uint32))

@@ -47,6 +47,7 @@ import numpy as np
 from ..dtypes import DTYPES, bit_patterns
 from ..errors import ConfigError, FormatError
 from ..registry import register_codec
+from . import _vq_numba
 from . import float_ctx_rans as floatctx
 from .base import Codec, Slice
 from .hadamard import SIGN_RULE, fwht, signs  # noqa: F401  (part of this codec's reference arithmetic)
@@ -499,15 +500,13 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
         if not np.isfinite(n32).all():
             raise FormatError("a vector norm is not finite", field="VQ.Norms", offset=offset)
-        s = syms.reshape(b, h, tq, d).reshape(-1, d).astype(np.int64)
-        if method == METHOD_UNIFORM:
-            zq = ((s + lo).astype(np.float32) * np.float32(st))
-        else:
-            if int(s.max()) >= levels or lo != 0:
-                raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
-            zq = cb[s]
-        u = fwht(zq) * signs(seed, d, rule)[None, :] * np.float32(1.0 / d)
-        out = (u * n32[:, None]).reshape(b, h, tq, d)
+        s = syms.reshape(-1, d)
+        if method == METHOD_LLOYD and (int(s.max()) >= levels or lo != 0):
+            raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
+        out = np.empty((b * h * tq, d), dtype=np.float32)
+        _vq_numba.rotate_back(s, lo, np.float32(st), cb if method == METHOD_LLOYD else np.zeros(1, np.float32),
+                              method == METHOD_LLOYD, signs(seed, d, rule), np.float32(1.0 / d), n32, out)
+        out = out.reshape(b, h, tq, d)
     if len(mv) < p + 4:
         raise FormatError("payload ends before Tail_Length", field="VQ.Tail_Length", offset=offset + p)
     (tail_len,) = struct.unpack_from("<I", mv, p)
@@ -536,8 +535,9 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
     p += n
     syms = np.empty((b * h, t, d), dtype=np.uint16)
     p += floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
-    q = (syms.reshape(b, h, t, d).astype(np.int64) + lo).astype(np.float32)
-    return q * st[None, :, None, :], p
+    out = np.empty((b * h, t, d), dtype=np.float32)
+    _vq_numba.channel_dequant(syms, lo, st, out)
+    return out.reshape(b, h, t, d), p
 
 
 def _decode_kivi(mv, p: int, shape, k: int, offset: int):
