@@ -213,6 +213,10 @@ def cmd_bench(args) -> int:
         from .lab.bench_theory import run_theory_bench
 
         return run_theory_bench(args)
+    if args.restore:
+        from .lab.bench_restore import run_restore_bench
+
+        return run_restore_bench(args)
     if args.reduce:
         from .lab.bench_reduce import run_reduce_bench
 
@@ -447,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", action="store_true",
                    help="the store on an agent workload from the corpus: bytes vs independent files, LMCache-style "
                         "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
+    s.add_argument("--restore", action="store_true",
+                   help="wall time from a .kvz file on disk to a DynamicCache for every tier, against reading raw "
+                        "safetensors (plain and zstd -3), a memcpy and recomputing the cache (bench_restore.md)")
+    s.add_argument("--lm", action="store_true",
+                   help="restore: also the exact tier with the model-coded token channel (one model step per token)")
     s.add_argument("--reduce", action="store_true",
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
                         "the full cache and SnapKV / H2O / StreamingLLM at equal entries (bench_reduce.md, .svg)")

@@ -156,7 +156,8 @@ def fast_w{W}(words, nwords, refs, cbase, slot8, info, scale_bits, kbits, lowbit
 
 
 def gen_fast(W: int) -> str:
-    init = "\n".join(f"    x{i} = (np.uint64(words[{2*i}]) << np.uint64(16)) | np.uint64(words[{2*i+1}])" for i in range(W))
+    init = "\n".join(f"    x{i} = (np.uint64(words[{2*i}]) << np.uint64(16)) | np.uint64(words[{2*i+1}])"
+                     for i in range(W))
     group = "\n".join(f"        p{i} = np.uint64(refs[g0 + {i}])\n        r{i} = p{i} & mm" for i in range(W))
     step = []
     for i in range(W):
@@ -174,7 +175,8 @@ def gen_fast(W: int) -> str:
     for i in range(W):
         store.append(f"            q = bp >> np.uint64(6)\n"
                      f"            sh = bp & np.uint64(63)\n"
-                     f"            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))\n"
+                     f"            v = (raw64[q] >> sh) | "
+                     f"((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))\n"
                      f"            flat[ot + np.uint64({i})] = (p{i} << lb) | (v & lmask)\n"
                      f"            bp += lb")
     final = " or ".join(f"x{i} != lo" for i in range(W))

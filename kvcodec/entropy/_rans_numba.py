@@ -112,6 +112,60 @@ def lanes_encode(syms, ctx, freq, cum, scale_bits, ways, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def row_stats(syms, kbits, nclass, refs, counts):
+    """Encoder statistics of a ``[rows, tokens]`` symbol matrix in one pass per row: ``refs[r]``, the lower
+    median of the row's magnitudes (``sym & (2**(kbits-1) - 1)``), and ``counts[r * nclass + class, sym]``, the
+    symbols counted by the class of their previous symbol (the reference before the first)."""
+    rows, ntok = syms.shape
+    half = 1 << (kbits - 1)
+    hist = np.zeros(half, dtype=np.int64)
+    need = (ntok + 1) // 2
+    for r in range(rows):
+        hist[:] = 0
+        for t in range(ntok):
+            hist[syms[r, t] & (half - 1)] += 1
+        c = 0
+        ref = 0
+        for m in range(half):
+            c += hist[m]
+            if c >= need:
+                ref = m
+                break
+        refs[r] = ref
+        prev = ref
+        for t in range(ntok):
+            s = syms[r, t]
+            counts[r * nclass + symbol_class(prev, ref, kbits, nclass), s] += 1
+            prev = s
+
+
+@nb.njit(cache=True, nogil=True)
+def pack_coding_order(rows_words, width, ways, out):
+    """:func:`pack_bits` of the low ``width`` bits of a ``[rows, tokens]`` matrix taken in coding order (groups
+    of ``ways`` rows, token-major), without materialising that order."""
+    rows, ntok = rows_words.shape
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    m = np.uint64((1 << width) - 1)
+    for g0 in range(0, rows, ways):
+        lanes = min(ways, rows - g0)
+        for t in range(ntok):
+            for j in range(lanes):
+                acc |= (np.uint64(rows_words[g0 + j, t]) & m) << np.uint64(nacc)
+                nacc += width
+                while nacc >= 8:
+                    out[pos] = np.uint8(acc & np.uint64(0xFF))
+                    pos += 1
+                    acc >>= np.uint64(8)
+                    nacc -= 8
+    if nacc > 0:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
+        pos += 1
+    return pos
+
+
+@nb.njit(cache=True, nogil=True)
 def build_decode_tables(freq, cum, entry, sym):
     """``entry[c, slot] = freq << 16 | (slot - cum)`` and ``sym[c, slot]``."""
     for c in range(freq.shape[0]):

@@ -22,7 +22,7 @@ from ..errors import FormatError
 __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
-    "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel",
+    "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "pack_low_bits",
 ]
 
 MIN_SCALE_BITS = 8
@@ -185,7 +185,9 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         return
     refs = np.ascontiguousarray(refs, dtype=np.uint16)
     ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
-    if decode_kernel(ways, dim, freq).startswith("fast") and _decode_fast(
+    kernel = decode_kernel(ways, dim, freq)
+    KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
+    if kernel.startswith("fast") and _decode_fast(
             words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset):
         return
     from ._rans_numba import build_decode_tables, lanes_decode_fused
@@ -211,6 +213,8 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
 
 #: lane counts with a local-table decoder (``_lanes_unrolled.fast_w*``)
 FAST_WAYS = (4, 8, 16)
+#: symbols decoded by each kernel in this process (``decode_kernel``'s names): ``kvz bench`` reports which ran
+KERNEL_SYMBOLS: dict[str, int] = {}
 
 
 def decode_kernel(ways: int, dim: int, freq: np.ndarray) -> str:
@@ -263,6 +267,45 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
     out = np.empty((n * width + 7) // 8, dtype=np.uint8)
     _pack(np.ascontiguousarray(values), width, out)
     return out.tobytes()
+
+
+def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
+    """``pack_bits(coding_order(rows & mask, ways), width)`` in one pass (the encoder's raw low bits)."""
+    if width == 0 or rows.size == 0:
+        return b""
+    if backend() == "python":
+        return pack_bits(coding_order(rows & ((1 << width) - 1), ways), width)
+    from ._rans_numba import pack_coding_order
+
+    out = np.empty(packed_size(rows.size, width), dtype=np.uint8)
+    pack_coding_order(np.ascontiguousarray(rows), width, ways, out)
+    return out.tobytes()
+
+
+def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, np.ndarray]:
+    """(refs, counts): each row's reference (the lower median magnitude) and the symbol counts per (row,
+    class of the previous symbol), ``[rows * nclass, 2**kbits]`` (encoder side)."""
+    rows, ntok = syms.shape
+    refs = np.empty(rows, dtype=np.uint16)
+    counts = np.zeros((rows * nclass, 1 << kbits), dtype=np.int64)
+    if backend() == "python":  # the same statistics in NumPy
+        half = 1 << (kbits - 1)
+        mag = (syms & np.uint16(half - 1)).astype(np.int64)
+        cdf = np.cumsum(np.bincount((mag + np.arange(rows)[:, None] * half).ravel(),
+                                    minlength=rows * half).reshape(rows, half), axis=1)
+        refs[:] = np.argmax(cdf >= (ntok + 1) // 2, axis=1)
+        prev = np.concatenate([refs[:, None], syms[:, :-1]], axis=1).astype(np.int64)
+        r = refs.astype(np.int64)[:, None]
+        m = prev & (half - 1)
+        c = (prev >> (kbits - 1)) * 3 + (m >= r) + (m > r) if nclass > 1 else np.zeros_like(prev)
+        cls = np.arange(rows)[:, None] * nclass + c
+        counts[...] = np.bincount((cls * (1 << kbits) + syms).ravel(),
+                                  minlength=counts.size).reshape(counts.shape)
+        return refs, counts
+    from ._rans_numba import row_stats as _stats
+
+    _stats(np.ascontiguousarray(syms, dtype=np.uint16), kbits, nclass, refs, counts)
+    return refs, counts
 
 
 def packed_size(n: int, width: int) -> int:

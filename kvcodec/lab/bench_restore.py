@@ -1,0 +1,216 @@
+"""``kvz bench --restore``: how fast a cache comes back, per tier, against reading it raw and recomputing it.
+
+For each corpus text and dtype: SmolLM2's KV cache of the first ``--tokens`` tokens (one prefill), written
+to a temporary folder once per tier (lossless; lossy at 2 and 3 bits per component; exact; tokens), as a raw
+safetensors file, and as that raw file compressed by zstd -3.  Then, side by side in one process, the wall
+time from the file on disk to a ``DynamicCache`` the model takes as ``past_key_values``:
+
+* ``kvcodec.load(path, model)`` for each tier, with one thread and with every core (the token tiers with the
+  static token model; ``--lm`` adds the exact tier with the model-coded token channel, minutes per restore);
+* ``safetensors.torch.load_file`` + the same conversion, and zstd -3 decompression + the same conversion;
+* recomputing the cache from its token ids with one prefill (the token ids are assumed known: the cheapest
+  recompute there is).
+
+The files are read from the page cache (they were just written; dropping it needs root): these are times of
+the decoders, not of the disk.  Each time is the median of ``--repeats`` runs after one warm-up run (Numba
+compilation, allocator).  Besides the times, each row reports the restored cache's megabytes per second
+(its raw bytes over the time), and a ``memcpy`` row: copying those raw bytes once with NumPy, the ceiling
+of any decoder.  Results: ``OUT/bench_restore.json`` and ``OUT/bench_restore.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from .common import median_time, missing_corpus, write_report
+
+DEFAULT_GENRES = ["prose_en_austen_pride_and_prejudice.txt"]
+
+#: (row name, encode keyword arguments) of the .kvz files measured
+TIERS = [
+    ("lossless", {"tier": "lossless"}),
+    ("lossy 3 bits", {"tier": "lossy", "bits": 3.0}),
+    ("lossy 2 bits", {"tier": "lossy", "bits": 2.0}),
+    ("exact", {"tier": "exact", "token_model": "static"}),
+    ("tokens", {"tier": "tokens", "token_model": "static", "tolerance": None}),
+]
+#: the token tiers with the model-coded token channel (``--lm``): restoring decodes one token per model step,
+#: about the time of an incremental pass over the text (BENCHMARKS.md, "Times"), so 2,048 tokens take minutes
+LM_TIERS = [
+    ("exact, lm token model", {"tier": "exact", "token_model": "lm"}),
+]
+
+
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    os.environ["KVCODEC_THREADS"] = str(n)
+
+
+def _raw_tensors(kv) -> dict:
+    out = {}
+    for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        out[f"k{i}"], out[f"v{i}"] = k.contiguous(), v.contiguous()
+    return out
+
+
+def _from_tensors(tensors: dict, n_layers: int, model):
+    from ..cache import KVCache
+
+    kv = KVCache([tensors[f"k{i}"] for i in range(n_layers)], [tensors[f"v{i}"] for i in range(n_layers)])
+    return kv.to_dynamic_cache(model=model)
+
+
+def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list[int], lm: bool = False) -> list[dict]:
+    """Rows of one cache (see the module docstring)."""
+    tiers = TIERS + (LM_TIERS if lm else [])
+    import safetensors.torch
+
+    from .. import api
+    from ..cache import to_canonical
+
+    n_layers = len(kv.keys)
+    raw = kv.nbytes()
+    rows = []
+
+    def add(name, path, fn, threads, check=None):
+        _set_threads(threads)
+        out = fn()  # warm-up: Numba compilation, first-touch allocations
+        if check is not None:
+            check(out)
+        t, _ = median_time(fn, repeats)
+        rows.append({"method": name, "threads": threads, "bytes": path.stat().st_size if path else None,
+                     "restore_s": t, "mb_s": raw / t / 1e6})
+
+    def same_as(ref):
+        def check(out):
+            back = to_canonical(out)
+            assert all(torch.equal(a, b) for a, b in zip(back.keys + back.values, ref.keys + ref.values)), "round trip"
+        return check
+
+    same = same_as(kv)
+
+    st_path = folder / "cache.safetensors"
+    safetensors.torch.save_file(_raw_tensors(kv), str(st_path))
+    zst_path = folder / "cache.safetensors.zst"
+    zst_path.write_bytes(zstandard.ZstdCompressor(level=3).compress(st_path.read_bytes()))
+
+    def write_files(threads):
+        # A token tier regenerates the cache with this machine's float results, which depend on torch's thread
+        # count (and the lm token model refuses another count): its files are written per thread count, from
+        # the cache a prefill with that count makes (what a user restoring on the machine that made it has)
+        _set_threads(threads)
+        with torch.no_grad():
+            own = to_canonical(model(ids, use_cache=True).past_key_values)
+        out = {}
+        for name, opts in tiers:
+            needs_model = opts["tier"] in ("exact", "tokens")
+            p = folder / f"{name.replace(' ', '_').replace(',', '')}{f'_{threads}' if needs_model else ''}.kvz"
+            if not p.exists():
+                api.save(p, own if needs_model else kv, model if needs_model else None, tokens=ids,
+                         **({"schedule": "prefill"} if needs_model else {}), **opts)
+            out[name] = (p, own if needs_model else kv, opts["tier"] != "tokens" and "lossy" not in name)
+        return out
+    # one memcpy of the raw bytes: the ceiling of any decoder
+    src = np.frombuffer(st_path.read_bytes(), dtype=np.uint8)
+    dst = np.empty_like(src)
+    t, _ = median_time(lambda: np.copyto(dst, src), repeats)
+    rows.append({"method": "memcpy of the raw bytes", "threads": 1, "bytes": None, "restore_s": t,
+                 "mb_s": raw / t / 1e6})
+    for threads in thread_counts:
+        # read, not mapped: safetensors.torch.load_file maps the file and defers the reads to first use (4 ms for
+        # 47 MB here), which would time nothing; the bytes read and turned into tensors are what a restore costs
+        add("raw safetensors", st_path,
+            lambda: _from_tensors(safetensors.torch.load(st_path.read_bytes()), n_layers, model), threads, same)
+
+        def from_zst():
+            data = zstandard.ZstdDecompressor().decompress(zst_path.read_bytes())
+            return _from_tensors(safetensors.torch.load(data), n_layers, model)
+
+        add("raw safetensors, zstd -3", zst_path, from_zst, threads, same)
+        for name, (p, ref, exact) in write_files(threads).items():
+            add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads), threads,
+                same_as(ref) if exact else None)
+
+        def recompute():
+            with torch.no_grad():
+                return model(ids, use_cache=True).past_key_values
+
+        add("recompute (one prefill)", None, recompute, threads)
+    _set_threads(os.cpu_count() or 1)
+    return rows
+
+
+def to_markdown(results: dict) -> str:
+    lines = [f"Command: `{results['command']}`", "",
+             f"Machine: {results['machine']}; torch {results['torch']}, numba {results['numba']}; "
+             f"{results['cpus']} CPUs. Medians of {results['repeats']} runs; files in the page cache.", ""]
+    for case in results["cases"]:
+        lines += [f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
+                  f"{case['raw_bytes'] / 2**20:.2f} MiB raw", "",
+                  "| method | threads | file bytes | restore ms | MB/s of cache | × raw safetensors | "
+                  "× recompute |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in case["rows"]:
+            lines.append(f"| {r['method']} | {r['threads']} | {r['bytes'] if r['bytes'] else '-'} | "
+                         f"{1e3 * r['restore_s']:.1f} | {r['mb_s']:.0f} | {_x(r.get('vs_raw'))} | "
+                         f"{_x(r.get('vs_recompute'))} |")
+        lines.append("")
+    lines.append("× raw safetensors, × recompute: that row's time over theirs at the same thread count "
+                 "(below 1: faster).")
+    return "\n".join(lines) + "\n"
+
+
+def _x(v):
+    return "-" if v is None else f"{v:.2f}"
+
+
+def run_restore_bench(args) -> int:
+    import numba
+
+    from .. import dtypes
+    from ..cache import to_canonical
+    from ..models import load_model, tokenize
+    from .common import corpus_dir
+
+    cdir = corpus_dir(args.corpus)
+    if cdir is None:
+        return missing_corpus("kvz bench --restore")
+    genres = args.genres or DEFAULT_GENRES
+    model, tok = load_model("smollm2")
+    tokens = args.tokens or 2048
+    repeats = args.repeats or 3
+    thread_counts = sorted({1, os.cpu_count() or 1})
+    results = {"command": f"kvz bench --restore --tokens {tokens} --repeats {repeats} --dtypes "
+                          + " ".join(args.dtypes) + (" --lm" if args.lm else ""),
+               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
+               "torch": torch.__version__, "numba": numba.__version__, "repeats": repeats, "cases": []}
+    for dname in args.dtypes:
+        m = model.to(dtypes.parse(dname).torch)
+        for g in genres:
+            ids = tokenize(tok, (cdir / g).read_text(encoding="utf-8"), tokens)
+            with torch.no_grad():
+                kv = to_canonical(m(ids, use_cache=True).past_key_values)
+            t0 = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix="kvz-restore-") as d:
+                rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm)
+            for r in rows:
+                base = {n: next((x for x in rows if x["method"] == n and x["threads"] == r["threads"]), None)
+                        for n in ("raw safetensors", "recompute (one prefill)")}
+                if base["raw safetensors"]:
+                    r["vs_raw"] = r["restore_s"] / base["raw safetensors"]["restore_s"]
+                if base["recompute (one prefill)"]:
+                    r["vs_recompute"] = r["restore_s"] / base["recompute (one prefill)"]["restore_s"]
+            results["cases"].append({"text": g, "dtype": dname, "tokens": int(ids.shape[1]),
+                                     "raw_bytes": kv.nbytes(), "rows": rows})
+            one = {r["method"]: r for r in rows if r["threads"] == 1}
+            print(f"{g} {dname}: " + ", ".join(f"{k} {1e3 * v['restore_s']:.0f} ms" for k, v in one.items())
+                  + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+    write_report(args.out, "bench_restore", results, to_markdown(results))
+    return 0
