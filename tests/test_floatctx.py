@@ -138,3 +138,20 @@ def test_length_fields_and_truncation():
             fc.decode(bytes(b), x.shape, "bfloat16")
     with pytest.raises(FormatError):  # the right bytes for another shape
         fc.decode(p, (1, 2, 63, 16), "bfloat16")
+
+
+def test_lossless_tier_default_scale_bits_and_wide_symbols():
+    """The lossless tier codes with Scale_Bits 10 by default, but not when coded_bits asks for symbols that
+    2**10 slots cannot hold (then the codec's 12); explicit options win."""
+    import torch
+
+    import kvcodec
+
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, size=(1, 2, 2048, 8), dtype=np.uint64).astype(np.uint32)
+    t = torch.from_numpy(bits.view(np.float32))
+    kv = kvcodec.KVCache([t], [t.clone()])
+    for opts, want in (({}, 10), ({"coded_bits": 12}, 12), ({"scale_bits": 13}, 13)):
+        data = kvcodec.encode(kv, **opts)
+        assert kvcodec.inspect(data)["codec"]["params"]["scale_bits"] == want, opts
+        assert kvcodec.decode(data, output="kvcache").equal(kv)

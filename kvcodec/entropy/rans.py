@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 
 import numpy as np
 
@@ -165,6 +166,16 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     if int(init.min()) < 1 << 16:
         raise FormatError(f"rANS stream: {_STATUS[2]}", field=field, offset=offset)
     raw = np.frombuffer(raw, dtype=np.uint8)
+    # what the kernels index by: checked here too, whoever the caller (float_ctx_rans validates the fields)
+    refs = np.ascontiguousarray(refs, dtype=np.uint16)
+    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
+    if refs.shape != (rows,) or ctx_map.shape != (rows, nclass) or nclass not in (1, 6) or not 2 <= kbits <= 16:
+        raise ValueError(f"refs {refs.shape} / ctx_map {ctx_map.shape} do not fit {rows} rows and {nclass} classes")
+    if raw.shape[0] != packed_size(n, lowbits):
+        raise FormatError(f"raw bits: {raw.shape[0]} bytes, {packed_size(n, lowbits)} expected", field="Raw_Bits",
+                          offset=raw_offset)
+    if rows and (int(refs.max()) >> (kbits - 1) or int(ctx_map.max()) >= freq.shape[0]):
+        raise FormatError("a reference or a context map entry is out of range", field=field, offset=offset)
     used = (n * lowbits) % 8
     if used and int(raw[-1]) >> used:
         raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
@@ -183,10 +194,9 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         words_out[order] = (syms.ravel().astype(np.uint64)[order] << np.uint64(lowbits)) | low.astype(np.uint64)
         out[...] = words_out.reshape(bh, dim, ntok).transpose(0, 2, 1)
         return
-    refs = np.ascontiguousarray(refs, dtype=np.uint16)
-    ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
     kernel = decode_kernel(ways, dim, freq)
-    KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
+    with _KERNEL_LOCK:
+        KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
     if kernel.startswith("fast") and _decode_fast(
             words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset):
         return
@@ -215,6 +225,7 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
 FAST_WAYS = (4, 8, 16)
 #: symbols decoded by each kernel in this process (``decode_kernel``'s names): ``kvz bench`` reports which ran
 KERNEL_SYMBOLS: dict[str, int] = {}
+_KERNEL_LOCK = threading.Lock()
 
 
 def decode_kernel(ways: int, dim: int, freq: np.ndarray) -> str:

@@ -125,7 +125,7 @@ def to_markdown(results: dict) -> str:
         lines.append(f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
                      f"{case['raw_bytes'] / 2**20:.2f} MiB raw")
         lines.append("")
-        lines.append("| method | bytes | ratio | bits/comp | enc MB/s | dec MB/s | dec Msym/s (kernel) | peak enc MiB "
+        lines.append("| method | bytes | ratio | bits/comp | enc MB/s | dec MB/s | dec Msym/s (kernels used) | peak enc MiB "
                      "| peak dec MiB |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in case["rows"]:

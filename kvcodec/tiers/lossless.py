@@ -27,4 +27,7 @@ class LosslessTier(DirectTier):
     defaults = {"scale_bits": 10}
 
     def codec(self, job: EncodeJob) -> FloatCtxRans:
-        return FloatCtxRans.configure({**self.defaults, **job.options.codec}, job.kv.dtype_name)
+        opts = dict(job.options.codec)
+        if (opts.get("coded_bits") or 0) <= 10:  # 2**10 slots hold any table of <= 10-bit symbols
+            opts = {**self.defaults, **opts}
+        return FloatCtxRans.configure(opts, job.kv.dtype_name)

@@ -114,9 +114,26 @@ def step_threads(n: int | None):
         _step["threads"] = old
 
 
-def forward(model, ids, cache, kw):
-    """One forward call that appends ``ids`` to ``cache``; returns the logits.  A call of one token runs on
-    the thread count :func:`step_threads` set, if any; longer calls on torch's."""
+def _takes_logits_to_keep(model) -> bool:
+    cls = type(model)
+    if cls not in _LOGITS_TO_KEEP:
+        try:
+            _LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            _LOGITS_TO_KEEP[cls] = False
+    return _LOGITS_TO_KEEP[cls]
+
+
+_LOGITS_TO_KEEP: dict = {}
+
+
+def forward(model, ids, cache, kw, all_logits: bool = True):
+    """One forward call that appends ``ids`` to ``cache``; returns the logits (``all_logits=False``: the
+    caller needs the cache only, so the model computes the last position's logits alone where it can — the
+    head over every position was ~1/5 of a SmolLM2 prefill; the cache's bits do not depend on it).  A call of
+    one token runs on the thread count :func:`step_threads` set, if any; longer calls on torch's."""
+    if not all_logits and ids.shape[-1] > 1 and _takes_logits_to_keep(model):
+        kw = {**kw, "logits_to_keep": 1}
     n, base = _step["threads"], torch.get_num_threads()
     if ids.shape[-1] != 1 or n is None or n == base:
         return model(ids, use_cache=True, **{cache_kwarg(model): cache}, **kw).logits
@@ -136,7 +153,7 @@ def replay(model, tokens: torch.Tensor, plan: Plan, progress=None):
     cache = new_cache(model, plan)
     pos = 0
     for n in plan.schedule:
-        forward(model, tokens[:, pos:pos + n], cache, call_kwargs(plan, pos, pos + n, dev))
+        forward(model, tokens[:, pos:pos + n], cache, call_kwargs(plan, pos, pos + n, dev), all_logits=False)
         pos += n
         if progress:
             progress(n)
@@ -210,7 +227,7 @@ def _probe_single_step(model, kv: KVCache, tokens, plan: Plan, j: int) -> bool:
                for a, ga in zip(kv.keys + kv.values, got.keys + got.values))
 
 
-_SCHEDULE_TRIES = 3  # prefill lengths replayed after the probe's answer
+_SCHEDULE_TRIES = 3  # prefill lengths checked from the probe's answer on
 
 
 def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str, KVCache | None]:
@@ -243,17 +260,17 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[
                 hi = mid
             else:
                 lo = mid + 1
-        # The probe checks one position on top of the original prefix; a prefill of a different length can
-        # still give the prefix other bits (other matmul blocking), and a CPU may give a position the same bits
-        # as a single step and inside the prefill. So replay: the first of lo, lo+1, ... that regenerates the
-        # cache bit for bit wins (a few tries: the probe is right about where single steps begin, within ties).
-        tries = []
+        # The probe checks one position on top of the original prefix; a prefill of another length can give
+        # the prefix other bits (other matmul blocking), and a CPU may give a position the same bits as a
+        # single step and inside the prefill (bf16 here: prefill 31 passed the probe of a 32-token prefill).
+        # So the prefill itself is checked, one forward call of p tokens: the first of lo, lo + 1, ... whose
+        # prefill reproduces positions [0, p) bit for bit wins (the caller's replay confirms the rest).
         for p in range(lo, min(n, lo + _SCHEDULE_TRIES)):
-            cand = Plan([p] + [1] * (n - p), plan.padding, plan.positions, plan.pad_token, plan.windows)
-            regen = to_canonical(replay(model, tokens, cand))
-            if regen.equal(kv):
-                return cand, f"inferred: prefill {p}, then {n - p} single steps", regen
-            tries.append((cand, p, regen))
-        cand, p, regen = tries[0]
-        return cand, f"inferred: prefill {p}, then {n - p} single steps (not bit-exact: residual)", regen
+            head = Plan([p], plan.padding, plan.positions, plan.pad_token, plan.windows)
+            got = to_canonical(replay(model, tokens[:, :p], head))
+            if all(torch.equal(a[:, :, :p], b) for a, b in zip(kv.keys + kv.values, got.keys + got.values)):
+                return Plan([p] + [1] * (n - p), plan.padding, plan.positions, plan.pad_token, plan.windows), \
+                    f"inferred: prefill {p}, then {n - p} single steps", None
+        return Plan([lo] + [1] * (n - lo), plan.padding, plan.positions, plan.pad_token, plan.windows), \
+            f"inferred: prefill {lo}, then {n - lo} single steps (its prefill differs: residual)", None
     return plans[0], "unknown: one prefill assumed", first
