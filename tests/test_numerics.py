@@ -2,6 +2,7 @@
 that cannot reproduce it refuses before any work, saying what would work.  Another machine is simulated by
 editing the recorded profile (and resealing the file)."""
 
+import copy
 import time
 import warnings
 from pathlib import Path
@@ -106,3 +107,25 @@ def test_one_token_calls_run_on_the_recorded_thread_count(model):
 
     h = header_of((VECTORS / "exact_lm_steps.kvz").read_bytes())
     assert h["tokens"]["procedure"]["numerics"]["step_threads"] == STEP_THREADS == 1
+
+
+def test_the_canary_is_computed_once_per_model_state(model, monkeypatch):
+    """The probe runs once per (model, determinants, weights); an in-place weight change or another thread
+    count runs it again, and the memo gives what a fresh probe gives."""
+    calls = []
+    real = numerics.canary
+    monkeypatch.setattr(numerics, "canary", lambda m: calls.append(1) or real(m))
+    m = copy.deepcopy(model)
+    first = numerics.profile(m)["canary"]
+    assert numerics.profile(m)["canary"] == first and len(calls) == 1
+    with torch.no_grad():
+        next(m.parameters()).mul_(1.5)
+    changed = numerics.profile(m)["canary"]
+    assert len(calls) == 2 and changed != first and changed == real(m)
+    base = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if base > 1 else 2)
+        numerics.profile(m)
+    finally:
+        torch.set_num_threads(base)
+    assert len(calls) == 3
