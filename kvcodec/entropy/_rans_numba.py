@@ -276,24 +276,3 @@ def lanes_decode_fused(words, nwords, ways, refs, ctx_map, entry, symt, scale_bi
         states[j] = (np.uint64(words[2 * j]) << np.uint64(16)) | np.uint64(words[2 * j + 1])
     return lanes_decode_tail(words, nwords, 2 * ways, states, 0, refs, ctx_map, entry, symt, scale_bits, kbits,
                              nclass, lowbits, raw, 0, np.uint64(0), 0, out)
-
-
-@nb.njit(cache=True, nogil=True)
-def pack_bits(values, width, out):
-    """Pack the low ``width`` bits of each value, LSB-first, into bytes ``out``."""
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
-    m = np.uint64((1 << width) - 1)
-    for i in range(values.shape[0]):
-        acc |= (np.uint64(values[i]) & m) << np.uint64(nacc)
-        nacc += width
-        while nacc >= 8:
-            out[pos] = np.uint8(acc & np.uint64(0xFF))
-            pos += 1
-            acc >>= np.uint64(8)
-            nacc -= 8
-    if nacc > 0:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-        pos += 1
-    return pos

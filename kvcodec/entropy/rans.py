@@ -273,10 +273,10 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
         from ._rans_ref import pack_bits_ref
 
         return pack_bits_ref(values, width)
-    from ._rans_numba import pack_bits as _pack
+    from ._rans_numba import pack_coding_order
 
     out = np.empty((n * width + 7) // 8, dtype=np.uint8)
-    _pack(np.ascontiguousarray(values), width, out)
+    pack_coding_order(np.ascontiguousarray(values).reshape(1, n), width, 1, out)  # one row: the values in order
     return out.tobytes()
 
 
