@@ -168,8 +168,9 @@ _LOCAL = threading.local()
 
 
 def _side_compressor():
-    """This thread's zstd level-19 compressor for side information: made once per thread, not per payload
-    (its context setup was ~3 ms of every payload's encode; the bytes are the same)."""
+    """This thread's zstd level-19 compressor for side information, made once per thread rather than per
+    payload (the bytes are the same).  Most of the ~3 ms per payload it costs is the level-19 search itself,
+    which reuse does not remove (profiled: no measurable change)."""
     c = getattr(_LOCAL, "side", None)
     if c is None:
         c = _LOCAL.side = zstandard.ZstdCompressor(level=19, write_content_size=True)

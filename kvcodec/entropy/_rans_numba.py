@@ -182,7 +182,7 @@ def build_local_tables(freq, scale_bits, slot8, info):
     """The local tables of the ``fast_w*`` decoders: ``slot8[c << scale_bits | slot]`` = the index of the slot's
     symbol among table c's symbols of non-zero frequency (in symbol order), ``info[c << 8 | index]`` = ``freq |
     cum << 16 | symbol << 32``.  Returns False (tables left partly built) when a table has more than 256
-    symbols: the caller then uses the general decoder."""
+    symbols, which ``info`` cannot index."""
     for c in range(freq.shape[0]):
         li = 0
         cum = 0

@@ -197,8 +197,8 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     kernel = decode_kernel(ways, dim, freq)
     with _KERNEL_LOCK:
         KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
-    if kernel.startswith("fast") and _decode_fast(
-            words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset):
+    if kernel.startswith("fast"):
+        _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset)
         return
     from ._rans_numba import build_decode_tables, lanes_decode_fused
 
@@ -240,16 +240,16 @@ def decode_kernel(ways: int, dim: int, freq: np.ndarray) -> str:
 
 
 def _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
-                 offset) -> bool:
-    """Decode with the local-table kernel; False (nothing written) when a table has more than 256 symbols."""
+                 offset) -> None:
+    """Decode with the local-table kernel (:func:`decode_kernel` chose it: every table has <= 256 symbols)."""
     from . import _lanes_unrolled as U
     from ._rans_numba import build_local_tables
 
     g = freq.shape[0]
     slot8 = np.empty(g << scale_bits, dtype=np.uint8)
     info = np.empty(g << 8, dtype=np.uint64)
-    if not build_local_tables(freq, scale_bits, slot8, info):
-        return False
+    if not build_local_tables(freq, scale_bits, slot8, info):  # the info table's bound; decode_kernel checked it
+        raise ValueError("a table has more than 256 symbols: not a fast_w* stream")
     ctx6 = ctx_map if nclass == 6 else np.repeat(ctx_map[:, :1], 6, axis=1)
     cbase = (ctx6.astype(np.uint32) << np.uint32(scale_bits)).ravel()
     raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
@@ -261,7 +261,6 @@ def _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lo
         status = 4
     if status:
         raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
-    return True
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
