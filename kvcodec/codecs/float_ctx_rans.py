@@ -80,34 +80,61 @@ def check_config(cfg: dict, dtype: str) -> dict:
 
 # --- encoder ---------------------------------------------------------------
 
-def _group_sums(assign: np.ndarray, rows: np.ndarray, g: int) -> np.ndarray:
-    """``out[t] = rows[assign == t].sum(axis=0)`` as one matrix product."""
-    onehot = np.zeros((g, assign.size), dtype=rows.dtype)
-    onehot[assign, np.arange(assign.size)] = 1
-    return onehot @ rows
+def table_counts(assign: np.ndarray, counts: rans.SparseCounts, g: int) -> np.ndarray:
+    """``out[t]``: the sum of the histogram rows assigned to table ``t`` (int64, exact)."""
+    flat = assign[counts.rows()] * counts.nsym + counts.col
+    return np.bincount(flat, weights=counts.val, minlength=g * counts.nsym).reshape(g, counts.nsym).astype(np.int64)
 
 
-def _cluster(counts: np.ndarray, n_tables: int, iters: int = 8) -> np.ndarray:
+def _nearest(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndarray) -> np.ndarray:
+    """For each sparse row, the table ``t`` of least code length ``-sum_k val[k] * logq[t, idx[k]]`` (the sum
+    accumulated over the row's entries in column order, from 0.0; ties to the lowest ``t``): a fixed order of
+    binary64 operations, so every machine and both backends pick the same tables."""
+    logq_t = np.ascontiguousarray(logq.T)
+    out = np.empty(indptr.size - 1, dtype=np.int64)
+    if rans.backend() == "python":
+        nnz = np.diff(indptr)
+        acc = np.zeros((out.size, logq.shape[0]))
+        for k in range(int(nnz.max()) if nnz.size else 0):
+            rr = np.nonzero(nnz > k)[0]
+            e = indptr[rr] + k
+            acc[rr] += val[e][:, None] * logq_t[idx[e]]
+        out[:] = np.argmin(-acc, axis=1)
+        return out
+    from ..entropy._rans_numba import nearest_tables
+
+    nearest_tables(indptr, idx, val, logq_t, out)
+    return out
+
+
+def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.ndarray:
     """Assign each histogram row to one of ``n_tables`` tables (k-means on code length).
 
-    Deterministic.  Rows with no counts go to table 0.  Returns int array.
+    Deterministic, the same on every machine (no BLAS: the code lengths are summed in a fixed order over each
+    row's non-zero counts).  Rows with no counts go to table 0.  Returns int array.
     """
-    n = counts.shape[0]
-    assign = np.zeros(n, dtype=np.int64)
-    live = np.nonzero(counts.sum(axis=1))[0]
+    assign = np.zeros(counts.nrows, dtype=np.int64)
+    nnz = np.diff(counts.indptr)
+    live = np.nonzero(nnz)[0]
     if live.size == 0:
         return assign
-    used = np.nonzero(counts[live].sum(axis=0))[0]
-    h = counts[np.ix_(live, used)].astype(np.float64)
+    present = np.bincount(counts.col, minlength=counts.nsym) > 0
+    used = np.nonzero(present)[0]
+    colmap = np.cumsum(present) - 1
+    idx = colmap[counts.col]
+    row = np.repeat(np.arange(live.size), nnz[live])  # live row of every entry
+    indptr = np.append(counts.indptr[live], counts.indptr[-1])
+    val = counts.val.astype(np.float64)
     g = min(n_tables, live.size)
-    tot = h.sum(axis=1)
-    mean = (h * np.arange(used.size)).sum(axis=1) / tot
+    # integer sums: exact in binary64 whatever the order
+    tot = np.bincount(row, weights=val, minlength=live.size)
+    mean = np.bincount(row, weights=val * idx, minlength=live.size) / tot
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
     for _ in range(iters):
-        q = _group_sums(a, h, g) + 1e-3
+        q = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size).reshape(g, used.size) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
-        na = np.argmin(-(h @ logq.T), axis=1)
+        na = _nearest(indptr, idx, val, logq)
         if np.array_equal(na, a):
             break
         a = na
@@ -150,7 +177,7 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1
-    tcounts = _group_sums(assign, counts.astype(np.float64), g).astype(np.int64)
+    tcounts = table_counts(assign, counts, g)
     if (tcounts > 0).sum(axis=1).max() > (1 << sb):
         raise ConfigError(f"{CODEC_ID}: a table has more distinct symbols than 2**scale_bits; raise scale_bits")
     freq = rans.normalize_counts(tcounts, sb)

@@ -112,14 +112,19 @@ def lanes_encode(syms, ctx, freq, cum, scale_bits, ways, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def row_stats(syms, kbits, nclass, refs, counts):
+def row_stats(syms, kbits, nclass, refs, indptr, col, val):
     """Encoder statistics of a ``[rows, tokens]`` symbol matrix in one pass per row: ``refs[r]``, the lower
-    median of the row's magnitudes (``sym & (2**(kbits-1) - 1)``), and ``counts[r * nclass + class, sym]``, the
-    symbols counted by the class of their previous symbol (the reference before the first)."""
+    median of the row's magnitudes (``sym & (2**(kbits-1) - 1)``), and the counts of histogram row
+    ``r * nclass + class`` (the symbols counted by the class of their previous symbol, the reference before
+    the first) as sparse rows: ``indptr``, then the symbols ``col`` (ascending) and their counts ``val``.
+    Returns the number of entries."""
     rows, ntok = syms.shape
-    half = 1 << (kbits - 1)
+    nsym = 1 << kbits
+    half = nsym >> 1
     hist = np.zeros(half, dtype=np.int64)
+    h2 = np.zeros((nclass, nsym), dtype=np.int64)
     need = (ntok + 1) // 2
+    pos = 0
     for r in range(rows):
         hist[:] = 0
         for t in range(ntok):
@@ -135,8 +140,43 @@ def row_stats(syms, kbits, nclass, refs, counts):
         prev = ref
         for t in range(ntok):
             s = syms[r, t]
-            counts[r * nclass + symbol_class(prev, ref, kbits, nclass), s] += 1
+            h2[symbol_class(prev, ref, kbits, nclass), s] += 1
             prev = s
+        for k in range(nclass):
+            indptr[r * nclass + k] = pos
+            for s in range(nsym):
+                v = h2[k, s]
+                if v:
+                    col[pos] = s
+                    val[pos] = v
+                    pos += 1
+                    h2[k, s] = 0
+    indptr[rows * nclass] = pos
+    return pos
+
+
+@nb.njit(cache=True, nogil=True)
+def nearest_tables(indptr, idx, val, logq_t, out):
+    """``out[r]``: the table t of least ``-sum_k val[k] * logq_t[idx[k], t]`` over sparse row r's entries k, the
+    sum accumulated in entry order from 0.0, ties to the lowest t (float_ctx_rans._nearest, which also holds the
+    NumPy version: both must pick the same tables)."""
+    g = logq_t.shape[1]
+    acc = np.empty(g, dtype=np.float64)
+    for r in range(indptr.size - 1):
+        acc[:] = 0.0
+        for k in range(indptr[r], indptr[r + 1]):
+            v = val[k]
+            s = idx[k]
+            for t in range(g):
+                acc[t] += v * logq_t[s, t]
+        best = 0
+        bv = -acc[0]
+        for t in range(1, g):
+            c = -acc[t]
+            if c < bv:
+                best = t
+                bv = c
+        out[r] = best
 
 
 @nb.njit(cache=True, nogil=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,7 +24,8 @@ from ..errors import FormatError
 __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
-    "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "pack_low_bits",
+    "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "SparseCounts",
+    "pack_low_bits",
 ]
 
 MIN_SCALE_BITS = 8
@@ -292,13 +294,41 @@ def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
     return out.tobytes()
 
 
-def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, np.ndarray]:
+class SparseCounts(NamedTuple):
+    """Symbol counts of ``nrows`` histogram rows over ``nsym`` symbols, only the non-zero ones: row ``r`` has
+    the counts ``val[indptr[r]:indptr[r + 1]]`` of the symbols ``col[...]`` (ascending)."""
+
+    nrows: int
+    nsym: int
+    indptr: np.ndarray  # int64 [nrows + 1]
+    col: np.ndarray  # int64
+    val: np.ndarray  # int64, all > 0
+
+    def rows(self) -> np.ndarray:
+        """The row of every entry."""
+        return np.repeat(np.arange(self.nrows), np.diff(self.indptr))
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros((self.nrows, self.nsym), dtype=np.int64)
+        out[self.rows(), self.col] = self.val
+        return out
+
+    @classmethod
+    def from_dense(cls, counts: np.ndarray) -> "SparseCounts":
+        r, c = np.nonzero(counts)  # row-major: columns ascending within each row
+        indptr = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(r, minlength=counts.shape[0]), out=indptr[1:])
+        return cls(counts.shape[0], counts.shape[1], indptr, c.astype(np.int64), counts[r, c].astype(np.int64))
+
+
+def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, SparseCounts]:
     """(refs, counts): each row's reference (the lower median magnitude) and the symbol counts per (row,
-    class of the previous symbol), ``[rows * nclass, 2**kbits]`` (encoder side)."""
+    class of the previous symbol), ``rows * nclass`` histogram rows over ``2**kbits`` symbols, sparse (encoder
+    side)."""
     rows, ntok = syms.shape
     refs = np.empty(rows, dtype=np.uint16)
-    counts = np.zeros((rows * nclass, 1 << kbits), dtype=np.int64)
     if backend() == "python":  # the same statistics in NumPy
+        counts = np.zeros((rows * nclass, 1 << kbits), dtype=np.int64)
         half = 1 << (kbits - 1)
         mag = (syms & np.uint16(half - 1)).astype(np.int64)
         cdf = np.cumsum(np.bincount((mag + np.arange(rows)[:, None] * half).ravel(),
@@ -311,11 +341,14 @@ def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, np
         cls = np.arange(rows)[:, None] * nclass + c
         counts[...] = np.bincount((cls * (1 << kbits) + syms).ravel(),
                                   minlength=counts.size).reshape(counts.shape)
-        return refs, counts
+        return refs, SparseCounts.from_dense(counts)
     from ._rans_numba import row_stats as _stats
 
-    _stats(np.ascontiguousarray(syms, dtype=np.uint16), kbits, nclass, refs, counts)
-    return refs, counts
+    indptr = np.empty(rows * nclass + 1, dtype=np.int64)
+    col = np.empty(syms.size, dtype=np.int64)  # at most one entry per symbol
+    val = np.empty(syms.size, dtype=np.int64)
+    n = _stats(np.ascontiguousarray(syms, dtype=np.uint16), kbits, nclass, refs, indptr, col, val)
+    return refs, SparseCounts(rows * nclass, 1 << kbits, indptr, col[:n].copy(), val[:n].copy())
 
 
 def packed_size(n: int, width: int) -> int:

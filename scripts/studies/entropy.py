@@ -51,9 +51,10 @@ def coded_bytes(words, q, tables, k=10, sb=12) -> float:
     refs = np.median(syms & ((1 << (k - 1)) - 1), axis=1).astype(np.uint16)
     ident = np.arange(b * h * d)[:, None] * q + classes(syms, refs, k, q)
     counts = np.bincount((ident * (1 << k) + syms).ravel(), minlength=b * h * d * q << k).reshape(-1, 1 << k)
+    counts = rans.SparseCounts.from_dense(counts)
     assign = fc._cluster(counts, tables)
     g = int(assign.max()) + 1
-    freq = rans.normalize_counts(fc._group_sums(assign, counts.astype(float), g).astype(np.int64), sb)
+    freq = rans.normalize_counts(fc.table_counts(assign, counts, g), sb)
     ctx = assign[ident].astype(np.int32)
     w = rans.lanes_encode(syms, refs, np.zeros((b * h * d, 1), np.uint8), freq, sb, 8, k, 1, ctx=ctx)
     side = zstandard.ZstdCompressor(level=19).compress(refs.tobytes() + assign.astype(np.uint8).tobytes()
