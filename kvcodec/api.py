@@ -43,7 +43,7 @@ class Encoder:
     chunk_tokens : int
         Tokens per kv / residual section: the granularity of random access.
     threads : int, optional
-        Sections coded in parallel; default 1 (faster here, see BENCHMARKS.md).
+        Sections coded in parallel; default: ``$KVCODEC_THREADS`` or every core.
     token_model : ``"lm"`` (default), ``"static"`` or ``"draft"``
         Token tiers: the probability model of the token channel - the model
         itself (decoding runs it token by token), an adaptive context model

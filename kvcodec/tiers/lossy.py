@@ -84,7 +84,7 @@ class LossyTier(DirectTier):
         if (params["quantizer"] not in ("uniform", "weighted") or given.get("step") is not None
                 or given.get("max_kl") is not None):
             return None  # a fixed step
-        threads = 1 if job.options.threads is None else job.options.threads
+        threads = job.options.threads  # None: every core (see DirectTier.write)
         work = self.encode_slice(job, codec)
         # The rate is that of the quantized tokens: the exactly stored ones (sink, window) are stored at their
         # own, step-independent cost.  (Counting them made the budget of small caches unreachable, and the loop
