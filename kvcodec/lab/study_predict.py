@@ -50,7 +50,7 @@ import time
 import numpy as np
 import torch
 
-from .study_weighted import TEXTS, _exact_bytes, _interp, _kl, _logp, front
+from .study_weighted import TEXTS, exact_bytes, front, interp, kl, logp
 
 DAMP = 1e-3
 SEED = 0x6B767A
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
         exact = prefill(model, prefix)
         kv = to_canonical(exact)
         cos, sin = rope_tables(model, args.prefix)
-        evals[name] = (exact, kv, cont, _logp(model, exact, cont), cos[1:], sin[1:],
+        evals[name] = (exact, kv, cont, logp(model, exact, cont), cos[1:], sin[1:],
                        sum(t.numel() for t in kv.keys + kv.values))
 
     rows, diag = [], {}
@@ -342,13 +342,13 @@ def main(argv=None) -> int:
                 keys = [k[0].double()[:, 1:] for k in kv.keys]
                 values = [v[0].double()[:, 1:] for v in kv.values]
                 nb, rk, rv, _ = arm.run(keys, values, cos, sin, sk, sv, predictors=preds, count=True)
-                nbytes = nb + sum(_exact_bytes(t.float()[:, :, :1]) for t in kv.keys + kv.values)
+                nbytes = nb + sum(exact_bytes(t.float()[:, :, :1]) for t in kv.keys + kv.values)
                 dec = KVCache([torch.cat([k.float()[:, :, :1], r[None].to(k.dtype)], 2) for k, r in zip(kv.keys, rk)],
                               [torch.cat([v.float()[:, :, :1], r[None].to(v.dtype)], 2)
                                for v, r in zip(kv.values, rv)])
                 r = {"text": name, "arm": arm.name, "config": {"key_step": sk, "value_step": sv},
                      "bits_per_component": 8 * nbytes / comps,
-                     "mean_kl_bits": _kl(lp, _logp(model, dec.to_dynamic_cache(), cont))}
+                     "mean_kl_bits": kl(lp, logp(model, dec.to_dynamic_cache(), cont))}
                 rows.append(r)
                 print(f"{name} {arm.name} {sk}/{sv}: {r['bits_per_component']:.3f} bits, KL {r['mean_kl_bits']:.4f} "
                       f"({time.time() - t0:.0f} s)", flush=True)
@@ -372,7 +372,7 @@ def at_bits(rows, targets=(2.0, 2.5, 3.0)):
     groups = {}
     for r in rows:
         groups.setdefault((r["text"], r["arm"]), []).append((r["bits_per_component"], r["mean_kl_bits"]))
-    out = [{"text": t, "arm": a, **{f"kl_at_{b:g}": _interp(front(p), b) for b in targets}}
+    out = [{"text": t, "arm": a, **{f"kl_at_{b:g}": interp(front(p), b) for b in targets}}
            for (t, a), p in groups.items()]
     arms = sorted({r["arm"] for r in out}, key=[r["arm"] for r in out].index)
     for a in arms:

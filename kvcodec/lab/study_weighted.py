@@ -40,14 +40,14 @@ CALIBRATION = "data_iso_3166-1.json"
 
 
 @torch.no_grad()
-def _logp(model, cache, cont):
+def logp(model, cache, cont):
     from ..tokens.plan import cache_kwarg
 
     out = model(cont, **{cache_kwarg(model): copy.deepcopy(cache)}).logits[0].double()
     return torch.log_softmax(out, -1)
 
 
-def _kl(lp, lq):
+def kl(lp, lq):
     return float(((lp.exp() * (lp - lq)).sum(-1) / math.log(2)).mean())
 
 
@@ -98,7 +98,7 @@ def _code(u: np.ndarray, step: float) -> tuple[int, np.ndarray]:
     return len(index_payload(q)[0]) + 4, (q * step).astype(np.float32)
 
 
-def _exact_bytes(x: torch.Tensor) -> int:
+def exact_bytes(x: torch.Tensor) -> int:
     from ..codecs import float_ctx_rans as floatctx
 
     return len(floatctx.encode(np.ascontiguousarray(x.float().numpy().view(np.uint32)), "float32", {}))
@@ -116,7 +116,7 @@ def transformed(kv, weights, step_k: float, step_v: float):
     for li in range(kv.num_layers):
         for part, src, dst, step in ((0, kv.keys[li], keys, step_k), (1, kv.values[li], values, step_v)):
             x = src.float()
-            nbytes += _exact_bytes(x[:, :, :1])
+            nbytes += exact_bytes(x[:, :, :1])
             body = x[:, :, 1:]
             b, h, t, d = body.shape
             if weights[part] is None:
@@ -183,12 +183,12 @@ def main(argv=None) -> int:
         exact = prefill(model, prefix)
         kv = to_canonical(exact)
         comps = sum(t.numel() for t in kv.keys + kv.values)
-        lp = _logp(model, exact, cont)
+        lp = logp(model, exact, cont)
         oracle = None if args.focus else {li: sqrt_and_inverse(c) for li, c in query_moments(model, prefix).items()}
 
         def row(arm, cfg, nbytes, cache):
             r = {"text": name, "arm": arm, "config": cfg, "bits_per_component": 8 * nbytes / comps,
-                 "mean_kl_bits": _kl(lp, _logp(model, cache, cont))}
+                 "mean_kl_bits": kl(lp, logp(model, cache, cont))}
             rows.append(r)
             print(f"{name} {arm} {json.dumps(cfg)}: {r['bits_per_component']:.3f} bits, KL {r['mean_kl_bits']:.4f}",
                   flush=True)
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _interp(points, bits):
+def interp(points, bits):
     """KL at ``bits`` by log-linear interpolation of (bits, KL) points (None outside their range)."""
     pts = sorted(points)
     for (b0, k0), (b1, k1) in zip(pts, pts[1:]):
@@ -255,7 +255,7 @@ def at_bits(rows, targets=(2.0, 3.0)):
     groups = {}
     for r in rows:
         groups.setdefault((r["text"], r["arm"]), []).append((r["bits_per_component"], r["mean_kl_bits"]))
-    return [{"text": t, "arm": a, **{f"kl_at_{b:g}": _interp(front(p), b) for b in targets}}
+    return [{"text": t, "arm": a, **{f"kl_at_{b:g}": interp(front(p), b) for b in targets}}
             for (t, a), p in groups.items()]
 
 
