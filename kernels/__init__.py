@@ -5,6 +5,8 @@ the ``_<op>_kernel`` (jitted, private) / ``<op>_launch`` (host launcher) split,
 and each is tested against a torch reference, under ``TRITON_INTERPRET=1`` on
 machines without a GPU.  ``vq``: the lossy tier's fused residual + rotation +
 quantization and dequantization + add (bit-exact with the NumPy reference);
+``rans``: the entropy decoder of the rANS lane streams, fused with ``vq_rans``
+Method 5's dequantization (bit-exact with the CPU decoders);
 ``scripts/gpu_bench.py`` measures their bandwidth on a GPU.
 """
 

@@ -8,6 +8,9 @@ Llama-sized one), times ``rotate_quantize`` (reads x, writes int32 indices + fp1
 after 5 warm-ups, and reports the bytes moved / time as GB/s and as a fraction of the peak.  The peak is
 taken from ``--peak-gbs`` or a table of known devices (H100 SXM 3350, H200 4800, A100 80GB 2039 GB/s).
 It also checks, on one case, that the GPU results equal the NumPy reference bit for bit.
+The entropy decoder (kernels/rans.py: the lossless tier's rANS streams, one program per stream, its lanes one
+vector) is timed on 60 streams of a SmolLM2-sized bf16 slice ([3, 2048, 64], structured like a cache: channel
+scales), checked against the CPU decoder, and reported as GB/s of decoded bf16 output.
 Results: OUT/gpu_bench.json and OUT/gpu_bench.md.
 """
 
@@ -89,20 +92,50 @@ def main(argv=None):
                              "fraction_of_peak": gbs / peak if peak else None})
                 print(f"{op:28s} {rows[-1]['dtype']:9s} {shape}: {t * 1e6:9.1f} us {gbs:8.1f} GB/s"
                       + (f" ({gbs / peak:.0%} of {peak:.0f})" if peak else ""), flush=True)
+    exact_rans = _entropy_rows(rows, dev, peak)
     res = {"command": "python scripts/gpu_bench.py", "device": name, "peak_gb_per_s": peak,
-           "bit_exact_quantize": exact_q, "bit_exact_dequantize": exact_dq, "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "rows": rows}
+           "bit_exact_quantize": exact_q, "bit_exact_dequantize": exact_dq, "bit_exact_entropy": exact_rans,
+           "torch": torch.__version__, "triton": __import__("triton").__version__, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     lines = [f"`{res['command']}` on {name} (peak {peak} GB/s); bit-exact vs NumPy: quantize {exact_q}, "
-             f"dequantize {exact_dq}", "", "| op | dtype | shape | us | GB/s | of peak |", "|---|---|---|---:|---:|---:|"]
+             f"dequantize {exact_dq}, entropy decoder {exact_rans}", "", "| op | dtype | shape | us | GB/s | of peak |",
+             "|---|---|---|---:|---:|---:|"]
     for r in rows:
         frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] else "-"
         lines.append(f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['seconds'] * 1e6:.1f} | {r['gb_per_s']:.1f} | "
                      f"{frac} |")
     (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
-    return 0 if exact_q and exact_dq else 1
+    return 0 if exact_q and exact_dq and exact_rans else 1
+
+
+def _entropy_rows(rows, dev, peak, streams=60, shape=(1, 3, 2048, 64)) -> bool:
+    """Time the Triton entropy decoder on ``streams`` lossless payloads of ``shape`` (bf16); True if its words
+    equal the CPU decoder's."""
+    from kvcodec._kernels import rans as kr
+
+    from kvcodec.codecs import float_ctx_rans as fc
+
+    b, h, s, d = shape
+    g = torch.Generator().manual_seed(0)
+    parsed, want = [], []
+    for _ in range(streams):
+        x = (torch.randn(shape, generator=g) * torch.exp(torch.randn(1, h, 1, d, generator=g) * 2)).bfloat16()
+        words = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+        payload = fc.encode(words, "bfloat16", {})
+        parsed.append(fc.parse_symbols(memoryview(payload), (b * h, s, d), 16)[0])
+        want.append(fc.decode(payload, shape, "bfloat16"))
+    got = kr.decode(parsed, (b * h, s, d), device=dev).cpu().numpy()
+    exact = all((got[i].astype(np.uint16).reshape(shape) == want[i]).all() for i in range(streams))
+    t = timed(lambda: kr.decode(parsed, (b * h, s, d), device=dev), reps=5, warm=1)
+    nbytes = streams * x.numel() * 2
+    gbs = nbytes / t / 1e9
+    rows.append({"op": f"rANS decode ({streams} streams, host table setup included)", "dtype": "bfloat16",
+                 "shape": list(shape), "seconds": t, "bytes": nbytes, "gb_per_s": gbs,
+                 "fraction_of_peak": gbs / peak if peak else None})
+    print(f"rANS decode: {t * 1e3:.1f} ms, {gbs:.2f} GB/s of bf16 output, bit-exact {exact}", flush=True)
+    return exact
 
 
 if __name__ == "__main__":

@@ -279,7 +279,7 @@ def test_weighted_study_pieces():
         assert (x - y).abs().max() < 0.1
     assert nbytes > 0
     assert sw.front([(2.0, 0.5), (1.0, 1.0), (3.0, 0.6), (2.5, 0.2)]) == [(1.0, 1.0), (2.0, 0.5), (2.5, 0.2)]
-    assert abs(sw._interp([(1.0, 0.1), (3.0, 0.001)], 2.0) - 0.01) < 1e-12
+    assert abs(sw.interp([(1.0, 0.1), (3.0, 0.001)], 2.0) - 0.01) < 1e-12
 
 
 def _weighted_case(seq=40, dim=8, seed=3):

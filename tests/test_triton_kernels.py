@@ -134,3 +134,90 @@ def test_encoder_writes_the_same_bytes_through_the_kernel(dtype, monkeypatch):
     monkeypatch.setattr(vq, "rotate_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert kvcodec.encode(cache, **opts) == want
     assert calls  # the kernel did the quantization
+
+
+# --- the entropy decoder (kernels/rans.py) -------------------------------------------------------------------
+
+def _coded_payload(shape, dtype, ways, seed):
+    """A float_ctx_rans Mode 1 payload of a structured tensor (channel scales, as caches have) and its words."""
+    from kvcodec.codecs import float_ctx_rans as fc
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 4).round() / 4 * torch.exp(torch.randn(1, shape[1], 1, shape[3],
+                                                                                  generator=g) * 2)
+    x = x.to(dtype)
+    iview, uview = (torch.int32, np.uint32) if dtype == torch.float32 else (torch.int16, np.uint16)
+    words = x.contiguous().view(iview).numpy().view(uview)
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    payload = fc.encode(words, name, {"ways": ways})
+    assert payload[0] == 1, "the test needs a coded payload"
+    return payload, fc.decode(payload, shape, name), 8 * words.itemsize
+
+
+@pytest.mark.parametrize("dtype,ways,shape", [(torch.bfloat16, 8, (1, 2, 40, 16)),  # full lane groups
+                                              (torch.float32, 32, (1, 3, 60, 8)),  # one partial group, 22 raw bits
+                                              (torch.float16, 4, (2, 1, 50, 6))])  # groups across heads
+def test_triton_entropy_decoder_is_bit_exact(dtype, ways, shape):
+    """The Triton lane decoder gives the CPU decoder's words (symbols and raw low bits) for every dtype, lane
+    count and group layout, several streams of one shape in one launch."""
+    from kvcodec._kernels import rans as kr
+
+    from kvcodec.codecs import float_ctx_rans as fc
+
+    b, h, s, d = shape
+    cases = [_coded_payload(shape, dtype, ways, seed) for seed in (1, 2)]
+    streams = [fc.parse_symbols(memoryview(p), (b * h, s, d), bits)[0] for p, _, bits in cases]
+    out = kr.decode(streams, (b * h, s, d), device=_device()).cpu().numpy()
+    for i, (_, want, _) in enumerate(cases):
+        np.testing.assert_array_equal(out[i].astype(want.dtype).reshape(shape), want)
+
+
+def test_triton_entropy_decoder_fused_with_method5_dequantization():
+    """Method 5 payloads (quantizer ``weighted``'s keys): indices decoded and dequantized in one kernel,
+    ``float32(symbol + Index_Offset) * step[h][d]``, equal to the CPU decoder's values bit for bit."""
+    import struct
+
+    from kvcodec._kernels import rans as kr
+
+    from kvcodec.codecs import float_ctx_rans as fc
+
+    shape = (1, 2, 48, 16)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=g) * torch.exp(torch.randn(1, 2, 1, 16, generator=g))).numpy()
+    weights = np.exp(np.random.default_rng(0).normal(size=(2, 16))).astype(np.float32)
+    payload = quant.encode(x, {"quantizer": "weighted", "sink": 0}, step=0.5, part=0, weights=weights)
+    want = quant.decode(payload, shape, "float32")
+    fixed = quant._FIXED
+    (lo,) = struct.unpack_from("<i", payload, fixed.size)
+    k = payload[2]
+    p = fixed.size + 4
+    steps = np.frombuffer(payload[p:p + 2 * 32], dtype="<f2").astype(np.float32).reshape(1, 2, 16)
+    stream, _ = fc.parse_symbols(memoryview(payload)[p + 64:], (2, 48, 16), k, exact_payload=False, coded_bits=k)
+    got = kr.decode([stream], (2, 48, 16), device=_device(), steps=steps, heads=2, index_offsets=[lo])
+    np.testing.assert_array_equal(got[0].cpu().numpy().reshape(shape), want.values)
+
+
+def test_triton_entropy_decoder_refuses_corrupt_streams():
+    """A stream with a word changed or a word missing: the Triton decoder raises FormatError wherever the CPU
+    decoder does (final state, words left over or too few), and decodes the same words where it does not."""
+    from kvcodec._kernels import rans as kr
+
+    from kvcodec.codecs import float_ctx_rans as fc
+    from kvcodec.entropy import rans
+    from kvcodec.errors import FormatError
+
+    shape = (1, 2, 40, 16)
+    payload, _, bits = _coded_payload(shape, torch.bfloat16, 8, 4)
+    st, _ = fc.parse_symbols(memoryview(payload), (2, 40, 16), bits)
+    for words in (st.words[:-1], np.concatenate([st.words, [7]]), st.words ^ (np.arange(st.words.size) == 40),
+                  st.words ^ (np.arange(st.words.size) == st.words.size - 3)):
+        bad = st._replace(words=words.astype(np.uint16))
+        cpu = np.zeros((2, 40, 16), dtype=np.uint16)
+        try:
+            rans.lanes_decode(bad.words, bad.refs, bad.ctx_map, bad.freq, bad.scale_bits, bad.ways, bad.kbits,
+                              bad.nclass, bad.lowbits, bad.raw, cpu)
+        except FormatError:
+            with pytest.raises(FormatError):
+                kr.decode([bad], (2, 40, 16), device=_device())
+        else:
+            np.testing.assert_array_equal(kr.decode([bad], (2, 40, 16), device=_device())[0].cpu().numpy(), cpu)

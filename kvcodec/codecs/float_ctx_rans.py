@@ -253,8 +253,20 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
     number of bytes used is returned (the caller reads what follows).
     ``coded_bits``, if given, is the only Coded_Bits value accepted.
     """
-    bh, s, d = out.shape
-    n = out.size
+    st, used = parse_symbols(mv, out.shape, word_bits, offset=offset, exact_payload=exact_payload,
+                             coded_bits=coded_bits)
+    rans.lanes_decode(st.words, st.refs, st.ctx_map, st.freq, st.scale_bits, st.ways, st.kbits, st.nclass,
+                      st.lowbits, st.raw, out, field="Words", offset=st.offset, raw_offset=st.raw_offset)
+    return used
+
+
+def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *, offset: int = 0,
+                  exact_payload: bool = True, coded_bits: int | None = None) -> tuple[rans.Stream, int]:
+    """(the stream, bytes used) of a Mode 1 payload's coded part for ``[bh, tokens, dim]`` words of
+    ``word_bits`` bits: every field validated as :func:`decode_symbols` does, nothing decoded yet (the Triton
+    decoder takes the same stream)."""
+    bh, s, d = shape
+    n = bh * s * d
     if len(mv) < FIXED_SIZE:
         raise FormatError("payload shorter than its fixed fields", field="Mode", offset=offset)
     _, k, sb, ways, nclass, reserved, g, side_len, side_raw_len, nwords = _FIXED.unpack_from(mv, 0)
@@ -315,9 +327,8 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
     freq = rans.unpack_tables(side[2 * rows + rows * nclass:], g, 1 << k, sb, field="Side", offset=offset + p)
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    rans.lanes_decode(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
-                      out, field="Words", offset=offset + p, raw_offset=offset + p + 2 * nwords)
-    return expect
+    return rans.Stream(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
+                       offset + p, offset + p + 2 * nwords), expect
 
 
 @register_codec

@@ -591,15 +591,21 @@ def global_step(tensors, params: dict) -> float:
     return step_for_rate(np.concatenate(zs), max(0.05, params["bits"] - side))
 
 
-def _kernel_rotq(t):
-    """The Triton rotation + quantization of slice ``t`` for the uniform quantizer, used when ``t`` is on a GPU
-    and Triton is installed, or when ``KVCODEC_TRITON=1`` (CPU tensors under ``TRITON_INTERPRET=1``: how the
-    tests check that both paths write the same bytes); else None (NumPy)."""
+def uses_kernel(t) -> bool:
+    """Does the encoder quantize tensor ``t`` with the Triton kernel?  When ``t`` is on a GPU and Triton is
+    installed, or when ``KVCODEC_TRITON=1`` (CPU tensors under ``TRITON_INTERPRET=1``: how the tests check
+    that both paths write the same bytes)."""
     import os
 
     from .. import _kernels
 
-    if not ((t.is_cuda or os.environ.get("KVCODEC_TRITON") == "1") and _kernels.triton_available()):
+    return bool((t.is_cuda or os.environ.get("KVCODEC_TRITON") == "1") and _kernels.triton_available())
+
+
+def _kernel_rotq(t):
+    """The Triton rotation + quantization of slice ``t`` for the uniform quantizer where :func:`uses_kernel`,
+    else None (NumPy)."""
+    if not uses_kernel(t):
         return None
 
     def rotq(step, seed, a, b):

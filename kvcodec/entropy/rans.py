@@ -144,31 +144,40 @@ def coding_order(a: np.ndarray, ways: int) -> np.ndarray:
     return np.concatenate([head, a[full:].T.ravel()])
 
 
-def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
-                 lowbits: int, raw, out: np.ndarray, *, field: str = "Words", offset: int | None = None,
-                 raw_offset: int | None = None) -> None:
-    """Decode symbols and raw low bits into ``out[bh, tokens, dim]`` (uint16/uint32), in place.
+class Stream(NamedTuple):
+    """One coded symbol stream as a payload holds it (``float_ctx_rans.parse_symbols``): what a lane decoder
+    takes, and where its words and raw bits sit in the file (error messages)."""
 
-    Row ``r`` of the symbol matrix is ``out[r // dim, :, r % dim]``; each output
-    word is ``symbol << lowbits | next lowbits raw bits``.  ``freq``, ``refs``
-    and ``ctx_map`` must already be validated (tables sum to ``2**scale_bits``,
-    map entries < number of tables, refs < ``2**(kbits-1)``), and ``raw`` must
-    hold exactly ``packed_size(out.size, lowbits)`` bytes.  Raises
-    :class:`FormatError` on a corrupt stream.
-    """
+    words: np.ndarray
+    refs: np.ndarray
+    ctx_map: np.ndarray
+    freq: np.ndarray
+    scale_bits: int
+    ways: int
+    kbits: int
+    nclass: int
+    lowbits: int
+    raw: object
+    offset: int | None = None
+    raw_offset: int | None = None
+
+
+def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int, lowbits: int,
+                 raw, rows: int, n: int, *, field: str = "Words", offset: int | None = None,
+                 raw_offset: int | None = None):
+    """Check what a lane decoder indexes by and the stream's fixed facts (:class:`FormatError`): at least
+    ``2 * ways`` words with initial states >= 2**16, refs and map entries in range, ``raw`` exactly
+    ``packed_size(n, lowbits)`` bytes with zero padding bits.  Returns (words uint16, refs uint16, ctx_map uint8,
+    freq uint32, raw uint8) as the kernels take them (the CPU kernels and the Triton one)."""
     _check_args(scale_bits, ways)
     words = np.ascontiguousarray(words, dtype=np.uint16)
     nwords = words.shape[0]
-    bh, ntok, dim = out.shape
-    rows = bh * dim
-    n = out.size
     if nwords < 2 * ways:
         raise FormatError(f"rANS stream: {_STATUS[1]}", field=field, offset=offset)
     init = (words[0:2 * ways:2].astype(np.uint32) << 16) | words[1:2 * ways:2]
     if int(init.min()) < 1 << 16:
         raise FormatError(f"rANS stream: {_STATUS[2]}", field=field, offset=offset)
     raw = np.frombuffer(raw, dtype=np.uint8)
-    # what the kernels index by: checked here too, whoever the caller (float_ctx_rans validates the fields)
     refs = np.ascontiguousarray(refs, dtype=np.uint16)
     ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
     if refs.shape != (rows,) or ctx_map.shape != (rows, nclass) or nclass not in (1, 6) or not 2 <= kbits <= 16:
@@ -182,7 +191,28 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     if used and int(raw[-1]) >> used:
         raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
                           offset=raw_offset)
-    freq = np.ascontiguousarray(freq, dtype=np.uint32)
+    return words, refs, ctx_map, np.ascontiguousarray(freq, dtype=np.uint32), raw
+
+
+def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
+                 lowbits: int, raw, out: np.ndarray, *, field: str = "Words", offset: int | None = None,
+                 raw_offset: int | None = None) -> None:
+    """Decode symbols and raw low bits into ``out[bh, tokens, dim]`` (uint16/uint32), in place.
+
+    Row ``r`` of the symbol matrix is ``out[r // dim, :, r % dim]``; each output
+    word is ``symbol << lowbits | next lowbits raw bits``.  ``freq``, ``refs``
+    and ``ctx_map`` must already be validated (tables sum to ``2**scale_bits``,
+    map entries < number of tables, refs < ``2**(kbits-1)``), and ``raw`` must
+    hold exactly ``packed_size(out.size, lowbits)`` bytes.  Raises
+    :class:`FormatError` on a corrupt stream.
+    """
+    bh, ntok, dim = out.shape
+    words, refs, ctx_map, freq, raw = check_stream(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass,
+                                                   lowbits, raw, bh * dim, out.size, field=field, offset=offset,
+                                                   raw_offset=raw_offset)
+    nwords = words.shape[0]
+    rows = bh * dim
+    n = out.size
     if backend() == "python":
         from ._rans_ref import lanes_decode_ref, unpack_bits_ref
 

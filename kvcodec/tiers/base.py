@@ -286,6 +286,10 @@ class DirectTier(Tier):
         """Every slice's payload computed ahead of writing, or None to code them while writing."""
         return None
 
+    def encode_threads(self, job: EncodeJob) -> int | None:
+        """Threads coding the slices: the job's (None: every core)."""
+        return job.options.threads
+
     @staticmethod
     def encode_slice(job: EncodeJob, codec):
         """``work(slice job, _) -> payload`` for :func:`~kvcodec.parallel.run_ordered`."""
@@ -315,7 +319,7 @@ class DirectTier(Tier):
         # Encoding uses every core by default (threads=None: $KVCODEC_THREADS or the CPU count).  The slices' work
         # no longer calls BLAS (the table clustering was a matrix product that already took both cores; the
         # default was one thread then): bf16 Austen cache, same run, 1 thread 42-44 MB/s, 2 threads 61-72.
-        threads = job.options.threads
+        threads = self.encode_threads(job)
         ready = self.payloads(job, codec, jobs)  # before the header: rate control may change the codec's params
         writer = KvzWriter(job.sink, job.header(self.tier_id, codec.get_config()))
         if ids is not None:

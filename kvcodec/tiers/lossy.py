@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..cache import KVCache
-from ..codecs.vq_rans import CHANNEL_MINOR, DEFAULTS, WEIGHTED_DEFAULTS, VqRans, describe, global_step
+from ..codecs.vq_rans import CHANNEL_MINOR, DEFAULTS, WEIGHTED_DEFAULTS, VqRans, describe, global_step, uses_kernel
 from ..container import layout as L
 from ..dtypes import from_bit_patterns
 from ..errors import ConfigError, warn
@@ -74,6 +74,13 @@ class LossyTier(DirectTier):
             params["step"] = global_step(kv.keys + kv.values, params)
         return codec
 
+    def encode_threads(self, job: EncodeJob) -> int | None:
+        """One thread where the Triton kernel quantizes (a GPU serialises the launches anyway, and Triton's CPU
+        interpreter is not thread-safe); else the job's."""
+        if any(uses_kernel(t) for t in job.kv.keys[:1] + job.kv.values[:1]):
+            return 1
+        return job.options.threads
+
     def payloads(self, job: EncodeJob, codec: VqRans, jobs) -> list[bytes] | None:
         """Closed loop on the rate: code every slice, measure, rescale the step and repeat until indices + norms
         + tables fit in ``bits=`` per component (rate ~ -log2 step); the payloads of the chosen step.
@@ -84,7 +91,7 @@ class LossyTier(DirectTier):
         if (params["quantizer"] not in ("uniform", "weighted") or given.get("step") is not None
                 or given.get("max_kl") is not None):
             return None  # a fixed step
-        threads = job.options.threads  # None: every core (see DirectTier.write)
+        threads = self.encode_threads(job)
         work = self.encode_slice(job, codec)
         # The rate is that of the quantized tokens: the exactly stored ones (sink, window) are stored at their
         # own, step-independent cost.  (Counting them made the budget of small caches unreachable, and the loop
