@@ -493,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "scripts/peers/setup.sh), each in its own venv")
     s.add_argument("--prefix", type=int, default=1024, help="lossy: prefix tokens")
     s.add_argument("--continuation", type=int, default=256, help="lossy: teacher-forced tokens")
+    s.add_argument("--cache-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="lossy: the dtype of the model and its cache (the KL is that model's)")
     s.add_argument("--tokens", type=int, default=None, help="tokens per text (lossless: 2048, token tiers: 1024)")
     s.add_argument("--genres", nargs="*", help="corpus file names (default: a fixed set of genres; token tiers: all)")
     s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")

@@ -64,7 +64,11 @@ def run_lossy_bench(args) -> int:
     from .common import corpus_files
     from .evaluate import evaluate_cache, prefix_case
 
-    model, tok = load_model("smollm2", dtype=torch.float32)
+    from ..dtypes import parse
+
+    cache_dtype = getattr(args, "cache_dtype", "fp32")
+    dt = parse(cache_dtype)
+    model, tok = load_model("smollm2", dtype=dt.torch)
     files = {f.name: f for f in corpus_files(args.corpus)}
     if not files:
         return missing_corpus("kvz bench --lossy")
@@ -103,8 +107,9 @@ def run_lossy_bench(args) -> int:
             rows.append(r)
             print(f"{name} {json.dumps(cfg)}: {r['bits_per_component']:.3f} bits/comp, KL {r['mean_kl_bits']:.4f}, "
                   f"top-1 {r['top1_agreement']:.3f}", flush=True)
-    res = {"command": f"kvz bench --lossy --prefix {args.prefix} --continuation {args.continuation}",
-           "model": "SmolLM2-135M-Instruct (float32)", "machine": platform.machine(), "rows": rows,
+    res = {"command": f"kvz bench --lossy --prefix {args.prefix} --continuation {args.continuation}"
+                      + (f" --cache-dtype {cache_dtype}" if cache_dtype != "fp32" else ""),
+           "model": f"SmolLM2-135M-Instruct ({dt.name})", "machine": platform.machine(), "rows": rows,
            "calibration": f"quantizer weighted: kvcodec.calibrate on the first 128 tokens of {cal}",
            "peers": _peer_note(args.peers)}
     out = write_report(args.out, "bench_lossy", res, to_markdown(res))

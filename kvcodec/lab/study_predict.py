@@ -43,14 +43,12 @@ default), fitted again for every step pair (unless ``--calibrate-at``), closed-l
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
-from .study_weighted import TEXTS, exact_bytes, front, interp, kl, logp
+from .study_weighted import exact_bytes, front, interp, kl, logp, row_table, study_parser
 
 DAMP = 1e-3
 SEED = 0x6B767A
@@ -248,12 +246,7 @@ def main(argv=None) -> int:
     from ..models import load_model, prefill, tokenize
     from .common import corpus_files, write_report
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", default="../shared/corpus")
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--prefix", type=int, default=1024)
-    p.add_argument("--continuation", type=int, default=128)
-    p.add_argument("--texts", nargs="*", default=TEXTS)
+    p = study_parser(__doc__)
     p.add_argument("--calibration-tokens", type=int, default=2048, help="per calibration text")
     p.add_argument("--calibration-texts", type=int, default=0, help="use only the first N (0: all not evaluated)")
     p.add_argument("--arms", nargs="*", default=None)
@@ -409,11 +402,7 @@ def to_markdown(res) -> str:
         for li in range(len(per[0])):
             lines.append(f"| {li} | {np.median([p[li][0] for p in per]):.3f} | "
                          f"{np.median([p[li][1] for p in per]):.3f} |")
-    lines += ["", "| text | arm | config | bits/comp | KL bits |", "|---|---|---|---:|---:|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['text']} | {r['arm']} | `{json.dumps(r['config'])}` | {r['bits_per_component']:.3f} | "
-                     f"{r['mean_kl_bits']:.4f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + row_table(res["rows"])) + "\n"
 
 
 if __name__ == "__main__":

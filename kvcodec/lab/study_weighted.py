@@ -145,18 +145,24 @@ def rope_pair_average(c):
     return torch.diag_embed(torch.cat([pair, pair], -1))
 
 
+def study_parser(doc: str) -> argparse.ArgumentParser:
+    """The options the lossy studies share: corpus, output directory, cache and continuation lengths, texts."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--corpus", default="../shared/corpus")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--continuation", type=int, default=128)
+    p.add_argument("--texts", nargs="*", default=TEXTS)
+    return p
+
+
 def main(argv=None) -> int:
     from .. import api
     from ..cache import to_canonical
     from ..models import load_model, prefill, tokenize
     from .common import corpus_files, write_report
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", default="../shared/corpus")
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--prefix", type=int, default=1024)
-    p.add_argument("--continuation", type=int, default=128)
-    p.add_argument("--texts", nargs="*", default=TEXTS)
+    p = study_parser(__doc__)
     p.add_argument("--calibration", default=CALIBRATION)
     p.add_argument("--tier-bits", type=float, nargs="*", default=[1.5, 2.0, 2.5, 3.0, 3.5])
     p.add_argument("--focus", type=int, nargs="*", metavar="TOKENS",
@@ -271,11 +277,16 @@ def to_markdown(res) -> str:
 
     for r in res["at_bits"]:
         lines.append(f"| {r['text']} | {r['arm']} | {f(r['kl_at_2'])} | {f(r['kl_at_3'])} |")
-    lines += ["", "| text | arm | config | bits/comp | KL bits |", "|---|---|---|---:|---:|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['text']} | {r['arm']} | `{json.dumps(r['config'])}` | {r['bits_per_component']:.3f} | "
-                     f"{r['mean_kl_bits']:.4f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + row_table(res["rows"])) + "\n"
+
+
+def row_table(rows) -> list[str]:
+    """Markdown lines of every measured point: text, arm, config, bits per component, KL."""
+    out = ["", "| text | arm | config | bits/comp | KL bits |", "|---|---|---|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['text']} | {r['arm']} | `{json.dumps(r['config'])}` | {r['bits_per_component']:.3f} | "
+                   f"{r['mean_kl_bits']:.4f} |")
+    return out
 
 
 if __name__ == "__main__":
