@@ -55,7 +55,7 @@ def _lanes_decode_kernel(words_ptr, word_off_ptr, nwords_ptr, refs_ptr, cbase_pt
             pos += tl.sum(ni, 0)
             if DEQUANT:
                 h = (r // dim) % heads
-                st = tl.load(steps_ptr + h * dim + r % dim, mask=act, other=0.0)
+                st = tl.load(steps_ptr + (s * heads + h) * dim + r % dim, mask=act, other=0.0)
                 val = (sym + index_offset).to(tl.float32) * st
                 tl.store(out_ptr + o + t * dim, val, mask=act)
             else:

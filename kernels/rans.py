@@ -2,7 +2,8 @@
 CPU decoders (:func:`kvcodec.entropy.rans.lanes_decode`), optionally fused with ``vq_rans`` Method 5's
 dequantization.
 
-* :func:`decode` — streams of one shape (a ``float_ctx_rans`` payload's coded part, parsed by
+* :func:`decode` — streams of one shape and a power-of-two ``Ways`` (the lane vector; other lane counts
+  decode on the CPU) (a ``float_ctx_rans`` payload's coded part, parsed by
   :func:`kvcodec.codecs.float_ctx_rans.parse_symbols`) -> output words ``symbol << lowbits | raw low bits``
   (int64), or with ``steps`` (Method 5) the dequantized values ``float32(symbol + offset) * step[h][d]``.
 
@@ -40,6 +41,8 @@ def _build():
 
 def decode_tables(freq: np.ndarray, scale_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(frequency, cumulative, symbol) of every slot of every table, ``[tables << scale_bits]`` int32 each."""
+    if (freq.sum(axis=1) != 1 << scale_bits).any():
+        raise ValueError(f"every table must sum to 2**{scale_bits}")
     cum = rans.cumulative(freq)
     g, nsym = freq.shape
     sym = np.concatenate([np.repeat(np.arange(nsym, dtype=np.int64), freq[c]) for c in range(g)])
@@ -63,6 +66,8 @@ def decode(streams: list[rans.Stream], shape: tuple[int, int, int], *, device="c
         raise ValueError("one launch decodes streams of one Ways and Num_Classes")
     if ways & (ways - 1):
         raise ValueError(f"the Triton decoder needs a power-of-two Ways, not {ways}")
+    if steps is not None and any(s.lowbits for s in streams):
+        raise ValueError("Method 5 dequantization takes index streams (no raw low bits)")
     words, refs, cbase, tf, tc, ts, raws = [], [], [], [], [], [], []
     word_off, nwords, raw_off, nraw, sbs, kbits, lowbits = [], [], [], [], [], [], []
     woff = roff = toff = 0

@@ -124,6 +124,8 @@ def _entropy_rows(rows, dev, peak, streams=60, shape=(1, 3, 2048, 64)) -> bool:
         x = (torch.randn(shape, generator=g) * torch.exp(torch.randn(1, h, 1, d, generator=g) * 2)).bfloat16()
         words = x.contiguous().view(torch.int16).numpy().view(np.uint16)
         payload = fc.encode(words, "bfloat16", {})
+        if payload[0] != 1:
+            raise RuntimeError("the synthetic slice was stored raw (Mode 0): nothing for the entropy decoder")
         parsed.append(fc.parse_symbols(memoryview(payload), (b * h, s, d), 16)[0])
         want.append(fc.decode(payload, shape, "bfloat16"))
     got = kr.decode(parsed, (b * h, s, d), device=dev).cpu().numpy()
@@ -131,9 +133,10 @@ def _entropy_rows(rows, dev, peak, streams=60, shape=(1, 3, 2048, 64)) -> bool:
     t = timed(lambda: kr.decode(parsed, (b * h, s, d), device=dev), reps=5, warm=1)
     nbytes = streams * x.numel() * 2
     gbs = nbytes / t / 1e9
+    # not a bandwidth-bound kernel (a serial chain per lane), and the time includes the host's table setup and
+    # the status copy: no fraction of peak
     rows.append({"op": f"rANS decode ({streams} streams, host table setup included)", "dtype": "bfloat16",
-                 "shape": list(shape), "seconds": t, "bytes": nbytes, "gb_per_s": gbs,
-                 "fraction_of_peak": gbs / peak if peak else None})
+                 "shape": list(shape), "seconds": t, "bytes": nbytes, "gb_per_s": gbs, "fraction_of_peak": None})
     print(f"rANS decode: {t * 1e3:.1f} ms, {gbs:.2f} GB/s of bf16 output, bit-exact {exact}", flush=True)
     return exact
 

@@ -195,6 +195,16 @@ def test_triton_entropy_decoder_fused_with_method5_dequantization():
     stream, _ = fc.parse_symbols(memoryview(payload)[p + 64:], (2, 48, 16), k, exact_payload=False, coded_bits=k)
     got = kr.decode([stream], (2, 48, 16), device=_device(), steps=steps, heads=2, index_offsets=[lo])
     np.testing.assert_array_equal(got[0].cpu().numpy().reshape(shape), want.values)
+    # several streams in one launch, each with its own steps and offset: stream i gets its own
+    both = kr.decode([stream, stream, stream], (2, 48, 16), device=_device(),
+                     steps=np.stack([steps, steps * 2, steps]), heads=2, index_offsets=[lo, lo, lo + 1]).cpu().numpy()
+    np.testing.assert_array_equal(both[0].reshape(shape), want.values)
+    np.testing.assert_array_equal(both[1], both[0] * 2)  # exact: times two is exact in binary32
+    syms = kr.decode([stream], (2, 48, 16), device=_device())[0].cpu().numpy().reshape(shape)
+    np.testing.assert_array_equal(both[2].reshape(shape),
+                                  (syms + lo + 1).astype(np.float32) * steps[0][None, :, None, :])
+    with pytest.raises(ValueError, match="no raw low bits"):
+        kr.decode([stream._replace(lowbits=2)], (2, 48, 16), device=_device(), steps=steps, heads=2)
 
 
 def test_triton_entropy_decoder_refuses_corrupt_streams():

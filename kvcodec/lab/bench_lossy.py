@@ -40,8 +40,9 @@ def _fp8(kv):
     from ..cache import KVCache
 
     def q(t):
-        s = t.abs().amax().clamp_min(1e-30) / 448.0
-        return ((t / s).to(torch.float8_e4m3fn).to(t.dtype) * s).to(t.dtype)
+        x = t.float()  # float32 arithmetic: a float16 cache cannot hold the clamp
+        s = x.abs().amax().clamp_min(1e-30) / 448.0
+        return ((x / s).to(torch.float8_e4m3fn).float() * s).to(t.dtype)
 
     return KVCache([q(t) for t in kv.keys], [q(t) for t in kv.values])
 
@@ -50,9 +51,10 @@ def _minmax_token(kv, bits=4):
     from ..cache import KVCache
 
     def q(t):
-        mn, mx = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
+        x = t.float()  # float32 arithmetic: a float16 cache cannot hold the clamp
+        mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         sc = ((mx - mn) / (2 ** bits - 1)).clamp_min(1e-30)
-        return (torch.round((t - mn) / sc) * sc + mn).to(t.dtype)
+        return (torch.round((x - mn) / sc) * sc + mn).to(t.dtype)
 
     return KVCache([q(t) for t in kv.keys], [q(t) for t in kv.values])
 
@@ -60,11 +62,10 @@ def _minmax_token(kv, bits=4):
 def run_lossy_bench(args) -> int:
     from .. import api
     from ..cache import to_canonical
+    from ..dtypes import parse
     from ..models import load_model
     from .common import corpus_files
     from .evaluate import evaluate_cache, prefix_case
-
-    from ..dtypes import parse
 
     cache_dtype = getattr(args, "cache_dtype", "fp32")
     dt = parse(cache_dtype)
@@ -112,8 +113,9 @@ def run_lossy_bench(args) -> int:
            "model": f"SmolLM2-135M-Instruct ({dt.name})", "machine": platform.machine(), "rows": rows,
            "calibration": f"quantizer weighted: kvcodec.calibrate on the first 128 tokens of {cal}",
            "peers": _peer_note(args.peers)}
-    out = write_report(args.out, "bench_lossy", res, to_markdown(res))
-    _plot(res, out / "bench_lossy.png")
+    stem = "bench_lossy" + (f"_{cache_dtype}" if cache_dtype != "fp32" else "")  # one dtype does not overwrite another
+    out = write_report(args.out, stem, res, to_markdown(res))
+    _plot(res, out / f"{stem}.png")
     return 0
 
 

@@ -34,7 +34,7 @@ Arms (each over a grid of steps; KL interpolated at 2 and 3 bits on each arm's f
 per model); ``--calibration-texts N`` uses fewer calibration texts; ``--open-loop`` fits on exact inputs.
 
 Rates count indices, norms and the exact first token; the predictors are a per-model table (reported apart,
-f16 bytes: SmolLM2 ~6.4 MB, more than a 1,024-token cache at 2 bits — they could only be a per-namespace
+f16 bytes: SmolLM2 6.5 MB, more than a 1,024-token cache at 2 bits — they could only be a per-namespace
 profile, never per file).  Calibration: the corpus files that are not evaluated (2,048 tokens each by
 default), fitted again for every step pair (unless ``--calibrate-at``), closed-loop as in the paper.
 

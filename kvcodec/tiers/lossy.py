@@ -75,9 +75,11 @@ class LossyTier(DirectTier):
         return codec
 
     def encode_threads(self, job: EncodeJob) -> int | None:
-        """One thread where the Triton kernel quantizes (a GPU serialises the launches anyway, and Triton's CPU
-        interpreter is not thread-safe); else the job's."""
-        if any(uses_kernel(t) for t in job.kv.keys[:1] + job.kv.values[:1]):
+        """One thread where the Triton kernel quantizes (the rotated uniform quantizer of quantizers ``uniform``
+        and ``weighted``, on any tensor on a GPU or under ``KVCODEC_TRITON=1``: a GPU serialises the launches
+        anyway, and Triton's CPU interpreter is not thread-safe); else the job's."""
+        quantizer = job.options.codec.get("quantizer", DEFAULTS["quantizer"])
+        if quantizer in ("uniform", "weighted") and any(uses_kernel(t) for t in job.kv.keys + job.kv.values):
             return 1
         return job.options.threads
 
