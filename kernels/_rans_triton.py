@@ -5,9 +5,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _lanes_decode_kernel(words_ptr, word_off_ptr, nwords_ptr, refs_ptr, cbase_ptr, tf_ptr, tc_ptr, ts_ptr,
+def _lanes_decode_kernel(words_ptr, word_off_ptr, nwords_ptr, refs_ptr, cbase_ptr, tf_ptr, tb_ptr, ts_ptr,
                          raw_ptr, raw_off_ptr, nraw_ptr, sb_ptr, kbits_ptr, lowbits_ptr, steps_ptr, status_ptr,
-                         out_ptr, rows, ntok, dim, heads, index_offset,
+                         offs_ptr, out_ptr, rows, ntok, dim, heads,
                          WAYS: tl.constexpr, NCLASS: tl.constexpr, DEQUANT: tl.constexpr):
     # one program decodes one stream (a payload's rANS words); its WAYS lanes are one vector
     s = tl.program_id(0) + tl.zeros((), dtype=tl.int64)
@@ -44,9 +44,9 @@ def _lanes_decode_kernel(words_ptr, word_off_ptr, nwords_ptr, refs_ptr, cbase_pt
             cb = tl.load(cbase_ptr + (s * rows + r) * NCLASS + cls, mask=act, other=0).to(tl.int64)
             slot = x & smask
             f = tl.load(tf_ptr + cb + slot, mask=act, other=1).to(tl.int64)
-            c = tl.load(tc_ptr + cb + slot, mask=act, other=0).to(tl.int64)
+            bias = tl.load(tb_ptr + cb + slot, mask=act, other=0).to(tl.int64)  # slot - cumulative
             sym = tl.load(ts_ptr + cb + slot, mask=act, other=0).to(tl.int64)
-            xn = f * (x >> sb) + slot - c
+            xn = f * (x >> sb) + bias
             need = (xn < 65536) & act
             ni = need.to(tl.int32)
             at = pos + tl.cumsum(ni, 0) - ni  # the shared cursor: lanes refill in lane order
@@ -56,7 +56,7 @@ def _lanes_decode_kernel(words_ptr, word_off_ptr, nwords_ptr, refs_ptr, cbase_pt
             if DEQUANT:
                 h = (r // dim) % heads
                 st = tl.load(steps_ptr + (s * heads + h) * dim + r % dim, mask=act, other=0.0)
-                val = (sym + index_offset).to(tl.float32) * st
+                val = (sym + tl.load(offs_ptr + s)).to(tl.float32) * st
                 tl.store(out_ptr + o + t * dim, val, mask=act)
             else:
                 bit = (ci0 + t * nl + lane).to(tl.int64) * lowbits

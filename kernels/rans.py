@@ -28,9 +28,6 @@ from kvcodec.errors import FormatError
 
 from . import require_triton
 
-_STATUS = {1: "stream ended before the last symbol", 3: "a final state is not 2**16 (corrupt stream)",
-           4: "words left over after the last symbol"}
-
 
 def _build():
     require_triton()
@@ -40,14 +37,17 @@ def _build():
 
 
 def decode_tables(freq: np.ndarray, scale_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(frequency, cumulative, symbol) of every slot of every table, ``[tables << scale_bits]`` int32 each."""
+    """(frequency, slot − cumulative, symbol) of every slot of every table, ``[tables << scale_bits]`` int32 each:
+    the CPU decoder's tables (``build_decode_tables``), split into the three fields the kernel gathers."""
+    from kvcodec.entropy._rans_numba import build_decode_tables
+
     if (freq.sum(axis=1) != 1 << scale_bits).any():
         raise ValueError(f"every table must sum to 2**{scale_bits}")
-    cum = rans.cumulative(freq)
-    g, nsym = freq.shape
-    sym = np.concatenate([np.repeat(np.arange(nsym, dtype=np.int64), freq[c]) for c in range(g)])
-    tab = np.repeat(np.arange(g), 1 << scale_bits)
-    return (freq[tab, sym].astype(np.int32), cum[tab, sym].astype(np.int32), sym.astype(np.int32))
+    entry = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint32)
+    sym = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint16)
+    build_decode_tables(np.ascontiguousarray(freq, dtype=np.uint32), rans.cumulative(freq), entry, sym)
+    entry = entry.reshape(-1)
+    return (entry >> 16).astype(np.int32), (entry & 0xFFFF).astype(np.int32), sym.reshape(-1).astype(np.int32)
 
 
 def decode(streams: list[rans.Stream], shape: tuple[int, int, int], *, device="cpu", steps=None,
@@ -68,19 +68,19 @@ def decode(streams: list[rans.Stream], shape: tuple[int, int, int], *, device="c
         raise ValueError(f"the Triton decoder needs a power-of-two Ways, not {ways}")
     if steps is not None and any(s.lowbits for s in streams):
         raise ValueError("Method 5 dequantization takes index streams (no raw low bits)")
-    words, refs, cbase, tf, tc, ts, raws = [], [], [], [], [], [], []
+    words, refs, cbase, tf, tb, ts, raws = [], [], [], [], [], [], []
     word_off, nwords, raw_off, nraw, sbs, kbits, lowbits = [], [], [], [], [], [], []
     woff = roff = toff = 0
     for s in streams:
         w, rf, cm, fq, raw = rans.check_stream(s.words, s.refs, s.ctx_map, s.freq, s.scale_bits, s.ways, s.kbits,
                                                s.nclass, s.lowbits, s.raw, rows, n, offset=s.offset,
                                                raw_offset=s.raw_offset)
-        f, c, y = decode_tables(fq, s.scale_bits)
+        f, bias, y = decode_tables(fq, s.scale_bits)
         words.append(w.astype(np.int32))
         refs.append(rf.astype(np.int32))
         cbase.append(toff + (cm.astype(np.int64) << s.scale_bits))
         tf.append(f)
-        tc.append(c)
+        tb.append(bias)
         ts.append(y)
         raws.append(raw.astype(np.int32))
         word_off.append(woff)
@@ -101,29 +101,19 @@ def decode(streams: list[rans.Stream], shape: tuple[int, int, int], *, device="c
     m = len(streams)
     raw_all = dev(raws, np.int32) if roff else torch.zeros(1, dtype=torch.int32, device=device)
     status = torch.zeros(m, dtype=torch.int32, device=device)
-    if steps is not None:
-        st = torch.as_tensor(np.asarray(steps, dtype=np.float32).reshape(m, heads * dim)).to(device)
-        offs = np.zeros(m, dtype=np.int64) if index_offsets is None else np.asarray(index_offsets, dtype=np.int64)
-        out = torch.empty((m, bh, ntok, dim), dtype=torch.float32, device=device)
+    dequant = steps is not None
+    if dequant:
+        st = torch.as_tensor(np.asarray(steps, dtype=np.float32).reshape(-1)).to(device)
+        offs = dev(np.zeros(m) if index_offsets is None else np.asarray(index_offsets), np.int64)
     else:
-        out = torch.empty((m, bh, ntok, dim), dtype=torch.int64, device=device)
+        st = offs = status  # not read
+    out = torch.empty((m, bh, ntok, dim), dtype=torch.float32 if dequant else torch.int64, device=device)
     args = (dev(words, np.int32), dev(np.array(word_off), np.int64), dev(np.array(nwords), np.int64),
-            dev(refs, np.int32), dev(cbase, np.int64), dev(tf, np.int32), dev(tc, np.int32), dev(ts, np.int32),
+            dev(refs, np.int32), dev(cbase, np.int64), dev(tf, np.int32), dev(tb, np.int32), dev(ts, np.int32),
             raw_all, dev(np.array(raw_off), np.int64), dev(np.array(nraw), np.int64), dev(np.array(sbs), np.int32),
             dev(np.array(kbits), np.int32), dev(np.array(lowbits), np.int32))
-    if steps is None:
-        kernel[(m,)](*args, status, status, out, rows, ntok, dim, heads, 0, WAYS=ways, NCLASS=nclass, DEQUANT=False)
-    else:  # one launch per distinct index offset (a scalar argument)
-        for o in np.unique(offs):
-            sel = np.nonzero(offs == o)[0]
-            part = [streams[i] for i in sel]
-            if len(sel) != m:
-                out[torch.from_numpy(sel).to(device)] = decode(part, shape, device=device, steps=np.asarray(
-                    steps, dtype=np.float32).reshape(m, heads, dim)[sel], heads=heads, index_offsets=offs[sel])
-                continue
-            kernel[(m,)](*args, st.reshape(-1), status, out, rows, ntok, dim, heads, int(o), WAYS=ways,
-                         NCLASS=nclass, DEQUANT=True)
+    kernel[(m,)](*args, st, status, offs, out, rows, ntok, dim, heads, WAYS=ways, NCLASS=nclass, DEQUANT=dequant)
     for i, code in enumerate(status.cpu().tolist()):
         if code:
-            raise FormatError(f"rANS stream: {_STATUS[code]}", field="Words", offset=streams[i].offset)
+            raise FormatError(f"rANS stream: {rans.STREAM_STATUS[code]}", field="Words", offset=streams[i].offset)
     return out

@@ -128,7 +128,8 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
     return out[:nw][::-1].copy()
 
 
-_STATUS = {
+#: the lane decoders' status codes (the CPU kernels' and the Triton one's) and what they mean
+STREAM_STATUS = {
     1: "stream ended before the last symbol",
     2: "an initial state is below 2**16",
     3: "a final state is not 2**16 (corrupt stream)",
@@ -173,10 +174,10 @@ def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     words = np.ascontiguousarray(words, dtype=np.uint16)
     nwords = words.shape[0]
     if nwords < 2 * ways:
-        raise FormatError(f"rANS stream: {_STATUS[1]}", field=field, offset=offset)
+        raise FormatError(f"rANS stream: {STREAM_STATUS[1]}", field=field, offset=offset)
     init = (words[0:2 * ways:2].astype(np.uint32) << 16) | words[1:2 * ways:2]
     if int(init.min()) < 1 << 16:
-        raise FormatError(f"rANS stream: {_STATUS[2]}", field=field, offset=offset)
+        raise FormatError(f"rANS stream: {STREAM_STATUS[2]}", field=field, offset=offset)
     raw = np.frombuffer(raw, dtype=np.uint8)
     refs = np.ascontiguousarray(refs, dtype=np.uint16)
     ctx_map = np.ascontiguousarray(ctx_map, dtype=np.uint8)
@@ -248,7 +249,7 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     else:
         status, pos, rp = lanes_decode_fused(padded, nwords, ways, *args)
     if status:
-        raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
+        raise FormatError(f"rANS stream: {STREAM_STATUS[int(status)]}", field=field, offset=offset)
     if rp != raw.shape[0]:  # cannot happen for a validated raw length; kept as an invariant check
         raise FormatError(f"raw bits: used {rp} of {raw.shape[0]} bytes", field="Raw_Bits", offset=raw_offset)
 
@@ -292,7 +293,7 @@ def _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lo
     if status == 0 and pos != words.shape[0]:
         status = 4
     if status:
-        raise FormatError(f"rANS stream: {_STATUS[int(status)]}", field=field, offset=offset)
+        raise FormatError(f"rANS stream: {STREAM_STATUS[int(status)]}", field=field, offset=offset)
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
