@@ -18,7 +18,6 @@ themselves are not counted).  Results: ``OUT/bench.json`` and ``OUT/bench.md``.
 from __future__ import annotations
 
 import os
-import platform
 import time
 import tracemalloc
 
@@ -125,8 +124,8 @@ def to_markdown(results: dict) -> str:
         lines.append(f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
                      f"{case['raw_bytes'] / 2**20:.2f} MiB raw")
         lines.append("")
-        lines.append("| method | bytes | ratio | bits/comp | enc MB/s | dec MB/s | dec Msym/s (kernels used) | peak enc MiB "
-                     "| peak dec MiB |")
+        lines.append("| method | bytes | ratio | bits/comp | enc MB/s | dec MB/s | dec Msym/s (kernels used) | "
+                     "peak enc MiB | peak dec MiB |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in case["rows"]:
             kern = f"{r['msym_s']:.0f} ({r['kernel']})" if "kernel" in r else "-"
@@ -172,37 +171,24 @@ def summary(results: dict) -> str:
 
 
 def run_bench(args) -> int:
-    import numba
-
-    from .. import dtypes
-    from ..cache import to_canonical
-    from ..models import load_model, prefill, tokenize
-    from .common import corpus_dir
+    from .common import corpus_caches, corpus_dir, machine_info
 
     cdir = corpus_dir(args.corpus)
     if cdir is None:
         return missing_corpus("kvz bench")
     genres = args.genres or DEFAULT_GENRES
-    model, tok = load_model("smollm2")
     results = {"command": "kvz bench " + " ".join(f"--{k} {v}" for k, v in (("tokens", args.tokens),
                                                                              ("repeats", args.repeats))),
-               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-               "cpus": os.cpu_count(), "torch": torch.__version__, "numba": numba.__version__,
-               "zstandard": zstandard.__version__, "cases": []}
-    for dname in args.dtypes:
-        m = model.to(dtypes.parse(dname).torch)
-        for g in genres:
-            text = (cdir / g).read_text(encoding="utf-8")
-            ids = tokenize(tok, text, args.tokens)
-            kv = to_canonical(prefill(m, ids))
-            t = time.perf_counter()
-            rows = bench_cache(kv, args.repeats, not args.no_zstd19)
-            case = {"text": g, "dtype": dname, "tokens": int(ids.shape[1]), "raw_bytes": kv.nbytes(), "rows": rows}
-            results["cases"].append(case)
-            kvz = next(r for r in rows if r["method"] == "kvz lossless, 1 thread")
-            z3 = next(r for r in rows if r["method"] == "zstd -3")
-            print(f"{g} {dname}: kvz {kvz['ratio']:.3f}x (dec {kvz['dec_mb_s']:.0f} MB/s) vs zstd-3 "
-                  f"{z3['ratio']:.3f}x (dec {z3['dec_mb_s']:.0f} MB/s) [{time.perf_counter() - t:.0f} s]", flush=True)
+               **machine_info(), "zstandard": zstandard.__version__, "cases": []}
+    for dname, g, _m, ids, kv in corpus_caches(cdir, genres, args.dtypes, args.tokens):
+        t = time.perf_counter()
+        rows = bench_cache(kv, args.repeats, not args.no_zstd19)
+        case = {"text": g, "dtype": dname, "tokens": int(ids.shape[1]), "raw_bytes": kv.nbytes(), "rows": rows}
+        results["cases"].append(case)
+        kvz = next(r for r in rows if r["method"] == "kvz lossless, 1 thread")
+        z3 = next(r for r in rows if r["method"] == "zstd -3")
+        print(f"{g} {dname}: kvz {kvz['ratio']:.3f}x (dec {kvz['dec_mb_s']:.0f} MB/s) vs zstd-3 "
+              f"{z3['ratio']:.3f}x (dec {z3['dec_mb_s']:.0f} MB/s) [{time.perf_counter() - t:.0f} s]", flush=True)
     print(summary(results))
     write_report(args.out, "bench", results, to_markdown(results))
     return 0

@@ -21,7 +21,6 @@ of any decoder.  Results: ``OUT/bench_restore.json`` and ``OUT/bench_restore.md`
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -172,45 +171,33 @@ def _x(v):
 
 
 def run_restore_bench(args) -> int:
-    import numba
-
-    from .. import dtypes
-    from ..cache import to_canonical
-    from ..models import load_model, tokenize
-    from .common import corpus_dir
+    from .common import corpus_caches, corpus_dir, machine_info
 
     cdir = corpus_dir(args.corpus)
     if cdir is None:
         return missing_corpus("kvz bench --restore")
     genres = args.genres or DEFAULT_GENRES
-    model, tok = load_model("smollm2")
     tokens = args.tokens or 2048
     repeats = args.repeats or 3
     thread_counts = sorted({1, os.cpu_count() or 1})
     results = {"command": f"kvz bench --restore --tokens {tokens} --repeats {repeats} --dtypes "
                           + " ".join(args.dtypes) + (" --lm" if args.lm else ""),
-               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
-               "torch": torch.__version__, "numba": numba.__version__, "repeats": repeats, "cases": []}
-    for dname in args.dtypes:
-        m = model.to(dtypes.parse(dname).torch)
-        for g in genres:
-            ids = tokenize(tok, (cdir / g).read_text(encoding="utf-8"), tokens)
-            with torch.no_grad():
-                kv = to_canonical(m(ids, use_cache=True).past_key_values)
-            t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="kvz-restore-") as d:
-                rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm)
-            for r in rows:
-                base = {n: next((x for x in rows if x["method"] == n and x["threads"] == r["threads"]), None)
-                        for n in ("raw safetensors", "recompute (one prefill)")}
-                if base["raw safetensors"]:
-                    r["vs_raw"] = r["restore_s"] / base["raw safetensors"]["restore_s"]
-                if base["recompute (one prefill)"]:
-                    r["vs_recompute"] = r["restore_s"] / base["recompute (one prefill)"]["restore_s"]
-            results["cases"].append({"text": g, "dtype": dname, "tokens": int(ids.shape[1]),
-                                     "raw_bytes": kv.nbytes(), "rows": rows})
-            one = {r["method"]: r for r in rows if r["threads"] == 1}
-            print(f"{g} {dname}: " + ", ".join(f"{k} {1e3 * v['restore_s']:.0f} ms" for k, v in one.items())
-                  + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+               **machine_info(), "repeats": repeats, "cases": []}
+    for dname, g, m, ids, kv in corpus_caches(cdir, genres, args.dtypes, tokens):
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kvz-restore-") as d:
+            rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm)
+        for r in rows:
+            base = {n: next((x for x in rows if x["method"] == n and x["threads"] == r["threads"]), None)
+                    for n in ("raw safetensors", "recompute (one prefill)")}
+            if base["raw safetensors"]:
+                r["vs_raw"] = r["restore_s"] / base["raw safetensors"]["restore_s"]
+            if base["recompute (one prefill)"]:
+                r["vs_recompute"] = r["restore_s"] / base["recompute (one prefill)"]["restore_s"]
+        results["cases"].append({"text": g, "dtype": dname, "tokens": int(ids.shape[1]),
+                                 "raw_bytes": kv.nbytes(), "rows": rows})
+        one = {r["method"]: r for r in rows if r["threads"] == 1}
+        print(f"{g} {dname}: " + ", ".join(f"{k} {1e3 * v['restore_s']:.0f} ms" for k, v in one.items())
+              + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
     write_report(args.out, "bench_restore", results, to_markdown(results))
     return 0

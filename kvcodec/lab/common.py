@@ -49,6 +49,32 @@ def selected_files(args) -> list[Path]:
     return files
 
 
+def machine_info() -> dict:
+    """What a bench's results record about the machine and the libraries that set its speed."""
+    import platform
+
+    import numba
+    import torch
+
+    return {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "numba": numba.__version__}
+
+
+def corpus_caches(cdir: Path, genres, dtype_names, tokens: int):
+    """``(dtype name, text name, model in that dtype, ids [1, n], canonical cache)`` of SmolLM2's cache of the
+    first ``tokens`` tokens of each text, one prefill each, for every dtype (the model is loaded once)."""
+    from .. import dtypes
+    from ..cache import to_canonical
+    from ..models import load_model, prefill, tokenize
+
+    model, tok = load_model("smollm2")
+    for dname in dtype_names:
+        m = model.to(dtypes.parse(dname).torch)
+        for g in genres:
+            ids = tokenize(tok, (cdir / g).read_text(encoding="utf-8"), tokens)
+            yield dname, g, m, ids, to_canonical(prefill(m, ids))
+
+
 def median_time(fn, repeats: int) -> tuple[float, object]:
     """Median wall time of ``repeats`` calls of ``fn``, and the last result."""
     times, out = [], None

@@ -48,7 +48,8 @@ import time
 import numpy as np
 import torch
 
-from .study_weighted import exact_bytes, front, interp, kl, logp, row_table, study_parser
+from . import study_weighted as sw
+from .study_weighted import exact_bytes, kl, logp, row_table, study_parser
 
 DAMP = 1e-3
 SEED = 0x6B767A
@@ -361,14 +362,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def at_bits(rows, targets=(2.0, 2.5, 3.0)):
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["text"], r["arm"]), []).append((r["bits_per_component"], r["mean_kl_bits"]))
-    out = [{"text": t, "arm": a, **{f"kl_at_{b:g}": interp(front(p), b) for b in targets}}
-           for (t, a), p in groups.items()]
-    arms = sorted({r["arm"] for r in out}, key=[r["arm"] for r in out].index)
-    for a in arms:
+TARGETS = (2.0, 2.5, 3.0)
+
+
+def at_bits(rows, targets=TARGETS):
+    """:func:`study_weighted.at_bits` per text and arm, then per arm the median over the texts."""
+    out = sw.at_bits(rows, targets)
+    for a in dict.fromkeys(r["arm"] for r in out):
         vals = [r for r in out if r["arm"] == a]
         med = {}
         for b in targets:
@@ -386,14 +386,7 @@ def to_markdown(res) -> str:
              + ("on exact inputs" if res.get("open_loop") else "closed loop (on reconstructed inputs)")
              + (f" once, at key/value steps {res['calibrate_at']}" if res.get("calibrate_at") else " at each step pair")
              + ". KL interpolated on each arm's front over its step grid "
-             "('—' outside the measured range).", "",
-             "| text | arm | KL at 2 bits | KL at 2.5 bits | KL at 3 bits |", "|---|---|---:|---:|---:|"]
-
-    def f(x):
-        return "—" if x is None else f"{x:.4f}"
-
-    for r in res["at_bits"]:
-        lines.append(f"| {r['text']} | {r['arm']} | {f(r['kl_at_2'])} | {f(r['kl_at_2.5'])} | {f(r['kl_at_3'])} |")
+             "('—' outside the measured range).", "", *sw.kl_table(res["at_bits"], TARGETS)]
     for arm, per_text in res["relative_mse"].items():
         lines += ["", f"Relative MSE of the `{arm}` predictors with exact inputs (‖target − prediction‖² / "
                       "‖target‖², pre-RoPE keys), per layer, median over the texts:", "",

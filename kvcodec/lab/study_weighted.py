@@ -270,14 +270,18 @@ def to_markdown(res) -> str:
              f"key weights calibrated on {res['calibration']}; profile {res['profile_bytes_f16'] / 1e6:.2f} MB "
              "(f16, per model, not counted in the rates). KL interpolated at the rate on each arm's front over its "
              "step grid (log-linear between the two nearest points; '—' outside the measured range).", "",
-             "| text | arm | KL at 2 bits | KL at 3 bits |", "|---|---|---:|---:|"]
-
-    def f(x):
-        return "—" if x is None else f"{x:.4f}"
-
-    for r in res["at_bits"]:
-        lines.append(f"| {r['text']} | {r['arm']} | {f(r['kl_at_2'])} | {f(r['kl_at_3'])} |")
+             *kl_table(res["at_bits"], (2.0, 3.0))]
     return "\n".join(lines + row_table(res["rows"])) + "\n"
+
+
+def kl_table(at_rows, targets) -> list[str]:
+    """Markdown lines of :func:`at_bits`' rows: text, arm, the KL at each target rate ('—' where unmeasured)."""
+    out = ["| text | arm | " + " | ".join(f"KL at {b:g} bits" for b in targets) + " |",
+           "|---|---|" + "---:|" * len(targets)]
+    for r in at_rows:
+        kls = [r[f"kl_at_{b:g}"] for b in targets]
+        out.append(f"| {r['text']} | {r['arm']} | " + " | ".join("—" if x is None else f"{x:.4f}" for x in kls) + " |")
+    return out
 
 
 def row_table(rows) -> list[str]:
