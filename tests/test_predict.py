@@ -1,0 +1,63 @@
+"""kvcodec.predict (work in progress, issue 15): the arithmetic a predictive lossy tier will specify."""
+
+import numpy as np
+
+from kvcodec import predict as P
+
+
+def test_rope_recurrence_is_accurate_and_position_consistent():
+    theta = 1.0 / (10000 ** (np.arange(0, 64, 2) / 64))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, 4096)
+    t = np.arange(4096)[:, None] * theta[None]
+    assert np.abs(c - np.cos(t)).max() < 1e-6 and np.abs(s - np.sin(t)).max() < 1e-6
+    c2, s2 = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 100, 50)  # a cache starting at position 100
+    assert np.array_equal(c2, c[100:150]) and np.array_equal(s2, s[100:150])
+    c3, _ = P.rope_tables(np.cos(theta), np.sin(theta), 0.5, 0, 10)
+    assert np.array_equal(c3, c[:10] * np.float32(0.5))
+
+
+def test_rotation_and_its_inverse():
+    theta = 1.0 / (500 ** (np.arange(0, 16, 2) / 16))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, 33)
+    x = np.random.default_rng(0).normal(size=(2, 33, 16)).astype(np.float32)
+    y = P.rotate(x, c, s)
+    assert y.dtype == np.float32 and np.abs(np.linalg.norm(y, axis=-1) - np.linalg.norm(x, axis=-1)).max() < 1e-5
+    assert np.abs(P.rotate(y, c, s, inverse=True) - x).max() < 1e-5
+    assert np.array_equal(y[:, 0], x[:, 0])  # position 0: no rotation
+
+
+def test_predict_follows_the_specified_binary32_order():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(7, 13)).astype(np.float32)
+    w = rng.normal(size=(13, 5)).astype(np.float16)
+    b = rng.normal(size=5).astype(np.float16)
+    want = np.broadcast_to(b.astype(np.float32), (7, 5)).copy()
+    for i in range(13):  # acc = acc + x[i] * W[i], each product and sum rounded to binary32
+        want = (want + (x[:, i:i + 1] * w[i].astype(np.float32)).astype(np.float32)).astype(np.float32)
+    assert np.array_equal(P.predict(x, w, b), want)
+
+
+def test_fit_and_code_layers_round_trip_on_a_structured_cache():
+    rng = np.random.default_rng(2)
+    h, t, d, nl = 2, 40, 8, 3
+    theta = 1.0 / (100 ** (np.arange(0, d, 2) / d))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, t)
+    base = rng.normal(size=(h, t, d)).astype(np.float32)
+    layers = []
+    for li in range(nl):  # layers that are linear images of one another: predictable
+        pre = (base * (li + 1) + rng.normal(size=base.shape) * 0.1).astype(np.float32)
+        layers.append((P.rotate(pre, c, s), (pre * 0.5 + rng.normal(size=base.shape) * 0.1).astype(np.float32)))
+    kw = [np.ones((h, d), np.float32)] * nl
+    pred = P.fit([layers], np.cos(theta), np.sin(theta), 1.0, kw, 0.5)
+    assert len(pred.keys) == nl and pred.keys[0][0].shape == (0, h * d)
+    assert pred.values[1][0].shape == (2 * h * d, h * d)
+    sizes, rec = P.code_layers(layers, pred, 0.5, kw)
+    for (k, v), (rk, rv) in zip(layers, rec):
+        assert np.array_equal(rk[:, 0], k[:, 0]) and np.array_equal(rv[:, 0], v[:, 0])  # token 0 exact
+        assert np.abs(rk - k).max() < 0.2 and np.abs(rv - v).max() < 1.0
+    plain, _ = P.code_layers(layers, P.Predictors([(np.zeros((0 if i == 0 else h * d, h * d), np.float16),
+                                                    np.zeros(h * d, np.float16)) for i in range(nl)],
+                                                  [(np.zeros((h * d if i == 0 else 2 * h * d, h * d), np.float16),
+                                                    np.zeros(h * d, np.float16)) for i in range(nl)],
+                                                  np.cos(theta), np.sin(theta)), 0.5, kw)
+    assert sum(map(sum, sizes[1:])) < 0.8 * sum(map(sum, plain[1:]))  # prediction pays on predictable layers
