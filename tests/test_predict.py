@@ -61,3 +61,58 @@ def test_fit_and_code_layers_round_trip_on_a_structured_cache():
                                                     np.zeros(h * d, np.float16)) for i in range(nl)],
                                                   np.cos(theta), np.sin(theta)), 0.5, kw)
     assert sum(map(sum, sizes[1:])) < 0.8 * sum(map(sum, plain[1:]))  # prediction pays on predictable layers
+
+
+def _tiny_predictors():
+    import torch
+
+    from kvcodec import calibrate
+    from tests.common import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    prof = calibrate(model, ids)
+    return model, prof, P.calibrate_predictors(model, [ids, ids[:, :30]], prof.key_weights)
+
+
+def test_calibrated_predictors_round_trip_through_their_file():
+    model, prof, pred = _tiny_predictors()
+    cfg = model.config
+    width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    assert len(pred.keys) == cfg.num_hidden_layers and pred.values[0][0].shape == (width, width)
+    data = P.to_bytes(pred)
+    back = P.from_bytes(data)
+    for a, b in zip(pred.keys + pred.values, back.keys + back.values):
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert np.array_equal(back.cos_theta, pred.cos_theta) and back.scale == pred.scale and back.meta == pred.meta
+    assert P.identity(data) == P.identity(P.to_bytes(back)) and len(P.identity(data)) == 64
+
+
+def test_hostile_predictor_files_are_refused_by_field():
+    import pytest
+
+    from kvcodec.errors import FormatError
+
+    _, _, pred = _tiny_predictors()
+    data = P.to_bytes(pred)
+    for bad, field in ((data[:5], "Predictors"), (data[:-10], "Predictors"), (b"\xff" * 8 + data[8:], "header"),
+                       (P.to_bytes(P.Predictors(pred.keys[:1], pred.values[:1] + pred.values[1:2], pred.cos_theta,
+                                                pred.sin_theta)), "Predictors"),
+                       (P.to_bytes(P.Predictors([(pred.keys[0][0], pred.keys[0][1][:-1])] + pred.keys[1:],
+                                                pred.values, pred.cos_theta, pred.sin_theta)), "keys.0")):
+        with pytest.raises(FormatError, match=field):
+            P.from_bytes(bad)
+    nan = [(w, b.copy()) for w, b in pred.values]
+    nan[1][1][0] = np.float16("nan")
+    with pytest.raises(FormatError, match="values.1"):
+        P.from_bytes(P.to_bytes(P.Predictors(pred.keys, nan, pred.cos_theta, pred.sin_theta)))
+
+
+def test_models_without_rope_cannot_be_predicted():
+    import pytest
+
+    from kvcodec.errors import ConfigError
+    from tests.common import tiny_model
+
+    with pytest.raises(ConfigError, match="RoPE"):
+        P.model_rope(tiny_model("gpt2"))
