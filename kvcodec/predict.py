@@ -108,12 +108,12 @@ class Predictors:
         return rope_tables(self.cos_theta, self.sin_theta, self.scale, start, n)
 
 
-def _flat(x):
+def flat(x):
     """[H, T, D] -> [T, H * D]."""
     return np.ascontiguousarray(x.transpose(1, 0, 2).reshape(x.shape[1], -1))
 
 
-def _unflat(x, h):
+def unflat(x, h):
     return np.ascontiguousarray(x.reshape(x.shape[0], h, -1).transpose(1, 0, 2))
 
 
@@ -149,7 +149,7 @@ def fit(caches, cos_theta, sin_theta, scale: float, key_weights, step: float, *,
     prev_k = prev_v = None
     keys, values = [], []
     for li in range(nl):
-        kp = [_flat(rotate(c[li][0][:, 1:], *rot[j], inverse=True)) for j, c in enumerate(caches)]
+        kp = [flat(rotate(c[li][0][:, 1:], *rot[j], inverse=True)) for j, c in enumerate(caches)]
         h = caches[0][li][0].shape[0]
         gk = xyk = None
         for j, y in enumerate(kp):
@@ -161,9 +161,9 @@ def fit(caches, cos_theta, sin_theta, scale: float, key_weights, step: float, *,
         for j, y in enumerate(kp):
             x = prev_k[j] if li else np.zeros((len(y), 0), np.float32)
             pk = predict(x, *wk)
-            r = reconstruct(_unflat(y - pk, h), 0, step, key_weights[li], cfg)
-            khat.append(_flat(r) + pk)
-        vf = [_flat(c[li][1][:, 1:]) for c in caches]
+            r = reconstruct(unflat(y - pk, h), 0, step, key_weights[li], cfg)
+            khat.append(flat(r) + pk)
+        vf = [flat(c[li][1][:, 1:]) for c in caches]
         xs = [khat[j] if li == 0 else np.concatenate([khat[j], prev_v[j]], axis=1) for j in range(len(caches))]
         gv = xyv = None
         for x, y in zip(xs, vf):
@@ -173,7 +173,7 @@ def fit(caches, cos_theta, sin_theta, scale: float, key_weights, step: float, *,
         vhat = []
         for x, y in zip(xs, vf):
             pv = predict(x, *wv)
-            vhat.append(_flat(reconstruct(_unflat(y - pv, h), 1, step, key_weights[li], cfg)) + pv)
+            vhat.append(flat(reconstruct(unflat(y - pv, h), 1, step, key_weights[li], cfg)) + pv)
         keys.append(wk)
         values.append(wv)
         prev_k, prev_v = khat, vhat
@@ -198,20 +198,20 @@ def code_layers(layers, pred: Predictors, step: float, key_weights, cfg: dict | 
     prev_k = prev_v = None
     for li, (k, v) in enumerate(layers):
         h = k.shape[0]
-        kp = _flat(rotate(k[:, 1:], cos, sin, inverse=True))
+        kp = flat(rotate(k[:, 1:], cos, sin, inverse=True))
         x = prev_k if li else np.zeros((len(kp), 0), np.float32)
         pk = predict(x, *pred.keys[li])
-        pl = vq_rans.encode(_unflat(kp - pk, h)[None], cfg, step=step, part=0, weights=key_weights[li])
-        khat = _flat(vq_rans.decode(pl, (1, h, t - 1, k.shape[2]), "float32").values[0]) + pk
+        pl = vq_rans.encode(unflat(kp - pk, h)[None], cfg, step=step, part=0, weights=key_weights[li])
+        khat = flat(vq_rans.decode(pl, (1, h, t - 1, k.shape[2]), "float32").values[0]) + pk
         xv = khat if li == 0 else np.concatenate([khat, prev_v], axis=1)
         pv = predict(xv, *pred.values[li])
-        plv = vq_rans.encode(_unflat(_flat(v[:, 1:]) - pv, h)[None], cfg, step=step, part=1)
-        vhat = _flat(vq_rans.decode(plv, (1, h, t - 1, v.shape[2]), "float32").values[0]) + pv
+        plv = vq_rans.encode(unflat(flat(v[:, 1:]) - pv, h)[None], cfg, step=step, part=1)
+        vhat = flat(vq_rans.decode(plv, (1, h, t - 1, v.shape[2]), "float32").values[0]) + pv
         head = [len(vq_rans.floatctx.encode(bit_patterns(torch.from_numpy(a[None, :, :1])), "float32", {}))
                 for a in (k, v)]
         payloads.append((len(pl) + head[0], len(plv) + head[1]))
-        rk = np.concatenate([k[:, :1], rotate(_unflat(khat, h), cos, sin)], axis=1)
-        rv = np.concatenate([v[:, :1], _unflat(vhat, h)], axis=1)
+        rk = np.concatenate([k[:, :1], rotate(unflat(khat, h), cos, sin)], axis=1)
+        rv = np.concatenate([v[:, :1], unflat(vhat, h)], axis=1)
         out.append((rk, rv))
         prev_k, prev_v = khat, vhat
     return payloads, out
@@ -314,12 +314,12 @@ def from_bytes(data: bytes) -> Predictors:
 def model_rope(model) -> tuple[np.ndarray, np.ndarray, float]:
     """(cos theta, sin theta, scale) of a model's rotary embedding (rotate-half layout over the whole head), for
     the RoPE recurrence; :class:`~kvcodec.errors.ConfigError` for a model without one."""
-    from .calibrate import _rotate_half_pairs
+    from .calibrate import rotate_half_pairs
     from .errors import ConfigError
 
     rope = getattr(getattr(model, "model", None), "rotary_emb", None)
     inv = getattr(rope, "inv_freq", None)
-    if inv is None or not _rotate_half_pairs(model.config):
+    if inv is None or not rotate_half_pairs(model.config):
         raise ConfigError("prediction needs a model whose keys are rotated by RoPE over the whole head in the "
                           "rotate-half layout (Llama, Qwen2, Mistral ...)")
     theta = inv.detach().double().cpu().numpy()

@@ -116,3 +116,54 @@ def test_models_without_rope_cannot_be_predicted():
 
     with pytest.raises(ConfigError, match="RoPE"):
         P.model_rope(tiny_model("gpt2"))
+
+
+def test_predicted_lossy_files_round_trip_and_name_their_predictors():
+    """Tier ``lossy`` with ``predictors=``: the file is stamped 1.6, refuses to decode without the predictors
+    or with others (before any tensor), decodes deterministically with them, layer by layer as a whole, and
+    its tensors stay as close to the cache as the unpredicted tier's (a random tiny model is not predictable:
+    this checks the plumbing; BENCHMARKS has the real model's numbers)."""
+    import pytest
+    import torch
+
+    import kvcodec
+    from kvcodec.codecs import vq_rans as quant
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = prefill(model, ids)
+    kv = kvcodec.to_canonical(cache)
+    for opts in ({"step": 0.7}, {"step": 1.0, "window": 4, "sink": 2, "chunk_tokens": 16}):
+        data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=pred, **opts)
+        plain = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, **opts)
+        assert kvcodec.inspect(data)["format_version"] == "1.6"
+        with pytest.raises(kvcodec.PredictorsRequired, match=P.identity(P.to_bytes(pred))):
+            kvcodec.decode(data)
+        other = P.Predictors(pred.keys, [(w, b + np.float16(1)) for w, b in pred.values], pred.cos_theta,
+                             pred.sin_theta)
+        with pytest.raises(kvcodec.PredictorsRequired, match="these are"):
+            kvcodec.decode(data, predictors=other)
+        out = kvcodec.decode(data, output="kvcache", predictors=pred)
+        again = kvcodec.decode(data, output="kvcache", predictors=pred)
+        ref = kvcodec.decode(plain, output="kvcache")
+        for li, (a, b, x) in enumerate(zip(out.keys + out.values, again.keys + again.values, kv.keys + kv.values)):
+            assert torch.equal(a, b)
+            if opts.get("sink"):
+                assert torch.equal(a[:, :, :2], x[:, :, :2]) and torch.equal(a[:, :, -4:], x[:, :, -4:])
+            if li < len(kv.keys):  # keys: a pre-RoPE error of at most half a channel step, rotated (pairs)
+                steps = quant.channel_steps(opts["step"], 0.15, prof.key_weights[li]).astype(np.float32)
+                assert (a.float() - x.float()).abs().max() <= 0.75 * float(steps.max()) + 1e-4
+        # with predictions of zero the values are the unpredicted tier's, bit for bit
+        zero = P.Predictors([(np.zeros_like(w), np.zeros_like(b)) for w, b in pred.keys],
+                            [(np.zeros_like(w), np.zeros_like(b)) for w, b in pred.values], pred.cos_theta,
+                            pred.sin_theta)
+        z = kvcodec.decode(kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=zero,
+                                          **opts), output="kvcache", predictors=zero)
+        for a, c in zip(z.values, ref.values):
+            assert torch.equal(a, c)
+        with kvcodec.open_kvz(data, predictors=pred) as f:
+            k1, v1 = f.layer(1)
+        assert torch.equal(k1, out.keys[1]) and torch.equal(v1, out.values[1])
+    with pytest.raises(kvcodec.ConfigError, match="quantizer 'weighted'"):
+        kvcodec.encode(cache, tier="lossy", quantizer="uniform", predictors=pred, step=0.5)

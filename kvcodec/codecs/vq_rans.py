@@ -59,6 +59,7 @@ METHOD_KIVI = 3
 METHOD_CACHEGEN = 4
 METHOD_CHANNEL = 5
 CHANNEL_MINOR = 5  # the format minor version that introduced Method 5
+PREDICT_MINOR = 6  # the format minor version of predicted slices (params["predict"]: the predictors' SHA-256)
 METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI, "cachegen": METHOD_CACHEGEN,
            "channel": METHOD_CHANNEL}
 #: quantizers a user picks (``quantizer=``); ``weighted`` writes keys with Method 5 (per-channel steps from a
@@ -81,13 +82,18 @@ _CTX = floatctx.DEFAULTS  # the indices are coded like float_ctx_rans symbols
 
 def check_config(cfg: dict) -> dict:
     cfg = {k: v for k, v in cfg.items() if k not in ("max_kl", "calibrated_kl")}  # recorded, informative
-    unknown = set(cfg) - set(DEFAULTS) - set(WEIGHTED_DEFAULTS)
+    unknown = set(cfg) - set(DEFAULTS) - set(WEIGHTED_DEFAULTS) - {"predict"}
     if unknown:
         raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: "
                           f"{sorted(set(DEFAULTS) | set(WEIGHTED_DEFAULTS))})")
     out = {**DEFAULTS, **(WEIGHTED_DEFAULTS if cfg.get("quantizer") == "weighted" else {}), **cfg}
     if out["quantizer"] not in QUANTIZERS:
         raise ConfigError(f"{CODEC_ID}: quantizer must be one of {sorted(QUANTIZERS)}")
+    pr = out.get("predict")
+    if "predict" in out and not (out["quantizer"] == "weighted" and isinstance(pr, str) and len(pr) == 64
+                                 and all(c in "0123456789abcdef" for c in pr)):
+        raise ConfigError(f"{CODEC_ID}: predict is the SHA-256 (64 hex digits) of the predictors of quantizer "
+                          "'weighted'")
     if "key_ratio" in out and not (isinstance(out["key_ratio"], (int, float)) and 1e-4 <= out["key_ratio"] <= 1e4):
         raise ConfigError(f"{CODEC_ID}: key_ratio must be a number in [1e-4, 10000]")
     if out["step"] is not None and not (isinstance(out["step"], (int, float)) and out["step"] > 0):
