@@ -100,9 +100,16 @@ class LossyTier(DirectTier):
         return job.options.threads
 
     def decoder(self, f):
-        if f.header.raw["codec"].get("params", {}).get("predict"):
+        if f.header.predict is not None:
             return _PredictedDecoder(f, super().decoder(f))
         return super().decoder(f)
+
+    def header_objects(self, codec) -> dict:
+        """(1.6) the ``predict`` object when the slices are residuals of a prediction."""
+        if getattr(codec, "predictors", None) is None:
+            return {}
+        return {"predict": {"predictors": codec.params["predict"], "layout": "rotate_half",
+                            "exact_head": codec.exact_range[0], "exact_tail": codec.exact_range[1]}}
 
     def payloads(self, job: EncodeJob, codec: VqRans, jobs) -> list[bytes] | None:
         """Closed loop on the rate: code every slice, measure, rescale the step and repeat until indices + norms
@@ -270,6 +277,7 @@ def _predicted_payloads(kv: KVCache, codec: VqRans, jobs, step: float) -> list[b
     pred, params = codec.predictors, codec.params
     t = kv.keys[0].shape[2]
     a, b = _exact_range(params, t)
+    codec.exact_range = (a, t - b)  # the header's predict.exact_head / exact_tail
     cos, sin = pred.tables(kv.start_position + a, b - a)
     by_layer = {}
     for j in jobs:
@@ -330,7 +338,7 @@ class _PredictedDecoder:
         from ..predict import identity, to_bytes
 
         if self.pred is None:
-            want = self.f.header.raw["codec"]["params"]["predict"]
+            want = self.f.header.predict["predictors"]
             pred = getattr(self.f, "predictors", None)
             if pred is None:
                 raise PredictorsRequired(f"this file's tensors are residuals of a prediction: decode it with "
@@ -347,6 +355,25 @@ class _PredictedDecoder:
     def states(self, layers) -> dict:
         return self.direct.states(layers)
 
+    def _check_exact(self, a: int, b: int, last: int) -> None:
+        """Every payload of layers 0 .. ``last`` stores exactly the tokens outside ``[a, b)`` (the header's
+        ``predict.exact_head`` / ``exact_tail``), no more, no fewer: its Mode 2 head and its Exact_Tokens."""
+        from ..errors import FormatError
+
+        h, r = self.f.header, self.f.reader
+        for e in r.sections:
+            if e.section_type != L.SECTION_KV or e.layer > last:
+                continue
+            lay = h.layers[e.layer]
+            lo, hi = lay.chunk_range(e.chunk, h.chunk_tokens)
+            got = describe(r.read_payload_prefix(e, 64), (h.batch, lay.kv_heads, hi - lo, lay.dim(e.part)),
+                           8 * h.itemsize)
+            want = (max(0, min(a, hi) - lo), max(0, hi - max(b, lo)))
+            have = None if got is None else (got["head_tokens"], got["exact_tokens"])
+            if have != want:
+                raise FormatError(f"layer {e.layer} chunk {e.chunk}: exact tokens (head, tail) {have}, the predict "
+                                  f"object says {want}", field="predict.exact_head", offset=e.payload_offset)
+
     def layers(self, layers, progress=None) -> dict:
         from .. import predict as P
 
@@ -356,11 +383,11 @@ class _PredictedDecoder:
             return {}
         f = self.f
         h = f.header
-        params = h.raw["codec"]["params"]
+        t = h.layers[0].seq_len
+        a, b = h.predict["exact_head"], t - h.predict["exact_tail"]
+        self._check_exact(a, b, layers[-1])
         d = self.direct.layers(range(layers[-1] + 1), progress)  # a layer needs every layer below it
         dt = d[0, L.PART_KEYS].dtype
-        t = d[0, L.PART_KEYS].shape[2]
-        a, b = _exact_range(params, t)
         cos, sin = pred.tables(h.start_position + a, b - a)
         out, prev = {}, None
         for li in range(layers[-1] + 1):
