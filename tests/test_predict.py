@@ -167,3 +167,38 @@ def test_predicted_lossy_files_round_trip_and_name_their_predictors():
         assert torch.equal(k1, out.keys[1]) and torch.equal(v1, out.values[1])
     with pytest.raises(kvcodec.ConfigError, match="quantizer 'weighted'"):
         kvcodec.encode(cache, tier="lossy", quantizer="uniform", predictors=pred, step=0.5)
+
+
+def test_hostile_predict_objects_are_refused_by_field():
+    """The golden vector lossy_predicted with its header's predict object changed (checksums resealed): every
+    violation of spec section 13.1 is a FormatError / UnknownId naming the field, before any tensor."""
+    import copy
+    from pathlib import Path
+
+    import pytest
+
+    import kvcodec
+    from kvcodec.errors import FormatError, UnknownId
+
+    from .common import fuzz_tools, vector_predictors
+
+    fz = fuzz_tools()
+    data = (Path(__file__).resolve().parent.parent / "spec" / "vectors" / "lossy_predicted.kvz").read_bytes()
+    pred = vector_predictors("lossy_predicted")
+    header = fz.header_of(data)
+
+    def variant(change):
+        h = copy.deepcopy(header)
+        change(h)
+        return fz.with_header(data, h)
+
+    cases = [(lambda h: h["predict"].update(predictors="00" * 31), FormatError, "predict.predictors"),
+             (lambda h: h["predict"].update(layout="interleaved"), UnknownId, "predict.layout"),
+             (lambda h: h["predict"].pop("exact_tail"), FormatError, "predict"),
+             (lambda h: h["predict"].update(extra=1), FormatError, "predict"),
+             (lambda h: h["predict"].update(exact_head=10, exact_tail=10), FormatError, "predict.exact_tail"),
+             (lambda h: h["predict"].update(exact_head=2), FormatError, "predict.exact_head")]
+    for change, err, field in cases:
+        with pytest.raises(err, match=field.replace(".", r"\.")):
+            kvcodec.decode(variant(change), predictors=pred)
+    kvcodec.decode(data, predictors=pred)  # the vector itself decodes
