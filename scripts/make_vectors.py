@@ -156,7 +156,8 @@ def lossy_cases():
 
     h, t, d = 2, 14, 8
     theta = 1.0 / (100.0 ** (np.arange(0, d, 2) / d))
-    cos, sin = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, t)
+    start, scale = 300, 0.875  # positions 300 .. 313 and a rotary scale other than 1: both in the recurrence
+    cos, sin = P.rope_tables(np.cos(theta), np.sin(theta), scale, start, t)
     pre0 = rng.normal(size=(h, t, d)).astype(np.float32)
     mix = rng.normal(size=(h * d, h * d)).astype(np.float32) * 0.3
     pre1 = P.unflat(P.flat(pre0) @ mix + rng.normal(size=(t, h * d)).astype(np.float32) * 0.05, h)
@@ -170,10 +171,10 @@ def lossy_cases():
          (mix.astype(f16), np.zeros(h * d, f16))],
         [((rng.normal(size=(h * d, h * d)) * 0.05).astype(f16), np.zeros(h * d, f16)),
          ((rng.normal(size=(2 * h * d, h * d)) * 0.05).astype(f16), (rng.normal(size=h * d) * 0.01).astype(f16))],
-        np.cos(theta), np.sin(theta), 1.0, {"note": "random predictors of the golden vector lossy_predicted"})
+        np.cos(theta), np.sin(theta), scale, {"note": "random predictors of the golden vector lossy_predicted"})
     profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (h, d)).astype(np.float32) for _ in range(2)], model=None,
                               tokens=0)
-    yield "lossy_predicted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+    yield "lossy_predicted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], start_position=start), \
         {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "profile": profile, "predictors": pred, "window": 2,
          "chunk_tokens": 8}
 
@@ -322,7 +323,7 @@ def build():
             meta = {"options": shown, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
                     "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
                     "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
-                    "tokens": None, "start_position": 0, **states_meta(kv)}
+                    "tokens": None, "start_position": kv.start_position, **states_meta(kv)}
             yield name, data, meta, extra
             continue
         meta = {

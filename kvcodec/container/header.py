@@ -392,11 +392,12 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         v.fail("cache.num_tokens", "a reduced cache stores no token ids (0)")
     hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model,
                  reduce=reduce, predict=predict)
-    if predict is not None and any((lay.seq_len, lay.kv_heads, lay.k_dim, lay.v_dim, lay.state) !=
-                                   (layers[0].seq_len, layers[0].kv_heads, layers[0].k_dim, layers[0].k_dim, None)
-                                   for lay in layers):
-        v.fail("predict", "predicted layers must all hold the same tokens, heads and dimensions (keys = values), "
-                          "without layer state")
+    if predict is not None and (layers[0].k_dim % 2 or any(
+            (lay.seq_len, lay.kv_heads, lay.k_dim, lay.v_dim, lay.state, lay.sliding_window)
+            != (layers[0].seq_len, layers[0].kv_heads, layers[0].k_dim, layers[0].k_dim, None, None)
+            for lay in layers)):
+        v.fail("predict", "predicted layers must all hold the same tokens, heads and an even dimension (keys = "
+                          "values), without layer state or sliding window")
     if predict is not None and predict["exact_head"] + predict["exact_tail"] > layers[0].seq_len:
         v.fail("predict.exact_tail", f"{predict['exact_head']} + {predict['exact_tail']} exact tokens exceed the "
                                      f"layers' {layers[0].seq_len}")

@@ -346,6 +346,14 @@ class _PredictedDecoder:
             got = identity(to_bytes(pred))
             if got != want:
                 raise PredictorsRequired(f"the file needs the predictors {want}, these are {got}")
+            from ..errors import FormatError
+
+            h = self.f.header
+            width, pairs = h.layers[0].kv_heads * h.layers[0].k_dim, h.layers[0].k_dim // 2
+            if len(pred.keys) != len(h.layers) or pred.keys[0][1].shape[0] != width or pred.cos_theta.size != pairs:
+                raise FormatError(f"the predictors have {len(pred.keys)} layers of {pred.keys[0][1].shape[0]} "
+                                  f"features and {pred.cos_theta.size} pairs; the file {len(h.layers)} of {width} "
+                                  f"and {pairs}", field="predict.predictors")
             self.pred = pred
         return self.pred
 
