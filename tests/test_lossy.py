@@ -33,6 +33,17 @@ def _rel_mse(a, b):
     return num / sum(float((y.double() ** 2).sum()) for y in b)
 
 
+@pytest.mark.parametrize("d", [1, 2, 8, 64, 128, 256])
+def test_fwht_numba_butterfly_equals_the_numpy_formulation(d):
+    """The encoder's Numba butterfly gives the NumPy formulation's bits (the same binary32 operations)."""
+    from kvcodec.codecs.hadamard import fwht, fwht_numpy
+
+    x = (np.random.default_rng(d).standard_normal((37, d)) * np.exp(np.random.default_rng(0).normal(size=(37, 1))))
+    x = x.astype(np.float32)
+    assert np.array_equal(fwht(x).view(np.uint32), fwht_numpy(x).view(np.uint32))
+    assert fwht(np.zeros((0, d), np.float32)).shape == (0, d)
+
+
 def test_fwht_is_its_own_inverse_up_to_d():
     x = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
     assert np.allclose(quant.fwht(quant.fwht(x)) / 16, x, atol=1e-6)
@@ -405,7 +416,8 @@ def test_fused_reconstruction_kernels_match_the_spec_arithmetic(d):
     """The Numba reconstruction (one pass per token vector) gives the bits of the spec's binary32 expressions,
     written here in NumPy in the spec's order: Methods 1 and 2 (butterfly, signs, 1/D, norm) and Method 5."""
     from kvcodec.codecs import _vq_numba
-    from kvcodec.codecs.hadamard import fwht, signs
+    from kvcodec.codecs.hadamard import fwht_numpy as fwht
+    from kvcodec.codecs.hadamard import signs
 
     rng = np.random.default_rng(d)
     n = 37

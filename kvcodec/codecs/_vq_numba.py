@@ -72,3 +72,21 @@ def channel_dequant(syms, offset, steps, out):
         for j in range(t):
             for i in range(d):
                 out[a, j, i] = np.float32(np.int64(syms[a, j, i]) + offset) * st[i]
+
+
+@nb.njit(cache=True, nogil=True)
+def fwht_rows(x):
+    """In place: the unnormalised Walsh-Hadamard butterfly of every row of ``x [N, D]`` (float32, D a power of
+    two), ``(a, b) <- (a + b, a - b)`` for h = 1, 2, 4 ... in the order of :func:`kvcodec.codecs.hadamard.fwht`'s
+    NumPy formulation (the same binary32 operations, so the same bits)."""
+    n, d = x.shape
+    for r in range(n):
+        h = 1
+        while h < d:
+            for b0 in range(0, d, 2 * h):
+                for j in range(b0, b0 + h):
+                    a = x[r, j]
+                    c = x[r, j + h]
+                    x[r, j] = a + c
+                    x[r, j + h] = a - c
+            h *= 2

@@ -33,7 +33,18 @@ def signs(seed: int, d: int, rule: int = SIGN_RULE) -> np.ndarray:
 
 
 def fwht(x: np.ndarray) -> np.ndarray:
-    """Unnormalised Walsh-Hadamard transform along the last axis (length a power of two), float32."""
+    """Unnormalised Walsh-Hadamard transform along the last axis (length a power of two), float32 (the Numba
+    butterfly; :func:`fwht_numpy` is the same arithmetic in NumPy, tested equal)."""
+    from ._vq_numba import fwht_rows
+
+    out = np.array(x, dtype=np.float32, order="C", copy=True)
+    if out.size:
+        fwht_rows(out)
+    return out
+
+
+def fwht_numpy(x: np.ndarray) -> np.ndarray:
+    """:func:`fwht` as NumPy array operations (the reference the Numba butterfly is checked against)."""
     n, d = x.shape
     h = 1
     x = np.ascontiguousarray(x, dtype=np.float32)
