@@ -59,29 +59,53 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = Fals
     return np.concatenate([x1 * cos + (-x2) * s, x2 * cos + x1 * s], axis=-1).astype(np.float32)
 
 
-@nb.njit(cache=True, nogil=True)
-def _predict(x, w, b, out):
+def _predict_blocks(x, w, b, out, blk):
+    # blocks of 8 tokens share each weight row (read once per block).  Every output is bias + x[0] w[0] +
+    # x[1] w[1] + ... in that order, whichever block or thread computes it.
     t_n, i_n = x.shape
     o_n = w.shape[1]
-    for t in range(t_n):
+    t0 = blk * 8
+    nt = min(8, t_n - t0)
+    acc = np.empty((8, o_n), dtype=np.float32)
+    for tt in range(nt):
         for j in range(o_n):
-            out[t, j] = b[j]
-        for i in range(i_n):
-            xi = x[t, i]
+            acc[tt, j] = b[j]
+    for i in range(i_n):
+        for tt in range(nt):
+            xi = x[t0 + tt, i]
             for j in range(o_n):
-                out[t, j] = out[t, j] + xi * w[i, j]
+                acc[tt, j] = acc[tt, j] + xi * w[i, j]
+    for tt in range(nt):
+        for j in range(o_n):
+            out[t0 + tt, j] = acc[tt, j]
 
 
-def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+_block = nb.njit(cache=True, nogil=True, inline="always")(_predict_blocks)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _predict_parallel(x, w, b, out):
+    for blk in nb.prange((x.shape[0] + 7) // 8):
+        _block(x, w, b, out, blk)
+
+
+@nb.njit(cache=True, nogil=True)
+def _predict_serial(x, w, b, out):
+    for blk in range((x.shape[0] + 7) // 8):
+        _block(x, w, b, out, blk)
+
+
+def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, parallel: bool = True) -> np.ndarray:
     """``[T, O]`` float32: ``bias + x @ weight`` in the specified binary32 order (module docstring); ``x [T, I]``
-    float32, ``weight [I, O]`` and ``bias [O]`` float16 (widened exactly)."""
+    float32, ``weight [I, O]`` and ``bias [O]`` float16 (widened exactly).  ``parallel``: blocks of tokens on
+    every core (Numba threads; not from several Python threads at once)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     w = np.ascontiguousarray(np.asarray(weight, dtype=np.float16).astype(np.float32))
     b = np.ascontiguousarray(np.asarray(bias, dtype=np.float16).astype(np.float32))
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"predict: x {x.shape}, weight {w.shape}, bias {b.shape} do not fit")
     out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
-    _predict(x, w, b, out)
+    (_predict_parallel if parallel else _predict_serial)(x, w, b, out)
     return out
 
 

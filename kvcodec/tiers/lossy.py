@@ -10,6 +10,8 @@ step with the model on the cache's own last tokens.
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -283,24 +285,49 @@ def _predicted_payloads(kv: KVCache, codec: VqRans, jobs, step: float) -> list[b
     for j in jobs:
         by_layer.setdefault(j[0], []).append(j)
     out = {}
-    prev = None  # per batch row: (reconstructed pre-RoPE keys, values) [T', H * D] of the layer before
-    for li in range(kv.num_layers):
-        k, v = kv.keys[li].float().cpu().numpy(), kv.values[li].float().cpu().numpy()
-        bsz, h = k.shape[0], k.shape[1]
-        res_k, res_v, pk, pv = k.copy(), v.copy(), [], []
-        kpre = [P.flat(P.rotate(k[bi][:, a:b], cos, sin, inverse=True)) for bi in range(bsz)]
-        for bi in range(bsz):
-            x = prev[bi][0] if li else np.zeros((b - a, 0), np.float32)
-            pk.append(P.predict(x, *pred.keys[li]))
-            res_k[bi][:, a:b] = P.unflat(kpre[bi] - pk[bi], h)
-        rec_k = _code_layer(kv, codec, by_layer[li], 0, res_k, step, out)
-        khat = [P.flat(rec_k[bi][:, a:b]) + pk[bi] for bi in range(bsz)]
-        for bi in range(bsz):
-            x = khat[bi] if li == 0 else np.concatenate([khat[bi], prev[bi][1]], axis=1)
-            pv.append(P.predict(x, *pred.values[li]))
-            res_v[bi][:, a:b] = P.unflat(P.flat(v[bi][:, a:b]) - pv[bi], h)
-        rec_v = _code_layer(kv, codec, by_layer[li], 1, res_v, step, out)
-        prev = [(khat[bi], P.flat(rec_v[bi][:, a:b]) + pv[bi]) for bi in range(bsz)]
+    nl = kv.num_layers
+    khat = [None] * nl  # per layer, per batch row: the decoder's pre-RoPE keys [T', H * D] (binary32)
+    ready = [threading.Event() for _ in range(nl)]
+
+    def keys_chain():  # the keys of layer l depend on the keys of layer l - 1 only
+        for li in range(nl):
+            k = kv.keys[li].float().cpu().numpy()
+            h = k.shape[1]
+            res, pk = k.copy(), []
+            for bi in range(k.shape[0]):
+                x = khat[li - 1][bi] if li else np.zeros((b - a, 0), np.float32)
+                pk.append(P.predict(x, *pred.keys[li], parallel=False))
+                res[bi][:, a:b] = P.unflat(P.flat(P.rotate(k[bi][:, a:b], cos, sin, inverse=True)) - pk[bi], h)
+            rec = _code_layer(kv, codec, by_layer[li], 0, res, step, out)
+            khat[li] = [P.flat(rec[bi][:, a:b]) + pk[bi] for bi in range(k.shape[0])]
+            ready[li].set()
+
+    def values_chain():  # the values of layer l need its keys and the values of layer l - 1
+        vhat = None
+        for li in range(nl):
+            v = kv.values[li].float().cpu().numpy()
+            h = v.shape[1]
+            ready[li].wait()
+            if khat[li] is None:
+                return  # the keys chain failed: its exception is raised below
+            res, pv = v.copy(), []
+            for bi in range(v.shape[0]):
+                x = khat[li][bi] if li == 0 else np.concatenate([khat[li][bi], vhat[bi]], axis=1)
+                pv.append(P.predict(x, *pred.values[li], parallel=False))
+                res[bi][:, a:b] = P.unflat(P.flat(v[bi][:, a:b]) - pv[bi], h)
+            rec = _code_layer(kv, codec, by_layer[li], 1, res, step, out)
+            vhat = [P.flat(rec[bi][:, a:b]) + pv[bi] for bi in range(v.shape[0])]
+
+    # two chains on two threads (the kernels release the GIL): keys run ahead, values follow layer by layer
+    with ThreadPoolExecutor(2) as ex:
+        fk = ex.submit(keys_chain)
+        fv = ex.submit(values_chain)
+        try:
+            fk.result()
+        finally:
+            for e in ready:
+                e.set()  # never leave the values chain waiting
+        fv.result()
     return [out[id(j)] for j in jobs]
 
 
