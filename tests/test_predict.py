@@ -202,3 +202,23 @@ def test_hostile_predict_objects_are_refused_by_field():
         with pytest.raises(err, match=field.replace(".", r"\.")):
             kvcodec.decode(variant(change), predictors=pred)
     kvcodec.decode(data, predictors=pred)  # the vector itself decodes
+
+
+def test_encoder_reconstruction_equals_the_decoders():
+    """vq_rans.encode(recon=...) gives the decoder's binary32 values of the quantized tokens without
+    entropy-decoding (Method 5 keys, Method 1 values; with exact head and tail tokens, and none quantized)."""
+    from kvcodec.codecs import vq_rans as quant
+
+    rng = np.random.default_rng(7)
+    x = (rng.normal(size=(1, 2, 23, 16)) * np.exp(rng.normal(size=(1, 2, 23, 1)))).astype(np.float32)
+    w = rng.uniform(0.3, 3.0, (2, 16)).astype(np.float32)
+    bits = x.view(np.uint32)
+    for part, extra in ((0, {"weights": w}), (1, {})):
+        for head, tail in ((0, 0), (1, 3), (20, 3)):
+            r = {}
+            payload = quant.encode(x, {"quantizer": "weighted"}, step=0.4, part=part, exact_tokens=tail,
+                                   exact_bits=bits[:, :, 23 - tail:] if tail else None, head_tokens=head,
+                                   head_bits=bits[:, :, :head] if head else None, recon=r, **extra)
+            want = quant.decode(payload, x.shape, "float32").values
+            assert r["values"].shape == want.shape == (1, 2, 23 - head - tail, 16)
+            assert np.array_equal(r["values"].view(np.uint32), want.view(np.uint32))

@@ -342,10 +342,15 @@ def _code_layer(kv: KVCache, codec: VqRans, jobs, part: int, x: np.ndarray, step
             continue
         where = j[3]
         sl = full[:, :, where.start:where.start + where.shape[2]]
-        payload = codec.encode(sl, where, step=step)
-        out[id(j)] = payload
-        bits = codec.decode(payload, where)
-        rec[:, :, where.start:where.start + where.shape[2]] = from_bit_patterns(bits, dt).float().numpy()
+        got = {}
+        out[id(j)] = codec.encode(sl, where, step=step, recon=got)
+        # the decoder's values without entropy-decoding the payload: the quantized tokens' binary32 reconstruction
+        # rounded to the cache's dtype (as VqRans.decode rounds it), the exact tokens as they are
+        head, tail = codec.exact_split(where)
+        n = where.shape[2]
+        part_rec = sl.float().numpy().copy()
+        part_rec[:, :, head:n - tail] = torch.from_numpy(got["values"]).to(dt).float().numpy()
+        rec[:, :, where.start:where.start + n] = part_rec
     return rec
 
 
