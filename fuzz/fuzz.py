@@ -274,6 +274,20 @@ def mutate_payload(rng: random.Random, data: bytes) -> bytes:
     return reseal(bytes(b))
 
 
+_PREDICTORS: list = []
+
+
+def vector_predictors():
+    """The predictors of the golden vector ``lossy_predicted`` (spec section 13.1), so mutated predicted files
+    reach the predicted decoder (other files ignore them)."""
+    if not _PREDICTORS:
+        from kvcodec import predict
+
+        _PREDICTORS.append(predict.from_bytes(
+            (ROOT / "spec" / "vectors" / "lossy_predicted.predictors.safetensors").read_bytes()))
+    return _PREDICTORS[0]
+
+
 def run_one(data: bytes, hang: float, bound: int, stats: dict):
     """Decode and inspect; return None, or a description of the finding.  ``stats`` collects the outcome
     (``ok`` or the KvzError subclass) and the largest peak allocation."""
@@ -286,7 +300,8 @@ def run_one(data: bytes, hang: float, bound: int, stats: dict):
             kvcodec.inspect(data)
         except KvzError:
             pass
-        kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1, numerics="try")
+        kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1, numerics="try",
+                       predictors=vector_predictors())
     except KvzError as e:
         outcome = type(e).__name__
     except Exception:
@@ -326,7 +341,7 @@ def main() -> int:
     counts = {}
     per = args.seconds / len(targets)
     for data in pool:  # JIT warm-up outside the clock: every kernel variant the seeds use compiles here
-        kvcodec.decode(data, vector_model(data), output="kvcache", threads=1)
+        kvcodec.decode(data, vector_model(data), output="kvcache", threads=1, predictors=vector_predictors())
     for target in targets:
         end = time.perf_counter() + per
         n = 0

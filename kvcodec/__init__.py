@@ -29,6 +29,7 @@ from .errors import (  # noqa: E402
     ModelMismatch,
     NumericsMismatch,
     OffsetError,
+    PredictorsRequired,
     ReservedBitSet,
     TrailingData,
     TruncatedFile,
@@ -47,7 +48,7 @@ __all__ = [
     "calibrate", "Profile",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
-    "UnsupportedCache",
+    "PredictorsRequired", "UnsupportedCache",
     "ConfigError",
     "BackendUnavailable", "FallbackWarning",
 ]

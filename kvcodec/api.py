@@ -183,9 +183,10 @@ def save(path, cache, model=None, *, overwrite: bool = True, **kwargs) -> int:
 
 
 def open_kvz(source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,
-             numerics: str = "strict") -> KvzFile:
+             numerics: str = "strict", predictors=None) -> KvzFile:
     """Open a .kvz file (bytes, path, fsspec URL or file object) for lazy reading."""
-    return KvzFile(source, model, draft=draft, limits=limits, threads=threads, numerics=numerics)
+    return KvzFile(source, model, draft=draft, limits=limits, threads=threads, numerics=numerics,
+                   predictors=predictors)
 
 
 def _convert(kv, output: str, model=None):
@@ -197,7 +198,7 @@ def _convert(kv, output: str, model=None):
 
 
 def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dict | None = None,
-           threads: int | None = None, progress=None, numerics: str = "strict"):
+           threads: int | None = None, progress=None, numerics: str = "strict", predictors=None):
     """Decode .kvz bytes (or a path, URL or file object) into a cache, a ``DynamicCache`` by default.
 
     ``model`` is required for the token tiers (``exact``, ``tokens``): the cache
@@ -213,7 +214,8 @@ def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dic
     file's float results (:class:`~kvcodec.errors.NumericsMismatch`), ``"try"`` attempts anyway,
     ``"recompute"`` returns this machine's regeneration without the residuals (statically coded tokens).
     """
-    with KvzFile(data, model, draft=draft, limits=limits, threads=threads, numerics=numerics) as f:
+    with KvzFile(data, model, draft=draft, limits=limits, threads=threads, numerics=numerics,
+                 predictors=predictors) as f:
         return _convert(f.to_kvcache(progress), output, model[0] if isinstance(model, tuple) else model)
 
 

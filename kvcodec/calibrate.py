@@ -105,7 +105,7 @@ class Profile:
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
 
-def _rotate_half_pairs(config) -> bool:
+def rotate_half_pairs(config) -> bool:
     """Does the model rotate key/query pairs (d, d + D/2) over the whole head (RoPE, rotate-half layout)?"""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = getattr(cfg, "rope_theta", None) is not None or getattr(cfg, "rope_parameters", None) is not None
@@ -141,7 +141,7 @@ def calibrate(model, ids=None, *, tokenizer=None, tokens: int = 128) -> Profile:
         model(ids, use_cache=False)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    pairs = _rotate_half_pairs(model.config)
+    pairs = rotate_half_pairs(model.config)
     layers = getattr(cfg, "num_hidden_layers", None) or (max(obs.queries) + 1 if obs.queries else 0)
     weights = []
     for li in range(layers):

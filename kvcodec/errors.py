@@ -16,6 +16,7 @@ message names the field and, where there is one, the byte offset::
     │   └── ChecksumMismatch
     ├── ModelMismatch                   the file needs another model than the one given
     ├── NumericsMismatch                this machine cannot reproduce the file's float results
+    ├── PredictorsRequired              a predicted lossy file needs the predictors it names
     ├── ConfigError (ValueError)        bad options / pipeline config at the API
     │   └── UnsupportedCache (+TypeError) a cache (layer) class kvcodec cannot store faithfully
     └── BackendUnavailable (ImportError)
@@ -33,7 +34,8 @@ import warnings
 __all__ = [
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
     "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
-    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch", "UnsupportedCache", "ConfigError",
+    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch", "PredictorsRequired", "UnsupportedCache",
+    "ConfigError",
     "BackendUnavailable", "FallbackWarning", "warn",
 ]
 
@@ -109,6 +111,11 @@ class NumericsMismatch(KvzError):
     """This machine cannot reproduce the floating-point results the file's token tier needs (another CPU
     kernel level, BLAS code path, attention implementation, dtype, device or library version: the file's
     ``tokens.procedure.numerics``), found before any work.  The message says what would work."""
+
+
+class PredictorsRequired(KvzError):
+    """The file's lossy tensors are residuals of a prediction whose predictors (named by their SHA-256) were not
+    given, or other predictors were: decode with ``predictors=`` the file names."""
 
 
 class ConfigError(KvzError, ValueError):

@@ -50,11 +50,12 @@ class KvzFile:
     """
 
     def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,
-                 numerics: str = "strict"):
+                 numerics: str = "strict", predictors=None):
         if numerics not in NUMERICS_MODES:
             raise ConfigError(f"numerics must be one of {NUMERICS_MODES}, not {numerics!r}")
         self._owned = None
         self.model, self.draft, self.threads, self.numerics = model, draft, threads, numerics
+        self.predictors = predictors  # lossy files whose slices are predicted (format 1.6) name them
         if _is_url(source):
             self._owned = source = open_path(source, "rb")
         try:

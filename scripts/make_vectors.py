@@ -150,6 +150,33 @@ def lossy_cases():
     profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (2, 8)).astype(np.float32)], model=None, tokens=0)
     yield "lossy_weighted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
         {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "profile": profile}
+    # (1.6) predicted slices (spec section 13.1): layer 1 a linear image of layer 0 (so the prediction pays), random
+    # float16 predictors recorded beside the file, sink token and a 2-token window exact, 2 chunks
+    from kvcodec import predict as P
+
+    h, t, d = 2, 14, 8
+    theta = 1.0 / (100.0 ** (np.arange(0, d, 2) / d))
+    start, scale = 300, 0.875  # positions 300 .. 313 and a rotary scale other than 1: both in the recurrence
+    cos, sin = P.rope_tables(np.cos(theta), np.sin(theta), scale, start, t)
+    pre0 = rng.normal(size=(h, t, d)).astype(np.float32)
+    mix = rng.normal(size=(h * d, h * d)).astype(np.float32) * 0.3
+    pre1 = P.unflat(P.flat(pre0) @ mix + rng.normal(size=(t, h * d)).astype(np.float32) * 0.05, h)
+    v0 = rng.normal(size=(h, t, d)).astype(np.float32)
+    v1 = (v0 * 0.5 + rng.normal(size=(h, t, d)) * 0.1).astype(np.float32)
+    kv = [(torch.from_numpy(P.rotate(pre, cos, sin))[None], torch.from_numpy(v)[None])
+          for pre, v in ((pre0, v0), (pre1, v1))]
+    f16 = np.float16
+    pred = P.Predictors(
+        [(np.zeros((0, h * d), f16), (rng.normal(size=h * d) * 0.1).astype(f16)),
+         (mix.astype(f16), np.zeros(h * d, f16))],
+        [((rng.normal(size=(h * d, h * d)) * 0.05).astype(f16), np.zeros(h * d, f16)),
+         ((rng.normal(size=(2 * h * d, h * d)) * 0.05).astype(f16), (rng.normal(size=h * d) * 0.01).astype(f16))],
+        np.cos(theta), np.sin(theta), scale, {"note": "random predictors of the golden vector lossy_predicted"})
+    profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (h, d)).astype(np.float32) for _ in range(2)], model=None,
+                              tokens=0)
+    yield "lossy_predicted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], start_position=start), \
+        {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "profile": profile, "predictors": pred, "window": 2,
+         "chunk_tokens": 8}
 
 
 def tiny():
@@ -284,13 +311,20 @@ def build():
             opts = {"scale_bits": 12, **opts}
         data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
         if opts.get("tier") == "lossy":
-            out = kvcodec.decode(data, output="kvcache")
+            pred = opts.get("predictors")
+            out = kvcodec.decode(data, output="kvcache", predictors=pred)
             shown = {**opts, "profile": json.loads(opts["profile"].to_json())} if "profile" in opts else opts
+            extra = {"input.safetensors": _safetensors(kv)}
+            if pred is not None:  # the predictors beside the file, named in the options by their SHA-256
+                from kvcodec import predict as P
+
+                extra["predictors.safetensors"] = P.to_bytes(pred)
+                shown = {**shown, "predictors": P.identity(extra["predictors.safetensors"])}
             meta = {"options": shown, "dtype": kv.dtype_name, "file_sha256": hashlib.sha256(data).hexdigest(),
                     "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
                     "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
-                    "tokens": None, "start_position": 0, **states_meta(kv)}
-            yield name, data, meta, {"input.safetensors": _safetensors(kv)}
+                    "tokens": None, "start_position": kv.start_position, **states_meta(kv)}
+            yield name, data, meta, extra
             continue
         meta = {
             "options": opts,

@@ -168,6 +168,17 @@ def check_rejects(error, source, *args, match=None, fn=None, **kwargs):
     return ei.value
 
 
+def vector_predictors(case: str):
+    """The predictors a golden vector names (``<case>.predictors.safetensors`` beside it, spec section 13.1), or
+    None."""
+    from pathlib import Path
+
+    from kvcodec import predict
+
+    path = Path(__file__).resolve().parent.parent / "spec" / "vectors" / f"{case}.predictors.safetensors"
+    return predict.from_bytes(path.read_bytes()) if path.is_file() else None
+
+
 def check_vector(case: str, model=None):
     """Decode golden vector ``case`` (spec/vectors) and compare with the SHA-256 of its recorded tensors, token ids
     and start position; returns the decoded KVCache."""
@@ -181,7 +192,7 @@ def check_vector(case: str, model=None):
     meta = json.loads((vectors / f"{case}.json").read_text())
     data = (vectors / f"{case}.kvz").read_bytes()
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"], "the vector's bytes changed"
-    kv = kvcodec.decode(data, model, output="kvcache")
+    kv = kvcodec.decode(data, model, output="kvcache", predictors=vector_predictors(case))
 
     def sha(t):
         return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

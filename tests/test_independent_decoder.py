@@ -1,6 +1,7 @@
 """Every golden vector decodes with the independent implementation in tests/independent (written from spec/
 alone): container, lossless, lossy, static token streams, residuals applied to the recorded regenerations,
-(1.3) layer state tensors from state sections or the recorded regenerations."""
+(1.3) layer state tensors from state sections or the recorded regenerations, (1.6) predicted slices with the
+predictors file beside the vector."""
 
 import hashlib
 import json
@@ -33,7 +34,10 @@ def test_independent_decoder_reads_the_vector(case):
                   [np.ascontiguousarray(st[f"state.{i}.{j}"]).view(f"<u{t['W']}")
                    for j, t in enumerate(x["state"]["tensors"])]
                   for i, x in enumerate(info0["layers"])])
-    info, tokens, ks, vs, _notes = K.decode_file(buf, regen)
+    # (1.6) predicted slices: the predictors file named by the header lies beside the vector (Appendix A)
+    pp = VECTORS / f"{case}.predictors.safetensors"
+    predictors = pp.read_bytes() if pp.exists() else None
+    info, tokens, ks, vs, _notes = K.decode_file(buf, regen, predictors=predictors)
     if meta.get("tokens") is not None and tokens is not None and all(t is not None for t in tokens):
         assert tokens == meta["tokens"]
     w = info["W"]

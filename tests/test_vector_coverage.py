@@ -34,7 +34,7 @@ REQUIRED = {
     ("sliding_window", "yes"), ("repeat", "yes"),
     # section 13: every method, both modes, a slice with no quantized token, both KIVI axes, Sign_Rule 1
     *[("vq_method", m) for m in (1, 2, 3, 4, 5)], ("vq_mode", 1), ("vq_mode", 2), ("vq_all_exact", "yes"),
-    ("vq_exact_tail", "yes"), ("kivi_axis", 0), ("kivi_axis", 1), ("sign_rule", 1),
+    ("vq_exact_tail", "yes"), ("kivi_axis", 0), ("kivi_axis", 1), ("sign_rule", 1), ("predict", "yes"),
     # sections 4.2, 5.6 (1.3): both state kinds, both codings, several slots with a tensor missing, a state
     # dtype other than the cache's, a token-tier file with a stored and a regenerated state tensor
     ("state_kind", "linear"), ("state_kind", "hybrid"), ("state_kind", "indexed"), ("state_coding", 0),
@@ -78,6 +78,8 @@ def branches(case: str) -> set:
         h = r.header
         raw = h.raw
         out.add(("tier", h.tier))
+        if h.predict is not None:  # (1.6) predicted slices, section 13.1
+            out.add(("predict", "yes"))
         if h.tier == "lossless" and h.num_tokens:
             out.add(("token_ids", "stored"))
         if any(lay.sliding_window for lay in h.layers):

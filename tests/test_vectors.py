@@ -4,6 +4,7 @@ The vectors are written by ``scripts/make_vectors.py`` and committed; a missing
 vector is a failure, and nothing here ever writes one.
 """
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,14 +16,15 @@ import kvcodec
 from kvcodec.container import layout as L
 from kvcodec.container.reader import KvzReader
 
-from .common import check_vector
+from .common import check_vector, vector_predictors
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
             "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
                "tokens_tolerance_padded", "exact_state"]
-LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted"]
+LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted",
+         "lossy_predicted"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
 
 
@@ -250,6 +252,7 @@ def test_reencode_lossy_vector_from_its_inputs(case):
 
     meta, expected = _load(case)
     kv = _tensors(VECTORS / f"{case}.input.safetensors", expected)  # layer states as the file names them
+    kv = dataclasses.replace(kv, start_position=meta["start_position"])
     assert [sha(t) for t in kv.keys] == meta["input_keys_sha256"]
     assert [sha(t) for t in kv.values] == meta["input_values_sha256"]
     with warnings.catch_warnings():
@@ -257,5 +260,10 @@ def test_reencode_lossy_vector_from_its_inputs(case):
         opts = dict(meta["options"])
         if "profile" in opts:  # quantizer "weighted": the calibration profile, recorded as its JSON
             opts["profile"] = kvcodec.Profile.from_json(json.dumps(opts["profile"]))
+        if "predictors" in opts:  # (1.6) named by their SHA-256, stored beside the vector
+            from kvcodec import predict
+
+            opts["predictors"] = vector_predictors(case)
+            assert predict.identity(predict.to_bytes(opts["predictors"])) == meta["options"]["predictors"]
         data = kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **opts)
     assert data == expected

@@ -59,6 +59,7 @@ METHOD_KIVI = 3
 METHOD_CACHEGEN = 4
 METHOD_CHANNEL = 5
 CHANNEL_MINOR = 5  # the format minor version that introduced Method 5
+PREDICT_MINOR = 6  # the format minor version of predicted slices (params["predict"]: the predictors' SHA-256)
 METHODS = {"uniform": METHOD_UNIFORM, "lloyd": METHOD_LLOYD, "kivi": METHOD_KIVI, "cachegen": METHOD_CACHEGEN,
            "channel": METHOD_CHANNEL}
 #: quantizers a user picks (``quantizer=``); ``weighted`` writes keys with Method 5 (per-channel steps from a
@@ -81,13 +82,18 @@ _CTX = floatctx.DEFAULTS  # the indices are coded like float_ctx_rans symbols
 
 def check_config(cfg: dict) -> dict:
     cfg = {k: v for k, v in cfg.items() if k not in ("max_kl", "calibrated_kl")}  # recorded, informative
-    unknown = set(cfg) - set(DEFAULTS) - set(WEIGHTED_DEFAULTS)
+    unknown = set(cfg) - set(DEFAULTS) - set(WEIGHTED_DEFAULTS) - {"predict"}
     if unknown:
         raise ConfigError(f"{CODEC_ID}: unknown options {sorted(unknown)} (known: "
                           f"{sorted(set(DEFAULTS) | set(WEIGHTED_DEFAULTS))})")
     out = {**DEFAULTS, **(WEIGHTED_DEFAULTS if cfg.get("quantizer") == "weighted" else {}), **cfg}
     if out["quantizer"] not in QUANTIZERS:
         raise ConfigError(f"{CODEC_ID}: quantizer must be one of {sorted(QUANTIZERS)}")
+    pr = out.get("predict")
+    if "predict" in out and not (out["quantizer"] == "weighted" and isinstance(pr, str) and len(pr) == 64
+                                 and all(c in "0123456789abcdef" for c in pr)):
+        raise ConfigError(f"{CODEC_ID}: predict is the SHA-256 (64 hex digits) of the predictors of quantizer "
+                          "'weighted'")
     if "key_ratio" in out and not (isinstance(out["key_ratio"], (int, float)) and 1e-4 <= out["key_ratio"] <= 1e4):
         raise ConfigError(f"{CODEC_ID}: key_ratio must be a number in [1e-4, 10000]")
     if out["step"] is not None and not (isinstance(out["step"], (int, float)) and out["step"] > 0):
@@ -290,24 +296,33 @@ def index_payload(q: np.ndarray, levels: int | None = None) -> tuple[bytes, int,
     return floatctx.encode_symbols(rows, k, _CTX), k, lo
 
 
-def _encode_channel(x: np.ndarray, steps16: np.ndarray) -> tuple[list[bytes], int, int]:
-    """(Method 5 fields after Index_Offset, Symbol_Bits, Index_Offset) of ``x [B, H, T', D]``."""
+def _encode_channel(x: np.ndarray, steps16: np.ndarray, recon: dict | None = None) -> tuple[list[bytes], int, int]:
+    """(Method 5 fields after Index_Offset, Symbol_Bits, Index_Offset) of ``x [B, H, T', D]``; ``recon["values"]``,
+    if asked, the decoder's binary32 reconstruction."""
     q = np.rint(x.astype(np.float32) / steps16.astype(np.float32)[None, :, None, :]).astype(np.int64)
     idx, k, lo = index_payload(q)
+    if recon is not None:
+        b, h, t, d = x.shape
+        out = np.empty((b * h, t, d), dtype=np.float32)
+        _vq_numba.channel_dequant((q - lo).astype(np.uint16).reshape(b * h, t, d), lo, steps16.astype(np.float32),
+                                  out)
+        recon["values"] = out.reshape(b, h, t, d)
     return [steps16.astype("<f2").tobytes(), idx], k, lo
 
 
 def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "float32",
            exact_bits: np.ndarray | None = None, head_tokens: int = 0, head_bits: np.ndarray | None = None,
            step: float | None = None, part: int = 0, layer: int = 0, num_layers: int = 1, rotq=None,
-           weights: np.ndarray | None = None) -> bytes:
+           weights: np.ndarray | None = None, recon: dict | None = None) -> bytes:
     """Quantize a ``[B, H, T, D]`` float32 slice; the last ``exact_tokens`` tokens are stored losslessly
     (``exact_bits``: their bit patterns in ``dtype``), and so are the first ``head_tokens`` (``head_bits``;
     Mode 2: attention-sink tokens).  ``step`` overrides the rate search.  ``part`` (0 keys, 1 values) picks
     KIVI's axis: keys per channel, values per token.  ``rotq(step, seed, a, b)``, if given, returns the
     (float16 norms, indices) of the slice's tokens ``a .. b`` for Method 1 (the Triton kernel: bit-exact
     with the NumPy path it replaces).  ``weights`` ``[H, D]``: quantizer ``weighted``, the key channels'
-    importances of this layer (:class:`kvcodec.calibrate`'s profile)."""
+    importances of this layer (:class:`kvcodec.calibrate`'s profile).  ``recon`` (Methods 1 and 5), if given, receives
+    ``"values"``: the decoder's binary32 reconstruction of the quantized tokens (those between the exact head and
+    tail), computed from the indices without entropy-decoding them."""
     cfg = check_config(cfg)
     if head_tokens:
         if head_tokens + exact_tokens > x.shape[2]:
@@ -316,7 +331,7 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
                       exact_bits=exact_bits, step=step, part=part, layer=layer, num_layers=num_layers,
                       rotq=None if rotq is None else (lambda st, sd, a, b: rotq(st, sd, a + head_tokens,
                                                                                 b + head_tokens)),
-                      weights=weights)
+                      weights=weights, recon=recon)
         head = floatctx.encode(np.ascontiguousarray(head_bits), dtype, {})
         n = _FIXED.size + 4
         return b"".join([bytes([2]), body[1:n], _HEAD.pack(head_tokens, len(head)), head, body[n:]])
@@ -332,7 +347,9 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         body, k, lo = [], 2, 0
         if tq > 0:
             body, k, lo = _encode_channel(np.ascontiguousarray(x[:, :, :tq]),
-                                          channel_steps(st, cfg["key_ratio"], weights))
+                                          channel_steps(st, cfg["key_ratio"], weights), recon)
+        elif recon is not None:
+            recon["values"] = np.zeros((b, h, 0, d), dtype=np.float32)
         tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {}) if exact_tokens else b""
         return b"".join([_FIXED.pack(1, METHOD_CHANNEL, k, SIGN_RULE, exact_tokens, 0, 0.0, 0),
                          struct.pack("<i", lo), *body, struct.pack("<I", len(tail)), tail])
@@ -375,11 +392,21 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
             codebook = cb.astype("<f4").tobytes()
         levels = None if method == METHOD_UNIFORM else 1 << cfg["lloyd_bits"]
         idx, k, lo = index_payload(q.reshape(b, h, tq, d), levels)
+        if recon is not None:
+            if method != METHOD_UNIFORM:
+                raise ValueError("recon= is computed for Methods 1 and 5")
+            out = np.empty((b * h * tq, d), dtype=np.float32)
+            _vq_numba.rotate_back((q.reshape(-1, d) - lo).astype(np.uint16), lo, np.float32(st),
+                                  np.zeros(1, np.float32), False, signs(seed, d, SIGN_RULE), np.float32(1.0 / d),
+                                  norms16.astype(np.float32).reshape(-1), out)
+            recon["values"] = out.reshape(b, h, tq, d)
         nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
         parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)),
                  struct.pack("<i", lo), codebook, nbytes, idx]
     else:
         parts = [_FIXED.pack(1, method, 2, SIGN_RULE, exact_tokens, seed, 0.0, 0), struct.pack("<i", 0)]
+        if recon is not None:
+            recon["values"] = np.zeros((b, h, 0, d), dtype=np.float32)
     tail = b""
     if exact_tokens:
         tail = floatctx.encode(np.ascontiguousarray(exact_bits), dtype, {})
@@ -648,7 +675,7 @@ class VqRans(Codec):
     #: tier sets them, they are not part of the header's params)
     key_weights = None
 
-    def encode(self, t, where: Slice, prediction=None, step: float | None = None) -> bytes:
+    def encode(self, t, where: Slice, prediction=None, step: float | None = None, recon: dict | None = None) -> bytes:
         p = self.params
         n = t.shape[2]
         head, exact = self.exact_split(where)
@@ -656,7 +683,8 @@ class VqRans(Codec):
         return encode(t.float().cpu().numpy(), p, exact_tokens=exact, dtype=where.dtype,
                       exact_bits=bit_patterns(t[:, :, n - exact:]) if exact else None, head_tokens=head,
                       head_bits=bit_patterns(t[:, :, :head]) if head else None, step=step, part=where.part,
-                      layer=where.layer, num_layers=where.num_layers, rotq=_kernel_rotq(t), weights=weights)
+                      layer=where.layer, num_layers=where.num_layers, rotq=_kernel_rotq(t), weights=weights,
+                      recon=recon)
 
     def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
         """The reconstruction's bit patterns in the cache's dtype (float32 values rounded by torch, which is

@@ -29,6 +29,8 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 STATE_MINOR = 3
 #: the format minor version that introduced reduced caches (the ``reduce`` object, state kind ``reduced``)
 REDUCE_MINOR = 4
+#: the format minor version that introduced predicted lossy slices (the ``predict`` object, spec section 13.1)
+PREDICT_MINOR = 6
 
 
 def is_hex64(text: str) -> bool:
@@ -112,6 +114,8 @@ class Header:
     tier_info: object = None
     #: (1.4) the ``reduce`` object of a reduced cache, validated, or None
     reduce: dict | None = None
+    #: (1.6) the ``predict`` object of a lossy file whose slices are residuals of a prediction, or None
+    predict: dict | None = None
 
     @property
     def itemsize(self) -> int:
@@ -148,6 +152,8 @@ class Header:
         return max(t.min_minor if t.read_minor is None else t.read_minor, self._feature_minor())
 
     def _feature_minor(self) -> int:
+        if self.predict is not None:
+            return PREDICT_MINOR
         return REDUCE_MINOR if self.reduce is not None else STATE_MINOR if self.has_state else 0
 
     def output_bytes(self) -> int:
@@ -293,7 +299,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
 
     obj = _loads(text, offset)
     tier_keys = registry.tier_header_keys()
-    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info", "reduce"} | tier_keys)
+    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info", "reduce", "predict"} | tier_keys)
     if obj["format"] != "kvz":
         v.fail("format", f"must be 'kvz', not {obj['format']!r}")
     tier_id = v.str(obj, "tier", "")
@@ -317,6 +323,21 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     chunk = v.int(cache, "chunk_tokens", "cache", 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
     start = v.int(cache, "start_position", "cache", 0, lim["max_seq_len"], LimitExceeded)
     ntok = v.int(cache, "num_tokens", "cache", 0, lim["max_seq_len"], LimitExceeded)
+    predict = None
+    if "predict" in obj:
+        if tier_id != "lossy":
+            v.fail("predict", f"not allowed in tier {tier_id!r} (predicted slices are tier 'lossy''s)")
+        if "reduce" in obj:
+            v.fail("predict", "a reduced cache's entries are not positions: it cannot be predicted")
+        predict = v.obj(obj["predict"], "predict", {"predictors", "layout", "exact_head", "exact_tail"})
+        for key in ("exact_head", "exact_tail"):
+            v.int(predict, key, "predict", 0, lim["max_seq_len"], LimitExceeded)
+        pid = predict["predictors"]
+        if not (isinstance(pid, str) and len(pid) == 64 and all(c in "0123456789abcdef" for c in pid)):
+            v.fail("predict.predictors", "must be the predictors' SHA-256, 64 lowercase hex digits")
+        if predict["layout"] != "rotate_half":
+            v.fail("predict.layout", f"unknown rotary layout {predict['layout']!r} (this decoder reads 'rotate_half')",
+                   UnknownId)
     reduce = None
     if "reduce" in obj:
         if tier.header_key is not None:
@@ -370,7 +391,16 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     if reduce is not None and ntok:
         v.fail("cache.num_tokens", "a reduced cache stores no token ids (0)")
     hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model,
-                 reduce=reduce)
+                 reduce=reduce, predict=predict)
+    if predict is not None and (layers[0].k_dim % 2 or any(
+            (lay.seq_len, lay.kv_heads, lay.k_dim, lay.v_dim, lay.state, lay.sliding_window)
+            != (layers[0].seq_len, layers[0].kv_heads, layers[0].k_dim, layers[0].k_dim, None, None)
+            for lay in layers)):
+        v.fail("predict", "predicted layers must all hold the same tokens, heads and an even dimension (keys = "
+                          "values), without layer state or sliding window")
+    if predict is not None and predict["exact_head"] + predict["exact_tail"] > layers[0].seq_len:
+        v.fail("predict.exact_tail", f"{predict['exact_head']} + {predict['exact_tail']} exact tokens exceed the "
+                                     f"layers' {layers[0].seq_len}")
     if tier.header_key is not None and tier.header_key not in obj:
         v.fail(tier.header_key, f"missing: tier {tier_id!r} needs the {tier.header_key} object")
     hdr = replace(hdr, tier_info=tier.parse_header(v, hdr, lim))

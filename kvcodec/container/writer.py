@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import REDUCE_MINOR, STATE_MINOR, dumps
+from .header import PREDICT_MINOR, REDUCE_MINOR, STATE_MINOR, dumps
 
 
 class KvzWriter:
@@ -47,6 +47,8 @@ class KvzWriter:
             minor = max(minor, STATE_MINOR)
         if "reduce" in header:
             minor = max(minor, REDUCE_MINOR)
+        if "predict" in header:
+            minor = max(minor, PREDICT_MINOR)
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))

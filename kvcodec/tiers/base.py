@@ -102,7 +102,8 @@ class EncodeJob:
 
 
 def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, model, info: dict | None,
-                 extra: tuple[str, dict] | None = None, num_tokens: int | None = None) -> dict:
+                 extra: tuple[str, dict] | None = None, num_tokens: int | None = None,
+                 predict: dict | None = None) -> dict:
     """The header object every tier writes; ``extra`` is the tier's own ``(header_key, object)``.  Files with
     such an object (format 1.1) write runs of identical layers once, with ``repeat``."""
     h = {
@@ -126,6 +127,8 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
         "model": model_record(model),
         "info": {"kvcodec_version": __version__} if info is None else info,
     }
+    if predict is not None:  # (1.6) the slices are residuals of a prediction (spec section 13.1)
+        h["predict"] = dict(predict)
     if kv.reduce is not None:  # (1.4) a reduced cache: its plan (spec section 14)
         h["reduce"] = dict(kv.reduce)
         _check_reduced_header(h)
@@ -290,6 +293,10 @@ class DirectTier(Tier):
         """Threads coding the slices: the job's (None: every core)."""
         return job.options.threads
 
+    def header_objects(self, codec) -> dict:
+        """Header objects this tier adds for this codec (``build_header`` keywords); none by default."""
+        return {}
+
     @staticmethod
     def encode_slice(job: EncodeJob, codec):
         """``work(slice job, _) -> payload`` for :func:`~kvcodec.parallel.run_ordered`."""
@@ -321,7 +328,7 @@ class DirectTier(Tier):
         # default was one thread then): bf16 Austen cache, same run, 1 thread 42-44 MB/s, 2 threads 61-72.
         threads = self.encode_threads(job)
         ready = self.payloads(job, codec, jobs)  # before the header: rate control may change the codec's params
-        writer = KvzWriter(job.sink, job.header(self.tier_id, codec.get_config()))
+        writer = KvzWriter(job.sink, job.header(self.tier_id, codec.get_config(), **self.header_objects(codec)))
         if ids is not None:
             writer.write_section(L.SECTION_TOKEN_IDS, ids.astype("<u4").tobytes())
 

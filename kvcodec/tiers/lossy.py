@@ -10,12 +10,23 @@ step with the model on the cache's own last tokens.
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from ..cache import KVCache
-from ..codecs.vq_rans import CHANNEL_MINOR, DEFAULTS, WEIGHTED_DEFAULTS, VqRans, describe, global_step, uses_kernel
+from ..codecs.vq_rans import (
+    CHANNEL_MINOR,
+    DEFAULTS,
+    PREDICT_MINOR,
+    WEIGHTED_DEFAULTS,
+    VqRans,
+    describe,
+    global_step,
+    uses_kernel,
+)
 from ..container import layout as L
 from ..dtypes import from_bit_patterns
 from ..errors import ConfigError, warn
@@ -34,17 +45,21 @@ class LossyTier(DirectTier):
     read_minor = 1
     summary = "quantized tensors (--bits or --max-kl); no model needed to decode"
     codec_ids = (VqRans.codec_id,)
-    option_names = frozenset(DEFAULTS) | frozenset(WEIGHTED_DEFAULTS) | {"max_kl", "profile"}
+    option_names = frozenset(DEFAULTS) | frozenset(WEIGHTED_DEFAULTS) | {"max_kl", "profile", "predictors"}
 
     @classmethod
     def file_minor(cls, params: dict) -> int:
-        """1.5 for quantizer ``weighted`` (its keys are ``vq_rans`` Method 5 payloads), else the tier's."""
+        """1.6 for predicted slices, 1.5 for quantizer ``weighted`` (its keys are ``vq_rans`` Method 5 payloads),
+        else the tier's."""
+        if params.get("predict"):
+            return PREDICT_MINOR
         return CHANNEL_MINOR if params.get("quantizer") == "weighted" else cls.min_minor
 
     def codec(self, job: EncodeJob) -> VqRans:
         options = dict(job.options.codec)
         max_kl = options.pop("max_kl", None)
         profile = options.pop("profile", None)
+        predictors = options.pop("predictors", None)
         codec = VqRans.configure(options, job.kv.dtype_name)
         params, kv = codec.params, job.kv
         if params["quantizer"] == "weighted":
@@ -57,6 +72,9 @@ class LossyTier(DirectTier):
             codec.key_weights = profile.key_weights
         elif profile is not None:
             raise ConfigError("profile= is for quantizer 'weighted'")
+        if predictors is not None:
+            params["predict"] = _check_predictors(predictors, kv, params)
+            codec.predictors = predictors
         for i, t in enumerate(kv.keys + kv.values):
             if t.shape[-1] & (t.shape[-1] - 1) and params["quantizer"] in ("uniform", "lloyd", "weighted"):
                 raise ConfigError(f"{VqRans.codec_id}: head dimension {t.shape[-1]} is not a power of two (the "
@@ -83,6 +101,18 @@ class LossyTier(DirectTier):
             return 1
         return job.options.threads
 
+    def decoder(self, f):
+        if f.header.predict is not None:
+            return _PredictedDecoder(f, super().decoder(f))
+        return super().decoder(f)
+
+    def header_objects(self, codec) -> dict:
+        """(1.6) the ``predict`` object when the slices are residuals of a prediction."""
+        if getattr(codec, "predictors", None) is None:
+            return {}
+        return {"predict": {"predictors": codec.params["predict"], "layout": "rotate_half",
+                            "exact_head": codec.exact_range[0], "exact_tail": codec.exact_range[1]}}
+
     def payloads(self, job: EncodeJob, codec: VqRans, jobs) -> list[bytes] | None:
         """Closed loop on the rate: code every slice, measure, rescale the step and repeat until indices + norms
         + tables fit in ``bits=`` per component (rate ~ -log2 step); the payloads of the chosen step.
@@ -91,10 +121,20 @@ class LossyTier(DirectTier):
         given = job.options.codec
         params, kv = codec.params, job.kv
         if (params["quantizer"] not in ("uniform", "weighted") or given.get("step") is not None
-                or given.get("max_kl") is not None):
-            return None  # a fixed step
+                or given.get("max_kl") is not None):  # a fixed step
+            if getattr(codec, "predictors", None) is not None:
+                return _predicted_payloads(kv, codec, jobs, params["step"])
+            return None
         threads = self.encode_threads(job)
         work = self.encode_slice(job, codec)
+
+        def code_all() -> list[bytes]:
+            if getattr(codec, "predictors", None) is not None:  # each layer depends on the one before it
+                return _predicted_payloads(kv, codec, jobs, params["step"])
+            payloads = []
+            run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
+            return payloads
+
         # The rate is that of the quantized tokens: the exactly stored ones (sink, window) are stored at their
         # own, step-independent cost.  (Counting them made the budget of small caches unreachable, and the loop
         # then raised the step until every index was 0.)
@@ -108,8 +148,7 @@ class LossyTier(DirectTier):
             return None  # every token is stored exactly: no step to choose
         best, first = None, None
         for _ in range(8):
-            payloads = []
-            run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
+            payloads = code_all()
             rate = 8 * (sum(len(pl) for pl in payloads) - exact_bytes) / comps
             first = first or (rate, params["step"], payloads)
             if rate <= params["bits"] and (best is None or rate > best[0]):
@@ -197,3 +236,214 @@ def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: 
             hi = mid
     return float(np.float32(best[0])), best[1]
 
+
+
+# --- predicted slices (format 1.6, WORK IN PROGRESS: docs/design_predictive_lossy.md) ------------------------
+
+def _check_predictors(pred, kv: KVCache, params: dict) -> str:
+    """The predictors' identity (SHA-256 of their file bytes) after checking they fit the cache."""
+    from ..predict import Predictors, identity, to_bytes
+
+    if not isinstance(pred, Predictors):
+        raise ConfigError("predictors= takes kvcodec.predict.Predictors (kvcodec.predict.calibrate_predictors)")
+    if params["quantizer"] != "weighted":
+        raise ConfigError("predictors= is for quantizer 'weighted'")
+    if kv.reduce is not None:
+        raise ConfigError("a reduced cache's entries are not positions: predictors= does not apply")
+    if len(pred.keys) != kv.num_layers:
+        raise ConfigError(f"the predictors have {len(pred.keys)} layers, the cache {kv.num_layers}")
+    t = kv.keys[0].shape[2]
+    for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
+        width = k.shape[1] * k.shape[3]
+        if k.shape != v.shape or k.shape[2] != t or pred.keys[i][1].shape[0] != width \
+                or 2 * pred.cos_theta.size != k.shape[3]:
+            raise ConfigError(f"layer {i}: keys {tuple(k.shape)}, values {tuple(v.shape)} do not fit the predictors "
+                              f"({pred.keys[i][1].shape[0]} features, {pred.cos_theta.size} rotary pairs) or the "
+                              "other layers")
+    return identity(to_bytes(pred))
+
+
+def _exact_range(params: dict, t: int) -> tuple[int, int]:
+    """The quantized tokens ``[a, b)`` of a layer of ``t`` tokens: the first ``sink`` and the last ``window``
+    are stored exactly and never predicted."""
+    tail = min(params["window"], t) if params["window"] else 0
+    return min(params["sink"], t - tail), t - tail
+
+
+def _predicted_payloads(kv: KVCache, codec: VqRans, jobs, step: float) -> list[bytes]:
+    """Every slice's payload in ``jobs`` order: layer after layer, the residual of each quantized token after
+    the prediction from the decoder's reconstruction of the layer before (keys pre-RoPE), the exact tokens as
+    they are; each layer's reconstruction is the decoder's (its payloads decoded)."""
+    from .. import predict as P
+
+    pred, params = codec.predictors, codec.params
+    t = kv.keys[0].shape[2]
+    a, b = _exact_range(params, t)
+    codec.exact_range = (a, t - b)  # the header's predict.exact_head / exact_tail
+    cos, sin = pred.tables(kv.start_position + a, b - a)
+    by_layer = {}
+    for j in jobs:
+        by_layer.setdefault(j[0], []).append(j)
+    out = {}
+    nl = kv.num_layers
+    khat = [None] * nl  # per layer, per batch row: the decoder's pre-RoPE keys [T', H * D] (binary32)
+    ready = [threading.Event() for _ in range(nl)]
+
+    def keys_chain():  # the keys of layer l depend on the keys of layer l - 1 only
+        for li in range(nl):
+            k = kv.keys[li].float().cpu().numpy()
+            h = k.shape[1]
+            res, pk = k.copy(), []
+            for bi in range(k.shape[0]):
+                x = khat[li - 1][bi] if li else np.zeros((b - a, 0), np.float32)
+                pk.append(P.predict(x, *pred.keys[li], parallel=False))
+                res[bi][:, a:b] = P.unflat(P.flat(P.rotate(k[bi][:, a:b], cos, sin, inverse=True)) - pk[bi], h)
+            rec = _code_layer(kv, codec, by_layer[li], 0, res, step, out)
+            khat[li] = [P.flat(rec[bi][:, a:b]) + pk[bi] for bi in range(k.shape[0])]
+            ready[li].set()
+
+    def values_chain():  # the values of layer l need its keys and the values of layer l - 1
+        vhat = None
+        for li in range(nl):
+            v = kv.values[li].float().cpu().numpy()
+            h = v.shape[1]
+            ready[li].wait()
+            if khat[li] is None:
+                return  # the keys chain failed: its exception is raised below
+            res, pv = v.copy(), []
+            for bi in range(v.shape[0]):
+                x = khat[li][bi] if li == 0 else np.concatenate([khat[li][bi], vhat[bi]], axis=1)
+                pv.append(P.predict(x, *pred.values[li], parallel=False))
+                res[bi][:, a:b] = P.unflat(P.flat(v[bi][:, a:b]) - pv[bi], h)
+            rec = _code_layer(kv, codec, by_layer[li], 1, res, step, out)
+            vhat = [P.flat(rec[bi][:, a:b]) + pv[bi] for bi in range(v.shape[0])]
+
+    # two chains on two threads (the kernels release the GIL): keys run ahead, values follow layer by layer
+    with ThreadPoolExecutor(2) as ex:
+        fk = ex.submit(keys_chain)
+        fv = ex.submit(values_chain)
+        try:
+            fk.result()
+        finally:
+            for e in ready:
+                e.set()  # never leave the values chain waiting
+        fv.result()
+    return [out[id(j)] for j in jobs]
+
+
+def _code_layer(kv: KVCache, codec: VqRans, jobs, part: int, x: np.ndarray, step: float, out: dict) -> np.ndarray:
+    """Code the slices of one layer's ``part`` from ``x`` (float32 ``[B, H, T, D]``, in the cache's dtype's
+    values), store their payloads in ``out`` by job, and return the decoder's float32 reconstruction."""
+    dt = kv.keys[0].dtype
+    full = torch.from_numpy(x).to(dt)
+    rec = np.empty_like(x)
+    for j in jobs:
+        if j[1] != part:
+            continue
+        where = j[3]
+        sl = full[:, :, where.start:where.start + where.shape[2]]
+        got = {}
+        out[id(j)] = codec.encode(sl, where, step=step, recon=got)
+        # the decoder's values without entropy-decoding the payload: the quantized tokens' binary32 reconstruction
+        # rounded to the cache's dtype (as VqRans.decode rounds it), the exact tokens as they are
+        head, tail = codec.exact_split(where)
+        n = where.shape[2]
+        part_rec = sl.float().numpy().copy()
+        part_rec[:, :, head:n - tail] = torch.from_numpy(got["values"]).to(dt).float().numpy()
+        rec[:, :, where.start:where.start + n] = part_rec
+    return rec
+
+
+class _PredictedDecoder:
+    """Decoder of predicted slices: every section decoded as the direct tiers do (residuals), then layer after
+    layer the prediction added back and the keys rotated (``kvcodec.predict``'s arithmetic)."""
+
+    def __init__(self, f, direct):
+        self.f = f
+        self.direct = direct  # the direct tiers' decoder: every section's residual
+        self.pred = None
+
+    def _predictors(self):
+        """The file's predictors, checked by identity before any tensor is decoded (:class:`PredictorsRequired`
+        names the SHA-256 the file needs); the header and the index stay readable without them (inspect)."""
+        from ..errors import PredictorsRequired
+        from ..predict import identity, to_bytes
+
+        if self.pred is None:
+            want = self.f.header.predict["predictors"]
+            pred = getattr(self.f, "predictors", None)
+            if pred is None:
+                raise PredictorsRequired(f"this file's tensors are residuals of a prediction: decode it with "
+                                         f"predictors= (the predictors whose SHA-256 is {want})")
+            got = identity(to_bytes(pred))
+            if got != want:
+                raise PredictorsRequired(f"the file needs the predictors {want}, these are {got}")
+            from ..errors import FormatError
+
+            h = self.f.header
+            width, pairs = h.layers[0].kv_heads * h.layers[0].k_dim, h.layers[0].k_dim // 2
+            if len(pred.keys) != len(h.layers) or pred.keys[0][1].shape[0] != width or pred.cos_theta.size != pairs:
+                raise FormatError(f"the predictors have {len(pred.keys)} layers of {pred.keys[0][1].shape[0]} "
+                                  f"features and {pred.cos_theta.size} pairs; the file {len(h.layers)} of {width} "
+                                  f"and {pairs}", field="predict.predictors")
+            self.pred = pred
+        return self.pred
+
+    def tokens(self):
+        return self.direct.tokens()
+
+    def states(self, layers) -> dict:
+        return self.direct.states(layers)
+
+    def _check_exact(self, a: int, b: int, last: int) -> None:
+        """Every payload of layers 0 .. ``last`` stores exactly the tokens outside ``[a, b)`` (the header's
+        ``predict.exact_head`` / ``exact_tail``), no more, no fewer: its Mode 2 head and its Exact_Tokens."""
+        from ..errors import FormatError
+
+        h, r = self.f.header, self.f.reader
+        for e in r.sections:
+            if e.section_type != L.SECTION_KV or e.layer > last:
+                continue
+            lay = h.layers[e.layer]
+            lo, hi = lay.chunk_range(e.chunk, h.chunk_tokens)
+            got = describe(r.read_payload_prefix(e, 64), (h.batch, lay.kv_heads, hi - lo, lay.dim(e.part)),
+                           8 * h.itemsize)
+            want = (max(0, min(a, hi) - lo), max(0, hi - max(b, lo)))
+            have = None if got is None else (got["head_tokens"], got["exact_tokens"])
+            if have != want:
+                raise FormatError(f"layer {e.layer} chunk {e.chunk}: exact tokens (head, tail) {have}, the predict "
+                                  f"object says {want}", field="predict.exact_head", offset=e.payload_offset)
+
+    def layers(self, layers, progress=None) -> dict:
+        from .. import predict as P
+
+        pred = self._predictors()
+        layers = sorted(set(layers))
+        if not layers:
+            return {}
+        f = self.f
+        h = f.header
+        t = h.layers[0].seq_len
+        a, b = h.predict["exact_head"], t - h.predict["exact_tail"]
+        self._check_exact(a, b, layers[-1])
+        d = self.direct.layers(range(layers[-1] + 1), progress)  # a layer needs every layer below it
+        dt = d[0, L.PART_KEYS].dtype
+        cos, sin = pred.tables(h.start_position + a, b - a)
+        out, prev = {}, None
+        for li in range(layers[-1] + 1):
+            k, v = d[li, L.PART_KEYS].float().numpy(), d[li, L.PART_VALUES].float().numpy()
+            bsz, hh = k.shape[0], k.shape[1]
+            ko, vo, cur = k.copy(), v.copy(), []
+            for bi in range(bsz):
+                x = prev[bi][0] if li else np.zeros((b - a, 0), np.float32)
+                khat = P.flat(k[bi][:, a:b]) + P.predict(x, *pred.keys[li])
+                xv = khat if li == 0 else np.concatenate([khat, prev[bi][1]], axis=1)
+                vhat = P.flat(v[bi][:, a:b]) + P.predict(xv, *pred.values[li])
+                ko[bi][:, a:b] = P.rotate(P.unflat(khat, hh), cos, sin)
+                vo[bi][:, a:b] = P.unflat(vhat, hh)
+                cur.append((khat, vhat))
+            prev = cur
+            if li in layers:
+                out[li, L.PART_KEYS] = torch.from_numpy(ko).to(dt)
+                out[li, L.PART_VALUES] = torch.from_numpy(vo).to(dt)
+        return out

@@ -1,4 +1,5 @@
 """Independent .kvz decoder written from spec/kvz.md and spec/registry.md only."""
+import hashlib
 import json
 import math
 import re
@@ -26,6 +27,8 @@ TrailingData = _mk("TrailingData")
 ChecksumMismatch = _mk("ChecksumMismatch")
 OffsetError = _mk("OffsetError")
 UnknownId = _mk("UnknownId")
+# (1.6, §13.1) the file names predictors that were not given (or not the named ones)
+PredictorsRequired = _mk("PredictorsRequired")
 
 
 def xxh(b):
@@ -34,7 +37,7 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 5
+IMPL_MINOR = 6
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -193,7 +196,7 @@ def _model_obj(m, where):
 
 
 def validate_header(h, minor):
-    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info", "reduce"], "header")
+    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info", "reduce", "predict"], "header")
     if h["format"] != "kvz":
         raise FormatError("format")
     tier = h["tier"]
@@ -323,7 +326,232 @@ def validate_header(h, minor):
     layers = []
     for rep, L in runs:
         layers.extend([L] * rep)
-    return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp, reduce=reduce)
+    predict = None
+    if "predict" in h:
+        predict = validate_predict(h["predict"], minor, tier, reduce, layers)
+    return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp, reduce=reduce,
+                predict=predict)
+
+
+def validate_predict(p, minor, tier, reduce, layers):
+    """The header's predict object (1.6, §4, §13.1). Returns dict(predictors, eh, et, T, H, D)."""
+    w = "header.predict"
+    # §3: a writer stamps 6 for a header with a predict object; a lower stamp breaks that MUST (§1: FormatError)
+    if minor < 6:
+        raise FormatError(f"{w} in a file stamped 1.{minor} (needs 1.6)")
+    if tier != "lossy":
+        raise FormatError(f"{w} in tier {tier} (lossy only)")
+    if reduce is not None:
+        raise FormatError(f"{w} together with header.reduce")
+    _keys(p, ["predictors", "layout", "exact_head", "exact_tail"], (), w)
+    if not isinstance(p["predictors"], str) or not HEX64.match(p["predictors"]):
+        raise FormatError(f"{w}.predictors: 64 lowercase hex digits")
+    if not isinstance(p["layout"], str):
+        raise FormatError(f"{w}.layout is not a string")
+    if p["layout"] != "rotate_half":
+        raise UnknownId(f"{w}.layout {p['layout']!r}")
+    eh = _int(p, "exact_head", 0, where=w)
+    et = _int(p, "exact_tail", 0, where=w)
+    L0 = layers[0]
+    T, H, D = L0["S"], L0["H"], L0["Dk"]
+    for i, L in enumerate(layers):
+        if L["state"] is not None:
+            raise FormatError(f"cache.layers[{i}]: a layer state in a predicted file")
+        if (L["S"], L["H"], L["Dk"], L["Dv"]) != (T, H, D, D):
+            raise FormatError(f"cache.layers[{i}]: every layer of a predicted file has the same seq_len, "
+                              "kv_heads and k_dim = v_dim")
+    if D % 2:
+        # "rotary pairs (i, i + D/2)": an odd D has no such pairing (not stated by the spec, assumed)
+        raise FormatError(f"{w}.layout rotate_half needs an even head dimension, not {D}")
+    if eh + et > T:
+        raise FormatError(f"{w}: exact_head + exact_tail = {eh + et} > seq_len {T}")
+    return dict(predictors=p["predictors"], eh=eh, et=et, T=T, H=H, D=D)
+
+
+def _finite_json_number(v):
+    return _is_num(v) and math.isfinite(float(v))
+
+
+def parse_predictors(pb, info):
+    """The predictors file (1.6, §13.1): a safetensors file, parsed by hand (8-byte little-endian header length,
+    JSON header {name: {dtype, shape, data_offsets}}, then the data). Returns dict(kw, kb, vw, vb: per layer
+    binary32 arrays widened exactly from float16; cos, sin: binary64 [D/2]; scale: float)."""
+    pr = info["predict"]
+    L, HD, D = len(info["layers"]), pr["H"] * pr["D"], pr["D"]
+    pb = bytes(pb)
+    if len(pb) < 8:
+        raise FormatError("predictors: shorter than the safetensors header length")
+    n = struct.unpack_from("<Q", pb, 0)[0]
+    if n > len(pb) - 8:
+        raise FormatError("predictors: header length beyond the file")
+    try:
+        def pairs(ps):
+            d = {}
+            for k, v in ps:
+                if k in d:
+                    raise FormatError(f"predictors: duplicate key {k!r}")
+                d[k] = v
+            return d
+        hdr = json.loads(pb[8:8 + n].decode("utf-8"), object_pairs_hook=pairs)
+    except KvzError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"predictors: header is not JSON: {e}")
+    if not isinstance(hdr, dict):
+        raise FormatError("predictors: header is not an object")
+    data = pb[8 + n:]
+    want = {"rope.cos_theta": ("F64", [D // 2]), "rope.sin_theta": ("F64", [D // 2])}
+    for l in range(L):
+        want[f"keys.{l}.weight"] = ("F16", [0 if l == 0 else HD, HD])
+        want[f"keys.{l}.bias"] = ("F16", [HD])
+        want[f"values.{l}.weight"] = ("F16", [HD if l == 0 else 2 * HD, HD])
+        want[f"values.{l}.bias"] = ("F16", [HD])
+    isz = {"F16": 2, "F64": 8, "U8": 1}
+    spans = []
+    arrs = {}
+    for name, t in hdr.items():
+        if name == "__metadata__":  # safetensors' optional string map: not a tensor (assumed allowed)
+            if not isinstance(t, dict) or not all(isinstance(v, str) for v in t.values()):
+                raise FormatError("predictors: __metadata__")
+            continue
+        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+            raise FormatError(f"predictors: tensor {name!r} entry")
+        if name == "meta.json":
+            wd, wshape = "U8", None
+        elif name in want:
+            wd, wshape = want[name]
+        else:
+            raise FormatError(f"predictors: unexpected tensor {name!r}")
+        shape, offs = t["shape"], t["data_offsets"]
+        if t["dtype"] != wd or not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+            raise FormatError(f"predictors: tensor {name!r} dtype/shape")
+        if wshape is None:
+            if len(shape) != 1:
+                raise FormatError("predictors: meta.json is a 1-D uint8 tensor")
+        elif shape != wshape:
+            raise FormatError(f"predictors: tensor {name!r} shape {shape}, expected {wshape}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) for x in offs)
+                and 0 <= offs[0] <= offs[1] <= len(data)):
+            raise FormatError(f"predictors: tensor {name!r} data_offsets")
+        if offs[1] - offs[0] != int(np.prod(shape, dtype=np.int64)) * isz[wd]:
+            raise FormatError(f"predictors: tensor {name!r} byte length")
+        spans.append((offs[0], offs[1]))
+        arrs[name] = (wd, shape, data[offs[0]:offs[1]])
+    missing = [k for k in list(want) + ["meta.json"] if k not in arrs]
+    if missing:
+        raise FormatError(f"predictors: missing tensors {missing[:4]}")
+    # the data buffer is tiled exactly by the tensors (safetensors' own rule: no holes, no overlaps)
+    pos = 0
+    for a, b in sorted(spans):
+        if a != pos:
+            raise FormatError("predictors: tensor data do not tile the data buffer")
+        pos = b
+    if pos != len(data):
+        raise FormatError("predictors: bytes after the last tensor")
+
+    def f16(name):
+        _, shape, b = arrs[name]
+        x = np.frombuffer(b, "<f2").reshape(shape)
+        if not np.isfinite(x).all():
+            raise FormatError(f"predictors: {name} not finite")
+        return x.astype(np.float32)
+
+    def f64(name):
+        _, shape, b = arrs[name]
+        x = np.frombuffer(b, "<f8").reshape(shape).astype(np.float64)
+        if not np.isfinite(x).all():
+            raise FormatError(f"predictors: {name} not finite")
+        return x
+
+    try:
+        meta = json.loads(arrs["meta.json"][2].decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"predictors: meta.json is not UTF-8 JSON: {e}")
+    _keys(meta, ["format", "version", "scale", "meta"], (), "predictors.meta.json")
+    if meta["format"] != "kvz-predictors" or meta["version"] != "1":
+        raise FormatError("predictors: meta.json format / version")
+    if not _finite_json_number(meta["scale"]):
+        raise FormatError("predictors: meta.json scale is not a finite number")
+    if not isinstance(meta["meta"], dict):
+        raise FormatError("predictors: meta.json meta is not an object")
+    return dict(kw=[f16(f"keys.{l}.weight") for l in range(L)], kb=[f16(f"keys.{l}.bias") for l in range(L)],
+                vw=[f16(f"values.{l}.weight") for l in range(L)], vb=[f16(f"values.{l}.bias") for l in range(L)],
+                cos=f64("rope.cos_theta"), sin=f64("rope.sin_theta"), scale=float(meta["scale"]))
+
+
+def words_to_f32(words, dtype):
+    """dtype words -> binary32, exactly."""
+    if dtype == "float32":
+        return np.ascontiguousarray(words).astype(np.uint32).view(np.float32)
+    if dtype == "float16":
+        return np.ascontiguousarray(words).astype(np.uint16).view(np.float16).astype(np.float32)
+    return (np.ascontiguousarray(words).astype(np.uint32) << 16).view(np.float32)
+
+
+def _predict_linear(x, w, bias):
+    """P(x) of §13.1 step 2: per token and output j, acc = bias[j], then acc = acc + x[i]*W[i][j] for
+    i = 0 .. I-1, every product and sum rounded to binary32 (numpy float32 element-wise, no FMA)."""
+    acc = np.repeat(bias[None, :].astype(np.float32), x.shape[0], axis=0)
+    for i in range(w.shape[0]):
+        acc = acc + x[:, i:i + 1] * w[i][None, :]
+    return acc
+
+
+def rope_tables(pred, positions, scale):
+    """§13.1 step 3: (cos, sin) per position (rows) and pair (columns), binary32. c = 1, s = 0 at p = 0, then
+    (c, s) <- (c*C - s*S, s*C + c*S) in binary64; at each p the pair's cos / sin are float32(c) * float32(scale)
+    and float32(s) * float32(scale), one binary32 product each (the spec's text has a hole here: assumed)."""
+    C, S = pred["cos"], pred["sin"]
+    sc = np.float32(scale)
+    want = {p: i for i, p in enumerate(positions)}
+    pmax = max(positions)
+    cos = np.zeros((len(positions), C.shape[0]), np.float32)
+    sin = np.zeros_like(cos)
+    c = np.ones_like(C)
+    s = np.zeros_like(S)
+    for p in range(pmax + 1):
+        if p in want:
+            cos[want[p]] = c.astype(np.float32) * sc
+            sin[want[p]] = s.astype(np.float32) * sc
+        c, s = c * C - s * S, s * C + c * S
+    return cos, sin
+
+
+def apply_predict(info, pred, out_k, out_v):
+    """§13.1 steps 1-4 over the decoded residual words (in place)."""
+    pr = info["predict"]
+    dt, B, H, D, T = info["dtype"], info["B"], pr["H"], pr["D"], pr["T"]
+    a, b1 = pr["eh"], T - pr["et"]  # quantized tokens a .. b1 - 1
+    Tq = b1 - a
+    if Tq <= 0:
+        return
+    HD, h2 = H * D, D // 2
+    cos, sin = rope_tables(pred, [info["sp"] + t for t in range(a, b1)], pred["scale"])
+
+    def mat(words):  # [H, Tq, D] words -> [Tq, H*D] binary32 (heads concatenated, token-major)
+        return words_to_f32(words, dt).transpose(1, 0, 2).reshape(Tq, HD)
+
+    def unmat(x):  # [Tq, H*D] binary32 -> [H, Tq, D] dtype words
+        return to_dtype_words(np.ascontiguousarray(x.reshape(Tq, H, D).transpose(1, 0, 2)), dt)
+
+    for bb in range(B):
+        kprev = vprev = None
+        for l in range(len(info["layers"])):
+            rk = mat(out_k[l][bb, :, a:b1, :])
+            rv = mat(out_v[l][bb, :, a:b1, :])
+            xk = np.zeros((Tq, 0), np.float32) if l == 0 else kprev
+            kt = rk + _predict_linear(xk, pred["kw"][l], pred["kb"][l])
+            xv = kt if l == 0 else np.concatenate([kt, vprev], axis=1)
+            vt = rv + _predict_linear(xv, pred["vw"][l], pred["vb"][l])
+            rot = np.empty_like(kt)
+            for h in range(H):
+                u1 = kt[:, h * D:h * D + h2]
+                u2 = kt[:, h * D + h2:(h + 1) * D]
+                rot[:, h * D:h * D + h2] = u1 * cos - u2 * sin
+                rot[:, h * D + h2:(h + 1) * D] = u2 * cos + u1 * sin
+            out_k[l][bb, :, a:b1, :] = unmat(rot)
+            out_v[l][bb, :, a:b1, :] = unmat(vt)
+            kprev, vprev = kt, vt  # the chain carries binary32 (rounding to dtype only at the end, step 4)
 
 
 def validate_reduce(r):
@@ -1054,7 +1282,8 @@ def wht_f32(z):
     return y
 
 
-def vq_payload(payload, shape, dtype, W, minor):
+def vq_payload(payload, shape, dtype, W, minor, exact=None):
+    """exact: (1.6, §13.1) the (Head_Tokens, Exact_Tokens) a predicted file requires of this payload."""
     B, H, T, D = shape
     rd = Reader(payload)
     mode, method, k, rule = struct.unpack("<BBBB", rd.take(4))
@@ -1088,6 +1317,9 @@ def vq_payload(payload, shape, dtype, W, minor):
         head = fcr_payload(rd, (B, H, H0, D), W, end=hend)
     if E > T - H0:
         raise FormatError("Exact_Tokens")
+    if exact is not None and (H0, E) != tuple(exact):
+        raise FormatError(f"VQ Head_Tokens/Exact_Tokens ({H0}, {E}) are not the predict object's ({exact[0]}, "
+                          f"{exact[1]}) for this chunk")
     Tq = T - E - H0
     if method in (3, 4, 5) and seed != 0:
         raise FormatError("Seed must be 0 for Methods 3, 4, 5")
@@ -1424,12 +1656,20 @@ def _regen_state(rs, l, j):
 
 
 # ------------------------------------------------------------------- decode
-def decode_file(buf, regen=None):
+def decode_file(buf, regen=None, predictors=None):
     """Returns (info, tokens, keys, values, notes); info["states"] holds the state tensors (1.3): per layer
     None (no state) or a list of little-endian word arrays (uint16/uint32 of the tensor's dtype width) in state
     order. regen (token tiers): (keys, values) or (keys, values, states), states per layer a list of word
-    arrays in state order (or None), or a dict keyed (layer, j) or "state.<layer>.<j>"."""
+    arrays in state order (or None), or a dict keyed (layer, j) or "state.<layer>.<j>".
+    predictors (1.6): the bytes of the predictors file a header predict object names (§13.1)."""
     info, secs = parse_container(buf)
+    pred = None
+    if info["predict"] is not None:
+        if predictors is None:
+            raise PredictorsRequired(f"the file needs the predictors {info['predict']['predictors']}")
+        if hashlib.sha256(bytes(predictors)).hexdigest() != info["predict"]["predictors"]:
+            raise PredictorsRequired("the predictors given are not the ones the file names (SHA-256)")
+        pred = parse_predictors(predictors, info)
     tier = info["tier"]
     B, W, dt = info["B"], info["W"], info["dtype"]
     L = info["layers"]
@@ -1468,8 +1708,14 @@ def decode_file(buf, regen=None):
             if tier == "lossless":
                 arr = fcr_payload(Reader(s["payload"]), shape, W, end=len(s["payload"]))
             else:
-                arr = vq_payload(s["payload"], shape, dt, W, info["minor"])
+                exact = None
+                if pred is not None:
+                    eh, et, T = info["predict"]["eh"], info["predict"]["et"], info["predict"]["T"]
+                    exact = (max(0, min(t1, eh) - t0), max(0, t1 - max(t0, T - et)))
+                arr = vq_payload(s["payload"], shape, dt, W, info["minor"], exact)
             (out_k if s["part"] == 0 else out_v)[s["layer"]][:, :, t0:t1, :] = arr
+        if pred is not None:
+            apply_predict(info, pred, out_k, out_v)
         info["states"] = states
         return info, tokens, out_k, out_v, notes
     # token tiers

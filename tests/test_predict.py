@@ -1,0 +1,224 @@
+"""kvcodec.predict (work in progress, issue 15): the arithmetic a predictive lossy tier will specify."""
+
+import numpy as np
+
+from kvcodec import predict as P
+
+
+def test_rope_recurrence_is_accurate_and_position_consistent():
+    theta = 1.0 / (10000 ** (np.arange(0, 64, 2) / 64))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, 4096)
+    t = np.arange(4096)[:, None] * theta[None]
+    assert np.abs(c - np.cos(t)).max() < 1e-6 and np.abs(s - np.sin(t)).max() < 1e-6
+    c2, s2 = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 100, 50)  # a cache starting at position 100
+    assert np.array_equal(c2, c[100:150]) and np.array_equal(s2, s[100:150])
+    c3, _ = P.rope_tables(np.cos(theta), np.sin(theta), 0.5, 0, 10)
+    assert np.array_equal(c3, c[:10] * np.float32(0.5))
+
+
+def test_rotation_and_its_inverse():
+    theta = 1.0 / (500 ** (np.arange(0, 16, 2) / 16))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, 33)
+    x = np.random.default_rng(0).normal(size=(2, 33, 16)).astype(np.float32)
+    y = P.rotate(x, c, s)
+    assert y.dtype == np.float32 and np.abs(np.linalg.norm(y, axis=-1) - np.linalg.norm(x, axis=-1)).max() < 1e-5
+    assert np.abs(P.rotate(y, c, s, inverse=True) - x).max() < 1e-5
+    assert np.array_equal(y[:, 0], x[:, 0])  # position 0: no rotation
+
+
+def test_predict_follows_the_specified_binary32_order():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(7, 13)).astype(np.float32)
+    w = rng.normal(size=(13, 5)).astype(np.float16)
+    b = rng.normal(size=5).astype(np.float16)
+    want = np.broadcast_to(b.astype(np.float32), (7, 5)).copy()
+    for i in range(13):  # acc = acc + x[i] * W[i], each product and sum rounded to binary32
+        want = (want + (x[:, i:i + 1] * w[i].astype(np.float32)).astype(np.float32)).astype(np.float32)
+    assert np.array_equal(P.predict(x, w, b), want)
+
+
+def test_fit_and_code_layers_round_trip_on_a_structured_cache():
+    rng = np.random.default_rng(2)
+    h, t, d, nl = 2, 40, 8, 3
+    theta = 1.0 / (100 ** (np.arange(0, d, 2) / d))
+    c, s = P.rope_tables(np.cos(theta), np.sin(theta), 1.0, 0, t)
+    base = rng.normal(size=(h, t, d)).astype(np.float32)
+    layers = []
+    for li in range(nl):  # layers that are linear images of one another: predictable
+        pre = (base * (li + 1) + rng.normal(size=base.shape) * 0.1).astype(np.float32)
+        layers.append((P.rotate(pre, c, s), (pre * 0.5 + rng.normal(size=base.shape) * 0.1).astype(np.float32)))
+    kw = [np.ones((h, d), np.float32)] * nl
+    pred = P.fit([layers], np.cos(theta), np.sin(theta), 1.0, kw, 0.5)
+    assert len(pred.keys) == nl and pred.keys[0][0].shape == (0, h * d)
+    assert pred.values[1][0].shape == (2 * h * d, h * d)
+    sizes, rec = P.code_layers(layers, pred, 0.5, kw)
+    for (k, v), (rk, rv) in zip(layers, rec):
+        assert np.array_equal(rk[:, 0], k[:, 0]) and np.array_equal(rv[:, 0], v[:, 0])  # token 0 exact
+        assert np.abs(rk - k).max() < 0.2 and np.abs(rv - v).max() < 1.0
+    plain, _ = P.code_layers(layers, P.Predictors([(np.zeros((0 if i == 0 else h * d, h * d), np.float16),
+                                                    np.zeros(h * d, np.float16)) for i in range(nl)],
+                                                  [(np.zeros((h * d if i == 0 else 2 * h * d, h * d), np.float16),
+                                                    np.zeros(h * d, np.float16)) for i in range(nl)],
+                                                  np.cos(theta), np.sin(theta)), 0.5, kw)
+    assert sum(map(sum, sizes[1:])) < 0.8 * sum(map(sum, plain[1:]))  # prediction pays on predictable layers
+
+
+def _tiny_predictors():
+    import torch
+
+    from kvcodec import calibrate
+    from tests.common import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    prof = calibrate(model, ids)
+    return model, prof, P.calibrate_predictors(model, [ids, ids[:, :30]], prof.key_weights)
+
+
+def test_calibrated_predictors_round_trip_through_their_file():
+    model, prof, pred = _tiny_predictors()
+    cfg = model.config
+    width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    assert len(pred.keys) == cfg.num_hidden_layers and pred.values[0][0].shape == (width, width)
+    data = P.to_bytes(pred)
+    back = P.from_bytes(data)
+    for a, b in zip(pred.keys + pred.values, back.keys + back.values):
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert np.array_equal(back.cos_theta, pred.cos_theta) and back.scale == pred.scale and back.meta == pred.meta
+    assert P.identity(data) == P.identity(P.to_bytes(back)) and len(P.identity(data)) == 64
+
+
+def test_hostile_predictor_files_are_refused_by_field():
+    import pytest
+
+    from kvcodec.errors import FormatError
+
+    _, _, pred = _tiny_predictors()
+    data = P.to_bytes(pred)
+    for bad, field in ((data[:5], "Predictors"), (data[:-10], "Predictors"), (b"\xff" * 8 + data[8:], "header"),
+                       (P.to_bytes(P.Predictors(pred.keys[:1], pred.values[:1] + pred.values[1:2], pred.cos_theta,
+                                                pred.sin_theta)), "Predictors"),
+                       (P.to_bytes(P.Predictors([(pred.keys[0][0], pred.keys[0][1][:-1])] + pred.keys[1:],
+                                                pred.values, pred.cos_theta, pred.sin_theta)), "keys.0")):
+        with pytest.raises(FormatError, match=field):
+            P.from_bytes(bad)
+    nan = [(w, b.copy()) for w, b in pred.values]
+    nan[1][1][0] = np.float16("nan")
+    with pytest.raises(FormatError, match="values.1"):
+        P.from_bytes(P.to_bytes(P.Predictors(pred.keys, nan, pred.cos_theta, pred.sin_theta)))
+
+
+def test_models_without_rope_cannot_be_predicted():
+    import pytest
+
+    from kvcodec.errors import ConfigError
+    from tests.common import tiny_model
+
+    with pytest.raises(ConfigError, match="RoPE"):
+        P.model_rope(tiny_model("gpt2"))
+
+
+def test_predicted_lossy_files_round_trip_and_name_their_predictors():
+    """Tier ``lossy`` with ``predictors=``: the file is stamped 1.6, refuses to decode without the predictors
+    or with others (before any tensor), decodes deterministically with them, layer by layer as a whole, and
+    its tensors stay as close to the cache as the unpredicted tier's (a random tiny model is not predictable:
+    this checks the plumbing; BENCHMARKS has the real model's numbers)."""
+    import pytest
+    import torch
+
+    import kvcodec
+    from kvcodec.codecs import vq_rans as quant
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = prefill(model, ids)
+    kv = kvcodec.to_canonical(cache)
+    for opts in ({"step": 0.7}, {"step": 1.0, "window": 4, "sink": 2, "chunk_tokens": 16}):
+        data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=pred, **opts)
+        plain = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, **opts)
+        assert kvcodec.inspect(data)["format_version"] == "1.6"
+        with pytest.raises(kvcodec.PredictorsRequired, match=P.identity(P.to_bytes(pred))):
+            kvcodec.decode(data)
+        other = P.Predictors(pred.keys, [(w, b + np.float16(1)) for w, b in pred.values], pred.cos_theta,
+                             pred.sin_theta)
+        with pytest.raises(kvcodec.PredictorsRequired, match="these are"):
+            kvcodec.decode(data, predictors=other)
+        out = kvcodec.decode(data, output="kvcache", predictors=pred)
+        again = kvcodec.decode(data, output="kvcache", predictors=pred)
+        ref = kvcodec.decode(plain, output="kvcache")
+        for li, (a, b, x) in enumerate(zip(out.keys + out.values, again.keys + again.values, kv.keys + kv.values)):
+            assert torch.equal(a, b)
+            if opts.get("sink"):
+                assert torch.equal(a[:, :, :2], x[:, :, :2]) and torch.equal(a[:, :, -4:], x[:, :, -4:])
+            if li < len(kv.keys):  # keys: a pre-RoPE error of at most half a channel step, rotated (pairs)
+                steps = quant.channel_steps(opts["step"], 0.15, prof.key_weights[li]).astype(np.float32)
+                assert (a.float() - x.float()).abs().max() <= 0.75 * float(steps.max()) + 1e-4
+        # with predictions of zero the values are the unpredicted tier's, bit for bit
+        zero = P.Predictors([(np.zeros_like(w), np.zeros_like(b)) for w, b in pred.keys],
+                            [(np.zeros_like(w), np.zeros_like(b)) for w, b in pred.values], pred.cos_theta,
+                            pred.sin_theta)
+        z = kvcodec.decode(kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=zero,
+                                          **opts), output="kvcache", predictors=zero)
+        for a, c in zip(z.values, ref.values):
+            assert torch.equal(a, c)
+        with kvcodec.open_kvz(data, predictors=pred) as f:
+            k1, v1 = f.layer(1)
+        assert torch.equal(k1, out.keys[1]) and torch.equal(v1, out.values[1])
+    with pytest.raises(kvcodec.ConfigError, match="quantizer 'weighted'"):
+        kvcodec.encode(cache, tier="lossy", quantizer="uniform", predictors=pred, step=0.5)
+
+
+def test_hostile_predict_objects_are_refused_by_field():
+    """The golden vector lossy_predicted with its header's predict object changed (checksums resealed): every
+    violation of spec section 13.1 is a FormatError / UnknownId naming the field, before any tensor."""
+    import copy
+    from pathlib import Path
+
+    import pytest
+
+    import kvcodec
+    from kvcodec.errors import FormatError, UnknownId
+
+    from .common import fuzz_tools, vector_predictors
+
+    fz = fuzz_tools()
+    data = (Path(__file__).resolve().parent.parent / "spec" / "vectors" / "lossy_predicted.kvz").read_bytes()
+    pred = vector_predictors("lossy_predicted")
+    header = fz.header_of(data)
+
+    def variant(change):
+        h = copy.deepcopy(header)
+        change(h)
+        return fz.with_header(data, h)
+
+    cases = [(lambda h: h["predict"].update(predictors="00" * 31), FormatError, "predict.predictors"),
+             (lambda h: h["predict"].update(layout="interleaved"), UnknownId, "predict.layout"),
+             (lambda h: h["predict"].pop("exact_tail"), FormatError, "predict"),
+             (lambda h: h["predict"].update(extra=1), FormatError, "predict"),
+             (lambda h: h["predict"].update(exact_head=10, exact_tail=10), FormatError, "predict.exact_tail"),
+             (lambda h: h["predict"].update(exact_head=2), FormatError, "predict.exact_head")]
+    for change, err, field in cases:
+        with pytest.raises(err, match=field.replace(".", r"\.")):
+            kvcodec.decode(variant(change), predictors=pred)
+    kvcodec.decode(data, predictors=pred)  # the vector itself decodes
+
+
+def test_encoder_reconstruction_equals_the_decoders():
+    """vq_rans.encode(recon=...) gives the decoder's binary32 values of the quantized tokens without
+    entropy-decoding (Method 5 keys, Method 1 values; with exact head and tail tokens, and none quantized)."""
+    from kvcodec.codecs import vq_rans as quant
+
+    rng = np.random.default_rng(7)
+    x = (rng.normal(size=(1, 2, 23, 16)) * np.exp(rng.normal(size=(1, 2, 23, 1)))).astype(np.float32)
+    w = rng.uniform(0.3, 3.0, (2, 16)).astype(np.float32)
+    bits = x.view(np.uint32)
+    for part, extra in ((0, {"weights": w}), (1, {})):
+        for head, tail in ((0, 0), (1, 3), (20, 3)):
+            r = {}
+            payload = quant.encode(x, {"quantizer": "weighted"}, step=0.4, part=part, exact_tokens=tail,
+                                   exact_bits=bits[:, :, 23 - tail:] if tail else None, head_tokens=head,
+                                   head_bits=bits[:, :, :head] if head else None, recon=r, **extra)
+            want = quant.decode(payload, x.shape, "float32").values
+            assert r["values"].shape == want.shape == (1, 2, 23 - head - tail, 16)
+            assert np.array_equal(r["values"].view(np.uint32), want.view(np.uint32))
