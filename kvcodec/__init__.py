@@ -11,6 +11,10 @@ Public API::
     model, tokenizer = kvcodec.load_model("smollm2")  # the embedded default, offline
     store = kvcodec.Store("s3://bucket/memory", model)  # many sessions, shared prefixes stored once
     small = kvcodec.reduce(cache, model, keep=0.1)     # 10 % of the entries, atoms with masses; generate() on it
+    profile = kvcodec.calibrate(model, tokenizer=tok)    # once per model: key channel weights (quantizer weighted)
+    pred = kvcodec.calibrate_predictors(model, tokenizer=tok, profile=profile)  # once per model (AQUA-KV)
+    data = kvcodec.encode(cache, tier="lossy", bits=2, quantizer="weighted", profile=profile, predictors=pred)
+    cache = kvcodec.decode(data, predictors=pred)     # the predictors, never the model
 """
 
 from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
@@ -38,6 +42,7 @@ from .errors import (  # noqa: E402
     UnsupportedVersion,
 )
 from .models import load_model, model_fingerprint, tokenizer_fingerprint  # noqa: E402
+from .predict import Predictors, calibrate_predictors  # noqa: E402
 from .reduction import ReducedCache, reduce  # noqa: E402
 from .store import Store  # noqa: E402
 from .version import __version__
@@ -45,7 +50,7 @@ from .version import __version__
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",
     "model_fingerprint", "tokenizer_fingerprint", "KVCache", "to_canonical", "Store", "reduce", "ReducedCache",
-    "calibrate", "Profile",
+    "calibrate", "Profile", "calibrate_predictors", "Predictors",
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId", "ReservedBitSet", "TruncatedFile",
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
     "PredictorsRequired", "UnsupportedCache",

@@ -133,6 +133,11 @@ def cmd_encode(args) -> int:
             else:
                 mdl = model if model is not None else _load_model(args.model, kv.dtype_name)
                 opts["profile"] = calibrate(mdl[0], tokenizer=mdl[1])
+            if args.predictors:
+                opts["predictors"] = args.predictors  # a path: read and checked by the tier
+        elif args.predictors or args.profile:
+            raise ConfigError("--profile and --predictors are for tier lossy with quantizer weighted "
+                              "(--lossy-options '{\"quantizer\": \"weighted\"}')")
     n = save(out, cache, model, overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
              tokens=ids if ids is not None and (args.store_tokens or args.tier != "lossless") else None,
              progress=bar.update, **opts)
@@ -165,7 +170,7 @@ def cmd_decode(args) -> int:
     if not to_stdout and Path(args.output).exists() and not args.force:
         raise ConfigError(f"{args.output} exists (use -f to replace it)")
     args.file = _source(args.file)
-    with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
+    with KvzFile(args.file, _file_model(args), numerics=args.numerics, predictors=args.predictors) as f:
         total, unit = f.work()
         bar = _progress(total, "decoding", unit)
         kv = f.to_kvcache(progress=bar.update)
@@ -196,7 +201,7 @@ def cmd_verify(args) -> int:
 
     t0 = time.perf_counter()
     name, args.file = args.file, _source(args.file)
-    with KvzFile(args.file, _file_model(args), numerics=args.numerics) as f:
+    with KvzFile(args.file, _file_model(args), numerics=args.numerics, predictors=args.predictors) as f:
         total, unit = f.work()
         bar = _progress(total, "verifying", unit)
         kv = f.to_kvcache(progress=bar.update)
@@ -205,6 +210,39 @@ def cmd_verify(args) -> int:
     _report(args, f"{name}: ok - all checksums match, {len(kv.keys)} layers x {kv.seq_len} tokens decoded "
             f"({_human(kv.nbytes())}) in {dt:.2f} s", file=name, ok=True, layers=len(kv.keys), tokens=kv.seq_len,
             bytes=kv.nbytes(), seconds=round(dt, 3))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """A model's profile for quantizer weighted (JSON) and, with --predictors, its predictors (safetensors)."""
+    from .calibrate import calibrate
+    from .models import tokenize
+
+    t0 = time.perf_counter()
+    model, tok = _load_model(args.model, args.dtype)
+    texts = [Path(t).read_text(encoding="utf-8") for t in args.text or []]
+    profile = calibrate(model, tokenize(tok, texts[0], 128)) if texts else calibrate(model, tokenizer=tok)
+    done = {}
+    if args.profile:
+        from .atomic import atomic_output
+
+        with atomic_output(args.profile, overwrite=args.force) as f:
+            f.write(profile.to_json().encode())
+        done["profile"] = args.profile
+    if args.predictors:
+        from .atomic import atomic_output
+        from .predict import calibrate_predictors
+
+        pred = calibrate_predictors(model, texts or None, tokenizer=tok, profile=profile, tokens=args.tokens)
+        data = pred.to_bytes()
+        with atomic_output(args.predictors, overwrite=args.force) as f:
+            f.write(data)
+        done.update(predictors=args.predictors, predictors_sha256=pred.identity, predictors_bytes=len(data),
+                    calibration_tokens=pred.meta.get("tokens"))
+    if not done:
+        raise ConfigError("give --profile FILE and/or --predictors FILE: what to write")
+    dt = time.perf_counter() - t0
+    _report(args, ", ".join(f"{k}: {v}" for k, v in done.items()) + f" ({dt:.1f} s)", seconds=round(dt, 3), **done)
     return 0
 
 
@@ -391,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", default=None,
                    help="lossy, quantizer weighted: a calibration profile (JSON, kvcodec.Profile.save); default: "
                         "calibrated with the model on 128 tokens of the embedded text")
+    s.add_argument("--predictors", default=None,
+                   help="lossy, quantizer weighted: code residuals of the cross-layer prediction (AQUA-KV) with "
+                        "these predictors (safetensors, kvz calibrate --predictors); decoding then needs them")
     s.add_argument("--lossy-options", default=None,
                    help='lossy: other vq_rans options as JSON, e.g. \'{"window": 64, "quantizer": "kivi"}\'')
     s.add_argument("--token-model", default="lm", choices=["lm", "static"],
@@ -420,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token tiers on a machine whose float results differ from the encoder's: refuse before "
                         "any work (strict), attempt anyway (try), or return this machine's regeneration without "
                         "the residuals (recompute, static token model)")
+    s.add_argument("--predictors", default=None,
+                   help="predicted lossy files: the predictors file they name (kvz calibrate --predictors)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_decode)
 
@@ -440,8 +483,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", default="strict", choices=["strict", "try"],
                    help="token tiers: refuse before any work where this machine's float results differ (strict) "
                         "or attempt anyway (try)")
+    s.add_argument("--predictors", default=None,
+                   help="predicted lossy files: the predictors file they name (kvz calibrate --predictors)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("calibrate", help="a model's calibration profile (quantizer weighted) and predictors "
+                                         "(cross-layer prediction), computed once per model")
+    s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
+    s.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"], help="the model's dtype")
+    s.add_argument("--text", nargs="*", help="UTF-8 calibration texts (default: the embedded text)")
+    s.add_argument("--tokens", type=int, default=2048, help="predictors: tokens of each text (default 2048)")
+    s.add_argument("--profile", help="write the profile (JSON) here")
+    s.add_argument("--predictors", help="write the predictors (safetensors) here")
+    s.add_argument("-f", "--force", action="store_true", help="replace existing output files")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("bench", help="measure ratios and speeds on real caches; writes BENCHMARKS-style tables")
     s.add_argument("--out", default="bench_out", help="directory for bench.json and bench.md")

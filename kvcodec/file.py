@@ -178,6 +178,8 @@ class KvzFile:
                 "stored_bytes": sum(e.length for e in r.sections if e.section_type == L.SECTION_STATE)},
             # (1.4) a reduced cache: how it was reduced, and its entries against the tokens they stand for
             "reduce": None if h.reduce is None else self._describe_reduce(),
+            # (1.6) the slices are residuals of a cross-layer prediction: decoding needs these predictors
+            "predict": None if h.predict is None else dict(h.predict),
             "checksums": status,
             "sections": sections,
         }

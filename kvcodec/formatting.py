@@ -55,6 +55,11 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
             f"{rd['parts']['sinks']} sinks, {len(levels)} summaries ({sum(levels)} atoms), "
             f"{rd['parts']['buffer']} raw recent; appended tokens "
             + (f"keep being reduced ({rd['reducer']})" if rd["reducer"] else "are kept raw"))
+    pr = info.get("predict")
+    if pr:
+        out(f"  predict      : residuals of a cross-layer prediction; decoding needs the predictors of SHA-256 "
+            f"{pr['predictors']} ({pr['layout']} RoPE; {pr['exact_head']} head and {pr['exact_tail']} tail tokens "
+            "stored exactly)")
     out(f"  checksums    : {info['checksums']}")
     out(f"  sections     : {len(info['sections'])} (chunk of {info['chunk_tokens']} tokens)")
     if not sections:

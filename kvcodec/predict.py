@@ -1,9 +1,11 @@
 """Prediction across layers for the lossy tier (AQUA-KV): the arithmetic and the per-model predictors.
 
-WORK IN PROGRESS (issue 15; the design is ``docs/design_predictive_lossy.md``): the arithmetic the spec will
-prescribe and the closed-loop fit of the study (``kvcodec/lab/study_predict.py``), not yet wired into the
-format.  Every decoder-side operation is specified in IEEE arithmetic so that every platform reconstructs the
-same bits:
+A lossy file coded with ``predictors=`` (quantizer ``weighted``, format 1.6, spec/kvz.md §13.1) stores, for
+every quantized token, the residual after a linear prediction from the decoder's reconstruction of the layer
+before (keys pre-RoPE; values also from the layer's own keys).  The predictors are a per-model profile fitted
+once (:func:`calibrate_predictors`), stored apart (a safetensors file, :meth:`Predictors.save`) and named in
+the file by their SHA-256: decoding needs them, never the model.  Every decoder-side operation is specified in
+IEEE arithmetic so that every platform reconstructs the same bits:
 
 * the RoPE rotation of position t and rotary pair i uses ``(c_t, s_t)`` from the binary64 recurrence
   ``c_0 = 1, s_0 = 0, (c_{t+1}, s_{t+1}) = (c_t C - s_t S, s_t C + c_t S)`` with the profile's binary64
@@ -19,7 +21,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-__all__ = ["rope_tables", "rotate", "predict"]
+__all__ = ["Predictors", "calibrate_predictors", "rope_tables", "rotate", "predict"]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -130,6 +132,55 @@ class Predictors:
 
     def tables(self, start: int, n: int):
         return rope_tables(self.cos_theta, self.sin_theta, self.scale, start, n)
+
+    def to_bytes(self) -> bytes:
+        """The canonical safetensors bytes (:func:`to_bytes`)."""
+        return to_bytes(self)
+
+    @property
+    def identity(self) -> str:
+        """The SHA-256 of :meth:`to_bytes` (64 hex digits): what a file names.  Computed once: treat the
+        arrays as immutable."""
+        if getattr(self, "_identity", None) is None:
+            self._identity = identity(self.to_bytes())
+        return self._identity
+
+    def save(self, path) -> int:
+        """Write the predictors (a safetensors file) atomically; returns the bytes written."""
+        from .atomic import atomic_output
+
+        data = self.to_bytes()
+        with atomic_output(path) as f:
+            f.write(data)
+        return len(data)
+
+    @classmethod
+    def load(cls, path) -> "Predictors":
+        """Read predictors written by :meth:`save` (a local path or fsspec URL), checked field by field."""
+        from .file import open_path
+
+        with open_path(path, "rb") as f:
+            return from_bytes(f.read(MAX_PREDICTORS_BYTES + 1))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Predictors":
+        return from_bytes(data)
+
+
+def as_predictors(x) -> "Predictors":
+    """``x`` as :class:`Predictors`: the object itself, its file bytes, or a path / URL of its file."""
+    import os
+
+    from .errors import ConfigError
+
+    if isinstance(x, Predictors):
+        return x
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return from_bytes(bytes(x))
+    if isinstance(x, (str, os.PathLike)):
+        return Predictors.load(x)
+    raise ConfigError(f"predictors= takes kvcodec.Predictors, their file's bytes or its path, not "
+                      f"{type(x).__name__} (kvcodec.calibrate_predictors makes them)")
 
 
 def flat(x):
@@ -350,23 +401,56 @@ def model_rope(model) -> tuple[np.ndarray, np.ndarray, float]:
     return np.cos(theta), np.sin(theta), float(getattr(rope, "attention_scaling", 1.0))
 
 
-def calibrate_predictors(model, texts_ids, key_weights, *, bits: float = 2.0, step: float | None = None):
-    """Fit :class:`Predictors` for ``model`` on the caches of ``texts_ids`` (each ``[1, n]`` token ids; one
-    prefill each) at the tier step that codes them at ``bits`` per component with quantizer ``weighted`` (or
-    ``step``).  One profile serves every rate (BENCHMARKS: fitted once, median KL 0.0072 at 2 bits vs 0.0076
-    refitted per step)."""
+def calibrate_predictors(model, texts=None, *, tokenizer=None, profile=None, tokens: int = 2048,
+                         bits: float = 2.0, step: float | None = None) -> Predictors:
+    """Fit :class:`Predictors` for ``model`` (one prefill per text, then a closed-loop ridge fit layer after
+    layer; about a minute for SmolLM2 on 2,048 tokens on 2 cores).
+
+    ``texts``: strings (tokenized with ``tokenizer``, the first ``tokens`` tokens of each) or token ids
+    (``[1, n]`` or 1-D); default: the first ``tokens`` tokens of the embedded text (needs ``tokenizer``).
+    ``profile``: the key channels' weights of quantizer ``weighted`` (:func:`kvcodec.calibrate`; default:
+    calibrated on the first 128 tokens of the first text).  The fit is done on the reconstructions at the step
+    that codes the calibration caches at ``bits`` per component (or at ``step``); one fit serves every rate
+    (BENCHMARKS.md: fitted once, median KL 0.0072 at 2 bits against 0.0076 refitted per step).  A
+    calibration-text count of one genre serves others (BENCHMARKS.md gives the measured transfer)."""
     import torch
 
     from .cache import to_canonical
+    from .calibrate import Profile, calibrate, default_ids
     from .codecs.vq_rans import DEFAULTS, global_step
-    from .models import prefill
+    from .errors import ConfigError
+    from .identity import fingerprint
+    from .models import prefill, tokenize
 
     cos_t, sin_t, scale = model_rope(model)
+    if texts is None:
+        if tokenizer is None:
+            raise ConfigError("calibrate_predictors() needs texts= (token ids) or tokenizer= (to tokenize the "
+                              "embedded text)")
+        texts = [default_ids(tokenizer, tokens)]
+    if isinstance(texts, (str, torch.Tensor, np.ndarray)):
+        texts = [texts]
+    ids_list = []
+    for t in texts:
+        if isinstance(t, str):
+            if tokenizer is None:
+                raise ConfigError("calibrate_predictors(): text given as strings needs tokenizer=")
+            t = tokenize(tokenizer, t, tokens)
+        ids = torch.as_tensor(t).long().reshape(1, -1)
+        if ids.shape[1] < 2:
+            raise ConfigError(f"calibrate_predictors(): a text of {ids.shape[1]} tokens (at least 2)")
+        ids_list.append(ids)
+    if profile is None:
+        profile = calibrate(model, ids_list[0][:, :128])
+    elif not isinstance(profile, Profile):
+        raise ConfigError("profile= takes a kvcodec.Profile (kvcodec.calibrate)")
     caches, tensors = [], []
-    for ids in texts_ids:
-        kv = to_canonical(prefill(model, torch.as_tensor(ids).long().reshape(1, -1)))
+    for ids in ids_list:
+        kv = to_canonical(prefill(model, ids))
         caches.append([(k[0].float().numpy(), v[0].float().numpy()) for k, v in zip(kv.keys, kv.values)])
         tensors += kv.keys + kv.values
     if step is None:
         step = global_step(tensors, {**DEFAULTS, "bits": float(bits)})
-    return fit(caches, cos_t, sin_t, scale, key_weights, step)
+    pred = fit(caches, cos_t, sin_t, scale, profile.key_weights, step)
+    pred.meta["model"] = fingerprint(model)  # informative: the file names the predictors by their hash
+    return pred

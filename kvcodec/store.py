@@ -46,7 +46,8 @@ import torch
 import zstandard
 
 from .cache import KVCache, to_canonical
-from .errors import ChecksumMismatch, ConfigError, FormatError, KvzError, NumericsMismatch, UnsupportedCache, warn
+from .errors import (ChecksumMismatch, ConfigError, FormatError, KvzError, NumericsMismatch, PredictorsRequired,
+                     UnsupportedCache, warn)
 from .identity import model_record, split_model
 from .tokens.continuation import CONTEXT_TOKENS
 
@@ -163,6 +164,16 @@ class Store:
         self.model = model
         self.chunk_tokens, self.granularity, self.grace_seconds = chunk_tokens, granularity, grace_seconds
         self.tier, self.tier_options = tier, dict(tier_options)
+        if tier_options.get("predictors") is not None:  # kept once per namespace (ns/<N>/predictors/)
+            from .predict import as_predictors
+
+            self.tier_options["predictors"] = as_predictors(tier_options["predictors"])
+        if tier_options.get("profile") is not None:
+            from .calibrate import Profile
+
+            if not isinstance(tier_options["profile"], Profile):
+                raise ConfigError("profile= takes a kvcodec.Profile (kvcodec.calibrate)")
+        self._predictors: dict[str, object] = {}  # SHA-256 -> Predictors read from a namespace
         self._local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         from .api import Encoder
 
@@ -197,6 +208,9 @@ class Store:
 
     def _numerics_path(self, ns: str, pid: bytes) -> str:
         return self._path("ns", ns, "numerics", pid.hex() + ".json")
+
+    def _predictors_path(self, ns: str, ident: str) -> str:
+        return self._path("ns", ns, "predictors", ident + ".safetensors")
 
     def _write(self, path: str, data: bytes, overwrite: bool = True) -> None:
         """Publish ``data`` at ``path`` atomically (local: unique temp file, fsync, rename; else one PUT).
@@ -319,6 +333,7 @@ class Store:
             path = self._path("ns", ns, "namespace.json")
             if self._read(path) != data:
                 self._write(path, data)
+            self._publish_predictors(ns)
             self._namespaces[ns] = record
         return ns
 
@@ -349,7 +364,58 @@ class Store:
         return self._namespaces[ns]
 
     def _encoder_options(self) -> dict:
-        return {k: self.tier_options[k] for k in sorted(self.tier_options)}
+        """The options as the namespace record names them: a calibration profile by the SHA-256 of its JSON,
+        predictors by their identity (the SHA-256 of their file, which the namespace keeps)."""
+        out = {}
+        for k in sorted(self.tier_options):
+            v = self.tier_options[k]
+            if k == "profile" and v is not None:
+                v = hashlib.sha256(v.to_json().encode()).hexdigest()
+            elif k == "predictors" and v is not None:
+                v = v.identity
+            out[k] = v
+        return out
+
+    def _publish_predictors(self, ns: str) -> None:
+        """The namespace's predictors, written once beside its record: its chunks decode with them."""
+        pred = self.tier_options.get("predictors")
+        if pred is None:
+            return
+        self._predictors[pred.identity] = pred
+        path = self._predictors_path(ns, pred.identity)
+        if not self.fs.exists(path):
+            self._write(path, pred.to_bytes(), overwrite=False)
+
+    def predictors(self, ns: str, ident: str):
+        """The predictors ``ident`` (SHA-256) of namespace ``ns``, read once from ``ns/<N>/predictors/``
+        (:class:`~kvcodec.errors.PredictorsRequired` when they are missing or damaged: the chunk that names
+        them is intact, and stays)."""
+        from .errors import PredictorsRequired
+        from .predict import from_bytes
+
+        if ident not in self._predictors:
+            if not _hex64(ident):
+                raise FormatError(f"predictors {ident!r} is not a SHA-256", field="Header.predict.predictors")
+            path = self._predictors_path(ns, ident)
+            raw = self._read(path)
+            if raw is None:
+                raise PredictorsRequired(f"namespace {ns[:16]}…: its chunks need the predictors {ident}, and "
+                                         f"{path} is missing")
+            try:
+                if hashlib.sha256(raw).hexdigest() != ident:
+                    raise FormatError("the predictors do not hash to their name", field="Predictors")
+                pred = from_bytes(raw)
+            except FormatError as e:
+                self._quarantine(path, e)
+                raise PredictorsRequired(f"namespace {ns[:16]}…: its predictors {ident} were damaged ({e}); "
+                                         "moved to quarantine/") from None
+            self._predictors[ident] = pred
+        return self._predictors[ident]
+
+    def _attach_predictors(self, ns: str, f) -> None:
+        """A predicted lossy chunk (format 1.6) decodes with its namespace's predictors."""
+        if f.header.predict is not None:
+            f.predictors = self.predictors(ns, f.header.predict["predictors"])
 
     def namespaces(self) -> list[str]:
         """The namespace ids present (listed fresh: other processes write too)."""
@@ -632,6 +698,7 @@ class Store:
             return None
         try:
             with KvzFile(data) as f:
+                self._attach_predictors(ns, f)
                 kv, info = f.to_kvcache(), f.header.raw.get("info")
             base, bm, own_parent = _chunk_links(info, key)
             if kv.start_position != start + bm or kv.seq_len + bm < m or depth > MAX_BASE_DEPTH or (
@@ -639,6 +706,8 @@ class Store:
                 raise FormatError(f"chunk {key.hex()[:16]}… holds positions {kv.start_position}.."
                                   f"{kv.start_position + kv.seq_len} after {bm} of a base, expected {start}.."
                                   f"{start + m}", field="Header.cache.start_position")
+        except PredictorsRequired:
+            raise  # the chunk is intact: its namespace's predictors are not
         except KvzError as e:
             self._quarantine(path, e)
             if strict:
@@ -1051,6 +1120,7 @@ class Store:
                     from None
             try:
                 f = KvzFile(fh)
+                self._attach_predictors(ns, f)
                 base, bm, _parent = _chunk_links(f.header.raw.get("info"), key)
             except BaseException:
                 fh.close()

@@ -1,4 +1,5 @@
-"""kvcodec.predict (work in progress, issue 15): the arithmetic a predictive lossy tier will specify."""
+"""kvcodec.predict: the arithmetic of predicted lossy files (spec/kvz.md 13.1), the predictors, their fit, the
+tier and the store with them."""
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def _tiny_predictors():
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     prof = calibrate(model, ids)
-    return model, prof, P.calibrate_predictors(model, [ids, ids[:, :30]], prof.key_weights)
+    return model, prof, P.calibrate_predictors(model, [ids, ids[:, :30]], profile=prof)
 
 
 def test_calibrated_predictors_round_trip_through_their_file():
@@ -222,3 +223,111 @@ def test_encoder_reconstruction_equals_the_decoders():
             want = quant.decode(payload, x.shape, "float32").values
             assert r["values"].shape == want.shape == (1, 2, 23 - head - tail, 16)
             assert np.array_equal(r["values"].view(np.uint32), want.view(np.uint32))
+
+
+def test_predictors_are_taken_as_objects_bytes_or_paths(tmp_path):
+    """Predictors.save / load (atomic, strict), identity = SHA-256 of the file; encode / decode accept the
+    object, its bytes or its path alike; a wrong type is a ConfigError."""
+    import hashlib
+
+    import pytest
+    import torch
+
+    import kvcodec
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    path = tmp_path / "p.safetensors"
+    n = pred.save(path)
+    raw = path.read_bytes()
+    assert n == len(raw) and pred.identity == hashlib.sha256(raw).hexdigest()
+    back = kvcodec.Predictors.load(path)
+    assert back.identity == pred.identity and back.meta["model"] == kvcodec.model_fingerprint(model)
+    cache = prefill(model, torch.randint(0, model.config.vocab_size, (1, 24),
+                                         generator=torch.Generator().manual_seed(9)))
+    data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=str(path), step=0.7)
+    want = kvcodec.decode(data, output="kvcache", predictors=pred)
+    for given in (raw, path, back):
+        assert kvcodec.decode(data, output="kvcache", predictors=given).equal(want)
+    assert kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=raw, step=0.7) == data
+    with pytest.raises(kvcodec.ConfigError, match="predictors="):
+        kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=[1], step=0.7)
+    with pytest.raises(kvcodec.FormatError, match="Predictors"):
+        kvcodec.decode(data, predictors=raw[:-3])
+
+
+def test_layer_by_layer_reads_reconstruct_each_layer_once(monkeypatch):
+    """KvzFile.layer(i) in order continues from the layer kept (no O(L^2) re-decoding), out of order restarts;
+    every layer equals the whole decode's."""
+    import torch
+
+    import kvcodec
+    from kvcodec import predict as PR
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    cache = prefill(model, torch.randint(0, model.config.vocab_size, (1, 20),
+                                         generator=torch.Generator().manual_seed(3)))
+    data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=pred, step=0.7)
+    whole = kvcodec.decode(data, output="kvcache", predictors=pred)
+    calls = []
+    real = PR.predict
+    monkeypatch.setattr(PR, "predict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    nl = len(whole.keys)
+    with kvcodec.open_kvz(data, predictors=pred) as f:
+        for i in range(nl):
+            k, v = f.layer(i)
+            assert torch.equal(k, whole.keys[i]) and torch.equal(v, whole.values[i])
+        assert len(calls) == 2 * nl  # one key and one value prediction per layer
+        k, v = f.layer(0)  # backwards: restarts from layer 0
+        assert torch.equal(k, whole.keys[0]) and torch.equal(v, whole.values[0])
+
+
+def test_a_store_keeps_its_namespace_predictors_once(tmp_path):
+    """Store(tier="lossy", quantizer="weighted", profile=, predictors=): the namespace names the predictors by
+    hash and keeps their file once; any Store object reads the sessions without being given them; a missing
+    predictors file is PredictorsRequired (the chunks stay), a damaged one is quarantined."""
+    import shutil
+
+    import pytest
+    import torch
+
+    import kvcodec
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    store = kvcodec.Store(tmp_path, model, tier="lossy", quantizer="weighted", profile=prof, predictors=pred,
+                          step=0.7, chunk_tokens=16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = prefill(model, ids)
+    key = store.put(cache, tokens=ids)
+    key2 = store.put(prefill(model, torch.cat([ids[:, :32], ids[:, :8]], 1)), tokens=torch.cat([ids[:, :32],
+                                                                                                ids[:, :8]], 1))
+    ns = key.split(":")[0]
+    files = sorted((tmp_path / "ns" / ns / "predictors").iterdir())
+    assert [f.name for f in files] == [pred.identity + ".safetensors"]
+    rec = store.record(ns)
+    assert rec["options"]["predictors"] == pred.identity and len(rec["options"]["profile"]) == 64
+    back = store.get(key, output="kvcache")
+    assert kvcodec.inspect(next((tmp_path / "ns" / ns / "chunks").rglob("*.kvz")))["format_version"] == "1.6"
+    reader = kvcodec.Store(tmp_path)  # opened without predictors, profile or model
+    assert reader.get(key, output="kvcache").equal(back)
+    layers = list(reader.layers(key2))
+    assert len(layers) == len(back.keys)
+    # chunks decode each with its own file's positions: the first 32 positions agree across the two sessions
+    other = reader.get(key2, output="kvcache")
+    for a, b in zip(back.keys, other.keys):
+        assert torch.equal(a[:, :, :32], b[:, :, :32])
+    chunks = sorted(p.name for p in (tmp_path / "ns" / ns / "chunks").rglob("*.kvz"))
+    shutil.move(files[0], tmp_path / "aside")
+    with pytest.raises(kvcodec.PredictorsRequired, match="missing"):
+        kvcodec.Store(tmp_path).get(key)
+    assert sorted(p.name for p in (tmp_path / "ns" / ns / "chunks").rglob("*.kvz")) == chunks  # all kept
+    bad = bytearray((tmp_path / "aside").read_bytes())
+    bad[-1] ^= 1
+    files[0].write_bytes(bytes(bad))
+    with pytest.warns(UserWarning, match="corrupt"), pytest.raises(kvcodec.PredictorsRequired, match="damaged"):
+        kvcodec.Store(tmp_path).get(key)
+    assert not files[0].exists() and any((tmp_path / "quarantine").glob("*predictors*"))
+    shutil.move(tmp_path / "aside", files[0])
+    assert kvcodec.Store(tmp_path).get(key, output="kvcache").equal(back)

@@ -29,7 +29,11 @@ CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.
            + [{"quantizer": "lloyd", "lloyd_bits": b} for b in (2, 3, 4)]
            + [{"quantizer": "kivi", "kivi_bits": b, "group": 32} for b in (2, 3, 4)]
            + [{"quantizer": "cachegen", "cachegen_bins": bins} for bins in ([16, 8], [32, 16], [64, 32])]
-           + [{"quantizer": "weighted", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5)])
+           + [{"quantizer": "weighted", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5)]
+           + [{"quantizer": "weighted", "bits": b, "predictors": True} for b in (1.5, 2.0, 2.5, 3.0)])
+#: the predictors (cross-layer prediction, kvcodec.calibrate_predictors) are fitted on up to this many tokens of
+#: each corpus file that is not evaluated
+PREDICTOR_TOKENS = 2048
 TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"]
 #: quantizer "weighted" is calibrated (kvcodec.calibrate) on the first 128 tokens of this corpus file, a genre
 #: none of the evaluated texts has (the embedded default text is the prose text's own first chapters)
@@ -79,6 +83,19 @@ def run_lossy_bench(args) -> int:
 
     cal = CALIBRATION if CALIBRATION not in texts else next(f for f in sorted(files) if f not in texts)
     profile = calibrate(model, tokenize(tok, files[cal].read_text(encoding="utf-8"), 128))
+    pred_files = [f for f in sorted(files) if f not in texts]
+    pred = None
+    if any(c.get("predictors") for c in CONFIGS):
+        import time
+
+        from ..predict import calibrate_predictors
+
+        t0 = time.perf_counter()
+        pred = calibrate_predictors(model, [files[f].read_text(encoding="utf-8") for f in pred_files],
+                                    tokenizer=tok, profile=profile, tokens=PREDICTOR_TOKENS)
+        pred_seconds = time.perf_counter() - t0
+        print(f"predictors: {len(pred.to_bytes())} bytes, fitted on {pred.meta['tokens']} tokens of "
+              f"{len(pred_files)} texts in {pred_seconds:.0f} s", flush=True)
     rows = []
     for name in texts:
         prefix, cont, exact, comps = prefix_case(model, tok, files[name], args.prefix, args.continuation)
@@ -94,15 +111,18 @@ def run_lossy_bench(args) -> int:
             rows += _peer_rows(args.peers, model, tok, exact, kv, prefix, cont, name)
         for cfg in CONFIGS:
             extra = {"profile": profile} if cfg["quantizer"] == "weighted" else {}
-            data = api.encode(exact, tier="lossy", **cfg, **extra)
+            if cfg.get("predictors"):
+                extra["predictors"] = pred
+            data = api.encode(exact, tier="lossy", **{k: v for k, v in cfg.items() if k != "predictors"}, **extra)
             info = api.inspect(data)
             kvs = [s for s in info["sections"] if s["type"] == "kv"]
             payload = sum(s["bytes"] for s in kvs)
             fixed = None
             if all(s.get("coding") and "fixed_width_bits_per_component" in s["coding"] for s in kvs):
                 fixed = sum(s["coding"]["fixed_width_bits_per_component"] * s["components"] for s in kvs) / comps
-            r = evaluate_cache(model, tok, exact, api.decode(data), prefix, cont)
-            r.update(text=name, method=f"kvz {cfg['quantizer']}", config=cfg,
+            r = evaluate_cache(model, tok, exact, api.decode(data, predictors=pred), prefix, cont)
+            method = f"kvz {cfg['quantizer']}" + (" + predictors" if cfg.get("predictors") else "")
+            r.update(text=name, method=method, config=cfg,
                      bits_per_component=8 * payload / comps, header_bytes=len(data) - payload,
                      fixed_width_bits_per_component=fixed)
             rows.append(r)
@@ -112,6 +132,10 @@ def run_lossy_bench(args) -> int:
                       + (f" --cache-dtype {cache_dtype}" if cache_dtype != "fp32" else ""),
            "model": f"SmolLM2-135M-Instruct ({dt.name})", "machine": platform.machine(), "rows": rows,
            "calibration": f"quantizer weighted: kvcodec.calibrate on the first 128 tokens of {cal}",
+           "predictors": None if pred is None else {
+               "bytes": len(pred.to_bytes()), "sha256": pred.identity, "tokens": pred.meta["tokens"],
+               "texts": pred_files, "seconds": round(pred_seconds, 1),
+               "bits_per_component_if_in_one_file": round(8 * len(pred.to_bytes()) / comps, 3)},
            "peers": _peer_note(args.peers)}
     stem = "bench_lossy" + (f"_{cache_dtype}" if cache_dtype != "fp32" else "")  # one dtype does not overwrite another
     out = write_report(args.out, stem, res, to_markdown(res))
@@ -263,6 +287,14 @@ def to_markdown(res) -> str:
     if res.get("calibration"):
         lines += ["", f"Calibration: {res['calibration']} (the profile is not stored: the file carries the "
                   "per-channel steps, counted in bits/comp)."]
+    pr = res.get("predictors")
+    if pr:
+        lines += ["", f"Predictors (`kvz weighted + predictors`): `kvcodec.calibrate_predictors` on "
+                  f"{pr['tokens']:,} tokens of {len(pr['texts'])} corpus files none of the evaluated texts is "
+                  f"({', '.join(pr['texts'])}), in {pr['seconds']} s. They are a per-model profile, stored "
+                  f"once per store namespace and not counted in bits/comp: {pr['bytes']:,} bytes "
+                  f"(SHA-256 {pr['sha256'][:16]}…), which inside one file of this cache would add "
+                  f"{pr['bits_per_component_if_in_one_file']} bits per component."]
     if peers:
         lines += ["", "Peer versions and how their bits/comp are counted:", ""]
         lines += [f"- {m} ({v}): {st}" for m, (v, st) in sorted(peers.items())]

@@ -11,6 +11,10 @@ time from the file on disk to a ``DynamicCache`` the model takes as ``past_key_v
 * recomputing the cache from its token ids with one prefill (the token ids are assumed known: the cheapest
   recompute there is).
 
+The direct tiers' rows also time the encoder (the cache to ``.kvz`` bytes, same thread count). Quantizer
+``weighted`` and its predictors are calibrated on the cache's own text (128 and ``--tokens`` tokens): these
+rows measure speed, not quality (``kvz bench --lossy`` calibrates on other texts).
+
 The files are read from the page cache (they were just written; dropping it needs root): these are times of
 the decoders, not of the disk.  Each time is the median of ``--repeats`` runs after one warm-up run (Numba
 compilation, allocator).  Besides the times, each row reports the restored cache's megabytes per second
@@ -38,6 +42,9 @@ TIERS = [
     ("lossless", {"tier": "lossless"}),
     ("lossy 3 bits", {"tier": "lossy", "bits": 3.0}),
     ("lossy 2 bits", {"tier": "lossy", "bits": 2.0}),
+    ("lossy 2 bits, weighted", {"tier": "lossy", "bits": 2.0, "quantizer": "weighted", "profile": True}),
+    ("lossy 2 bits, weighted + predictors", {"tier": "lossy", "bits": 2.0, "quantizer": "weighted", "profile": True,
+                                             "predictors": True}),
     ("exact", {"tier": "exact", "token_model": "static"}),
     ("tokens", {"tier": "tokens", "token_model": "static", "tolerance": None}),
 ]
@@ -95,6 +102,19 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
         return check
 
     same = same_as(kv)
+    calibrated = {}
+
+    def resolve(opts: dict) -> dict:
+        """Encoder options with ``profile`` / ``predictors`` calibrated once (on this cache's own tokens)."""
+        if not (opts.get("profile") or opts.get("predictors")):
+            return opts
+        if not calibrated:
+            from ..calibrate import calibrate
+            from ..predict import calibrate_predictors
+
+            calibrated["profile"] = calibrate(model, ids[:, :128])
+            calibrated["predictors"] = calibrate_predictors(model, [ids], profile=calibrated["profile"])
+        return {**opts, **{k: calibrated[k] for k in ("profile", "predictors") if opts.get(k)}}
 
     st_path = folder / "cache.safetensors"
     safetensors.torch.save_file(_raw_tensors(kv), str(st_path))
@@ -114,8 +134,9 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
             p = folder / f"{name.replace(' ', '_').replace(',', '')}{f'_{threads}' if needs_model else ''}.kvz"
             if not p.exists():
                 api.save(p, own if needs_model else kv, model if needs_model else None, tokens=ids,
-                         **({"schedule": "prefill"} if needs_model else {}), **opts)
-            out[name] = (p, own if needs_model else kv, opts["tier"] != "tokens" and "lossy" not in name)
+                         **({"schedule": "prefill"} if needs_model else {}), **resolve(opts))
+            out[name] = (p, own if needs_model else kv, opts["tier"] != "tokens" and "lossy" not in name,
+                         None if needs_model else resolve(opts))
         return out
     # one memcpy of the raw bytes: the ceiling of any decoder
     src = np.frombuffer(st_path.read_bytes(), dtype=np.uint8)
@@ -134,9 +155,13 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
             return _from_tensors(safetensors.torch.load(data), n_layers, model)
 
         add("raw safetensors, zstd -3", zst_path, from_zst, threads, same)
-        for name, (p, ref, exact) in write_files(threads).items():
-            add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads), threads,
+        pred = calibrated.get("predictors")
+        for name, (p, ref, exact, enc) in write_files(threads).items():
+            add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads, predictors=pred), threads,
                 same_as(ref) if exact else None)
+            if enc is not None:  # the encoder of a direct tier, same thread count
+                rows[-1]["encode_s"], _ = median_time(lambda enc=enc: api.encode(kv, tokens=ids, threads=threads,
+                                                                                 **enc), repeats)
 
         def recompute():  # the cheapest recompute: the cache, and the logits of the last position only
             with torch.no_grad():
@@ -155,11 +180,12 @@ def to_markdown(results: dict) -> str:
         lines += [f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
                   f"{case['raw_bytes'] / 2**20:.2f} MiB raw", "",
                   "| method | threads | file bytes | restore ms | MB/s of cache | × raw safetensors | "
-                  "× recompute |", "|---|---:|---:|---:|---:|---:|---:|"]
+                  "× recompute | encode ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in case["rows"]:
+            enc = f"{1e3 * r['encode_s']:.0f}" if r.get("encode_s") else "-"
             lines.append(f"| {r['method']} | {r['threads']} | {r['bytes'] if r['bytes'] else '-'} | "
                          f"{1e3 * r['restore_s']:.1f} | {r['mb_s']:.0f} | {_x(r.get('vs_raw'))} | "
-                         f"{_x(r.get('vs_recompute'))} |")
+                         f"{_x(r.get('vs_recompute'))} | {enc} |")
         lines.append("")
     lines.append("× raw safetensors, × recompute: that row's time over theirs at the same thread count "
                  "(below 1: faster).")

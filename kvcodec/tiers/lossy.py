@@ -73,6 +73,9 @@ class LossyTier(DirectTier):
         elif profile is not None:
             raise ConfigError("profile= is for quantizer 'weighted'")
         if predictors is not None:
+            from ..predict import as_predictors
+
+            predictors = as_predictors(predictors)
             params["predict"] = _check_predictors(predictors, kv, params)
             codec.predictors = predictors
         for i, t in enumerate(kv.keys + kv.values):
@@ -238,14 +241,10 @@ def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: 
 
 
 
-# --- predicted slices (format 1.6, WORK IN PROGRESS: docs/design_predictive_lossy.md) ------------------------
+# --- predicted slices (format 1.6, spec/kvz.md §13.1; design notes: docs/design_predictive_lossy.md) ----------
 
 def _check_predictors(pred, kv: KVCache, params: dict) -> str:
     """The predictors' identity (SHA-256 of their file bytes) after checking they fit the cache."""
-    from ..predict import Predictors, identity, to_bytes
-
-    if not isinstance(pred, Predictors):
-        raise ConfigError("predictors= takes kvcodec.predict.Predictors (kvcodec.predict.calibrate_predictors)")
     if params["quantizer"] != "weighted":
         raise ConfigError("predictors= is for quantizer 'weighted'")
     if kv.reduce is not None:
@@ -260,7 +259,7 @@ def _check_predictors(pred, kv: KVCache, params: dict) -> str:
             raise ConfigError(f"layer {i}: keys {tuple(k.shape)}, values {tuple(v.shape)} do not fit the predictors "
                               f"({pred.keys[i][1].shape[0]} features, {pred.cos_theta.size} rotary pairs) or the "
                               "other layers")
-    return identity(to_bytes(pred))
+    return pred.identity
 
 
 def _exact_range(params: dict, t: int) -> tuple[int, int]:
@@ -362,12 +361,13 @@ class _PredictedDecoder:
         self.f = f
         self.direct = direct  # the direct tiers' decoder: every section's residual
         self.pred = None
+        self.done, self.prev, self.checked = -1, None, -1  # the last layer reconstructed, its (keys, values)
 
     def _predictors(self):
         """The file's predictors, checked by identity before any tensor is decoded (:class:`PredictorsRequired`
         names the SHA-256 the file needs); the header and the index stay readable without them (inspect)."""
         from ..errors import PredictorsRequired
-        from ..predict import identity, to_bytes
+        from ..predict import as_predictors
 
         if self.pred is None:
             want = self.f.header.predict["predictors"]
@@ -375,7 +375,8 @@ class _PredictedDecoder:
             if pred is None:
                 raise PredictorsRequired(f"this file's tensors are residuals of a prediction: decode it with "
                                          f"predictors= (the predictors whose SHA-256 is {want})")
-            got = identity(to_bytes(pred))
+            pred = as_predictors(pred)
+            got = pred.identity
             if got != want:
                 raise PredictorsRequired(f"the file needs the predictors {want}, these are {got}")
             from ..errors import FormatError
@@ -415,6 +416,9 @@ class _PredictedDecoder:
                                   f"object says {want}", field="predict.exact_head", offset=e.payload_offset)
 
     def layers(self, layers, progress=None) -> dict:
+        """The requested layers; a layer needs the reconstruction of every layer below it, so the last one
+        reconstructed is kept: layer-by-layer readers (``KvzFile.layer(0)``, ``layer(1)`` ...) decode each
+        layer once."""
         from .. import predict as P
 
         pred = self._predictors()
@@ -425,12 +429,16 @@ class _PredictedDecoder:
         h = f.header
         t = h.layers[0].seq_len
         a, b = h.predict["exact_head"], t - h.predict["exact_tail"]
-        self._check_exact(a, b, layers[-1])
-        d = self.direct.layers(range(layers[-1] + 1), progress)  # a layer needs every layer below it
-        dt = d[0, L.PART_KEYS].dtype
+        if layers[-1] > self.checked:
+            self._check_exact(a, b, layers[-1])
+            self.checked = layers[-1]
+        first = self.done + 1 if self.done < layers[0] else 0  # continue from the kept layer, else restart
+        prev = self.prev if first else None
+        d = self.direct.layers(range(first, layers[-1] + 1), progress)
+        dt = d[first, L.PART_KEYS].dtype
         cos, sin = pred.tables(h.start_position + a, b - a)
-        out, prev = {}, None
-        for li in range(layers[-1] + 1):
+        out = {}
+        for li in range(first, layers[-1] + 1):
             k, v = d[li, L.PART_KEYS].float().numpy(), d[li, L.PART_VALUES].float().numpy()
             bsz, hh = k.shape[0], k.shape[1]
             ko, vo, cur = k.copy(), v.copy(), []
@@ -446,4 +454,5 @@ class _PredictedDecoder:
             if li in layers:
                 out[li, L.PART_KEYS] = torch.from_numpy(ko).to(dt)
                 out[li, L.PART_VALUES] = torch.from_numpy(vo).to(dt)
+        self.done, self.prev = layers[-1], prev
         return out
