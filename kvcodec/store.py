@@ -46,8 +46,16 @@ import torch
 import zstandard
 
 from .cache import KVCache, to_canonical
-from .errors import (ChecksumMismatch, ConfigError, FormatError, KvzError, NumericsMismatch, PredictorsRequired,
-                     UnsupportedCache, warn)
+from .errors import (
+    ChecksumMismatch,
+    ConfigError,
+    FormatError,
+    KvzError,
+    NumericsMismatch,
+    PredictorsRequired,
+    UnsupportedCache,
+    warn,
+)
 from .identity import model_record, split_model
 from .tokens.continuation import CONTEXT_TOKENS
 

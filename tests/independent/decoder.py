@@ -105,6 +105,18 @@ def _walk_strings(v):
             _walk_strings(x)
 
 
+
+def _no_duplicate_keys(prefix):
+    """A json object_pairs_hook refusing a key given twice (FormatError)."""
+    def pairs(ps):
+        d = {}
+        for k, v in ps:
+            if k in d:
+                raise FormatError(f"{prefix}duplicate key {k!r}")
+            d[k] = v
+        return d
+    return pairs
+
 def parse_header_json(raw):
     try:
         text = raw.decode("utf-8", errors="strict")
@@ -112,13 +124,7 @@ def parse_header_json(raw):
         raise FormatError(f"header is not UTF-8: {e}")
     _prescan_depth(text)
 
-    def pairs(ps):
-        d = {}
-        for k, v in ps:
-            if k in d:
-                raise FormatError(f"duplicate key {k!r}")
-            d[k] = v
-        return d
+    pairs = _no_duplicate_keys("")
 
     def pint(s):
         if len(s) > 40:
@@ -385,14 +391,7 @@ def parse_predictors(pb, info):
     if n > len(pb) - 8:
         raise FormatError("predictors: header length beyond the file")
     try:
-        def pairs(ps):
-            d = {}
-            for k, v in ps:
-                if k in d:
-                    raise FormatError(f"predictors: duplicate key {k!r}")
-                d[k] = v
-            return d
-        hdr = json.loads(pb[8:8 + n].decode("utf-8"), object_pairs_hook=pairs)
+        hdr = json.loads(pb[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicate_keys("predictors: "))
     except KvzError:
         raise
     except (ValueError, RecursionError) as e:
