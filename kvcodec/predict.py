@@ -21,6 +21,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .codecs.vq_rans import PREDICTED_KEY_RATIO
+
 __all__ = ["Predictors", "calibrate_predictors", "rope_tables", "rotate", "predict"]
 
 
@@ -218,7 +220,7 @@ def fit(caches, cos_theta, sin_theta, scale: float, key_weights, step: float, *,
     """Fit the predictors on calibration caches (each a list of per-layer ``(keys, values)`` float32 arrays
     ``[H, T, D]``, post-RoPE keys, positions from 0; token 0 is left out, the tier stores it exactly) layer
     after layer on the reconstructions the decoder will have at ``step`` (closed loop, as AQUA-KV does)."""
-    cfg = {"key_ratio": 0.15, **(cfg or {})}
+    cfg = {"key_ratio": PREDICTED_KEY_RATIO, **(cfg or {})}
     nl = len(caches[0])
     rot = [rope_tables(cos_theta, sin_theta, scale, 1, c[0][0].shape[1] - 1) for c in caches]
     prev_k = prev_v = None
@@ -266,7 +268,7 @@ def code_layers(layers, pred: Predictors, step: float, key_weights, cfg: dict | 
     from .codecs import vq_rans
     from .dtypes import bit_patterns
 
-    cfg = {"key_ratio": 0.15, **(cfg or {}), "quantizer": "weighted"}
+    cfg = {"key_ratio": PREDICTED_KEY_RATIO, **(cfg or {}), "quantizer": "weighted"}
     t = layers[0][0].shape[1]
     cos, sin = pred.tables(1, t - 1)
     payloads, out = [], []

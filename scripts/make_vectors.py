@@ -175,8 +175,8 @@ def lossy_cases():
     profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (h, d)).astype(np.float32) for _ in range(2)], model=None,
                               tokens=0)
     yield "lossy_predicted", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv], start_position=start), \
-        {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "profile": profile, "predictors": pred, "window": 2,
-         "chunk_tokens": 8}
+        {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "key_ratio": 0.15, "profile": profile,
+         "predictors": pred, "window": 2, "chunk_tokens": 8}
 
 
 def tiny():

@@ -153,7 +153,8 @@ def test_predicted_lossy_files_round_trip_and_name_their_predictors():
             if opts.get("sink"):
                 assert torch.equal(a[:, :, :2], x[:, :, :2]) and torch.equal(a[:, :, -4:], x[:, :, -4:])
             if li < len(kv.keys):  # keys: a pre-RoPE error of at most half a channel step, rotated (pairs)
-                steps = quant.channel_steps(opts["step"], 0.15, prof.key_weights[li]).astype(np.float32)
+                steps = quant.channel_steps(opts["step"], quant.PREDICTED_KEY_RATIO, prof.key_weights[li])
+                steps = steps.astype(np.float32)
                 assert (a.float() - x.float()).abs().max() <= 0.75 * float(steps.max()) + 1e-4
         # with predictions of zero the values are the unpredicted tier's, bit for bit
         zero = P.Predictors([(np.zeros_like(w), np.zeros_like(b)) for w, b in pred.keys],
@@ -168,6 +169,9 @@ def test_predicted_lossy_files_round_trip_and_name_their_predictors():
         assert torch.equal(k1, out.keys[1]) and torch.equal(v1, out.values[1])
     with pytest.raises(kvcodec.ConfigError, match="quantizer 'weighted'"):
         kvcodec.encode(cache, tier="lossy", quantizer="uniform", predictors=pred, step=0.5)
+    windowed = kvcodec.KVCache(kv.keys, kv.values, sliding_window=[None] * (len(kv.keys) - 1) + [64])
+    with pytest.raises(kvcodec.ConfigError, match="sliding window"):
+        kvcodec.encode(windowed, tier="lossy", quantizer="weighted", profile=prof, predictors=pred, step=0.7)
 
 
 def test_hostile_predict_objects_are_refused_by_field():

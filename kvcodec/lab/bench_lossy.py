@@ -30,7 +30,7 @@ CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.
            + [{"quantizer": "kivi", "kivi_bits": b, "group": 32} for b in (2, 3, 4)]
            + [{"quantizer": "cachegen", "cachegen_bins": bins} for bins in ([16, 8], [32, 16], [64, 32])]
            + [{"quantizer": "weighted", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5)]
-           + [{"quantizer": "weighted", "bits": b, "predictors": True} for b in (1.5, 2.0, 2.5, 3.0)])
+           + [{"quantizer": "weighted", "bits": b, "predictors": True} for b in (1.5, 1.95, 2.0, 2.5, 3.0)])
 #: the predictors (cross-layer prediction, kvcodec.calibrate_predictors) are fitted on up to this many tokens of
 #: each corpus file that is not evaluated
 PREDICTOR_TOKENS = 2048

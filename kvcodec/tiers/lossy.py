@@ -21,6 +21,7 @@ from ..codecs.vq_rans import (
     CHANNEL_MINOR,
     DEFAULTS,
     PREDICT_MINOR,
+    PREDICTED_KEY_RATIO,
     WEIGHTED_DEFAULTS,
     VqRans,
     describe,
@@ -60,6 +61,8 @@ class LossyTier(DirectTier):
         max_kl = options.pop("max_kl", None)
         profile = options.pop("profile", None)
         predictors = options.pop("predictors", None)
+        if predictors is not None and options.get("quantizer") == "weighted":
+            options.setdefault("key_ratio", PREDICTED_KEY_RATIO)
         codec = VqRans.configure(options, job.kv.dtype_name)
         params, kv = codec.params, job.kv
         if params["quantizer"] == "weighted":
@@ -251,6 +254,9 @@ def _check_predictors(pred, kv: KVCache, params: dict) -> str:
         raise ConfigError("a reduced cache's entries are not positions: predictors= does not apply")
     if len(pred.keys) != kv.num_layers:
         raise ConfigError(f"the predictors have {len(pred.keys)} layers, the cache {kv.num_layers}")
+    if any(s is not None for s in kv.states) or any(w is not None for w in kv.sliding_window):
+        raise ConfigError("predictors= needs full-attention layers without layer state or sliding window (spec "
+                          "13.1): store this cache unpredicted")
     t = kv.keys[0].shape[2]
     for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
         width = k.shape[1] * k.shape[3]
