@@ -18,10 +18,13 @@ IEEE arithmetic so that every platform reconstructs the same bits:
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numba as nb
 import numpy as np
 
 from .codecs.vq_rans import PREDICTED_KEY_RATIO
+from .parallel import threads
 
 __all__ = ["Predictors", "calibrate_predictors", "rope_tables", "rotate", "predict"]
 
@@ -87,29 +90,32 @@ def _predict_blocks(x, w, b, out, blk):
 _block = nb.njit(cache=True, nogil=True, inline="always")(_predict_blocks)
 
 
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _predict_parallel(x, w, b, out):
-    for blk in nb.prange((x.shape[0] + 7) // 8):
-        _block(x, w, b, out, blk)
-
-
 @nb.njit(cache=True, nogil=True)
-def _predict_serial(x, w, b, out):
-    for blk in range((x.shape[0] + 7) // 8):
+def _predict_range(x, w, b, out, blk0, blk1):
+    for blk in range(blk0, blk1):
         _block(x, w, b, out, blk)
 
 
 def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, parallel: bool = True) -> np.ndarray:
     """``[T, O]`` float32: ``bias + x @ weight`` in the specified binary32 order (module docstring); ``x [T, I]``
     float32, ``weight [I, O]`` and ``bias [O]`` float16 (widened exactly).  ``parallel``: blocks of tokens on
-    every core (Numba threads; not from several Python threads at once)."""
+    every core (``$KVCODEC_THREADS``; the result does not depend on it)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     w = np.ascontiguousarray(np.asarray(weight, dtype=np.float16).astype(np.float32))
     b = np.ascontiguousarray(np.asarray(bias, dtype=np.float16).astype(np.float32))
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"predict: x {x.shape}, weight {w.shape}, bias {b.shape} do not fit")
     out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
-    (_predict_parallel if parallel else _predict_serial)(x, w, b, out)
+    nblk = (x.shape[0] + 7) // 8
+    n = min(threads(None), nblk) if parallel else 1
+    if n <= 1:
+        _predict_range(x, w, b, out, 0, nblk)
+        return out
+    # Python threads over ranges of blocks (the kernel releases the GIL), not Numba's parallel=True: its OpenMP
+    # layer shares libgomp with torch and resets torch's thread count, which the token tiers' numerics record
+    cuts = [nblk * i // n for i in range(n + 1)]
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(lambda i: _predict_range(x, w, b, out, cuts[i], cuts[i + 1]), range(n)))
     return out
 
 

@@ -27,6 +27,27 @@ def test_rotation_and_its_inverse():
     assert np.array_equal(y[:, 0], x[:, 0])  # position 0: no rotation
 
 
+def test_parallel_predictions_equal_serial_and_leave_torch_threads_alone(monkeypatch):
+    """Predictions on every core give the serial bits, for any thread count, and do not change torch's thread
+    count (Numba's OpenMP layer did: the token tiers record that count in their numerics)."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(83, 24)).astype(np.float32)
+    w = rng.normal(size=(24, 16)).astype(np.float16)
+    b = rng.normal(size=16).astype(np.float16)
+    want = P.predict(x, w, b, parallel=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in ("1", "3", "16"):
+            monkeypatch.setenv("KVCODEC_THREADS", n)
+            assert np.array_equal(P.predict(x, w, b), want)
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_predict_follows_the_specified_binary32_order():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(7, 13)).astype(np.float32)

@@ -155,8 +155,9 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
             return _from_tensors(safetensors.torch.load(data), n_layers, model)
 
         add("raw safetensors, zstd -3", zst_path, from_zst, threads, same)
+        files = write_files(threads)
         pred = calibrated.get("predictors")
-        for name, (p, ref, exact, enc) in write_files(threads).items():
+        for name, (p, ref, exact, enc) in files.items():
             add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads, predictors=pred), threads,
                 same_as(ref) if exact else None)
             if enc is not None:  # the encoder of a direct tier, same thread count
