@@ -91,6 +91,15 @@ def cmd_encode(args) -> int:
     out = args.output or str(Path(src).with_suffix(".kvz").name)
     if Path(out).exists() and not args.force:
         raise ConfigError(f"{out} exists (use -f to replace it)")
+    try:
+        lossy = json.loads(args.lossy_options) if args.lossy_options else {}
+    except ValueError as e:
+        raise ConfigError(f"--lossy-options is not JSON: {e}") from None
+    if not isinstance(lossy, dict):
+        raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
+    if (args.predictors or args.profile) and not (args.tier == "lossy" and lossy.get("quantizer") == "weighted"):
+        raise ConfigError("--profile and --predictors are for tier lossy with quantizer weighted (--tier lossy "
+                          "--lossy-options '{\"quantizer\": \"weighted\"}')")
     t0 = time.perf_counter()
     from .cache import to_canonical
 
@@ -121,9 +130,7 @@ def cmd_encode(args) -> int:
     if registry.tier(args.tier).needs_model:
         opts["token_model"] = args.token_model
     elif args.tier == "lossy":
-        opts = json.loads(args.lossy_options) if args.lossy_options else {}
-        if not isinstance(opts, dict):
-            raise ConfigError("--lossy-options must be a JSON object, e.g. '{\"window\": 64}'")
+        opts = dict(lossy)
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
         if opts.get("quantizer") == "weighted":  # the key channels' weights: --profile, else calibrated here
             from .calibrate import Profile, calibrate
@@ -135,9 +142,6 @@ def cmd_encode(args) -> int:
                 opts["profile"] = calibrate(mdl[0], tokenizer=mdl[1])
             if args.predictors:
                 opts["predictors"] = args.predictors  # a path: read and checked by the tier
-        elif args.predictors or args.profile:
-            raise ConfigError("--profile and --predictors are for tier lossy with quantizer weighted "
-                              "(--lossy-options '{\"quantizer\": \"weighted\"}')")
     n = save(out, cache, model, overwrite=args.force, tier=args.tier, chunk_tokens=args.chunk_tokens,
              tokens=ids if ids is not None and (args.store_tokens or args.tier != "lossless") else None,
              progress=bar.update, **opts)
@@ -230,6 +234,9 @@ def cmd_calibrate(args) -> int:
             f.write(profile.to_json().encode())
         done["profile"] = args.profile
     if args.predictors:
+        if not args.profile:
+            raise ConfigError("--predictors needs --profile too: encode with the profile the predictors were "
+                              "fitted with (kvz encode --profile)")
         from .atomic import atomic_output
         from .predict import calibrate_predictors
 

@@ -24,7 +24,7 @@ import numba as nb
 import numpy as np
 
 from .codecs.vq_rans import PREDICTED_KEY_RATIO
-from .parallel import threads
+from .parallel import threads as worker_threads
 
 __all__ = ["Predictors", "calibrate_predictors", "rope_tables", "rotate", "predict"]
 
@@ -96,10 +96,11 @@ def _predict_range(x, w, b, out, blk0, blk1):
         _block(x, w, b, out, blk)
 
 
-def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, parallel: bool = True) -> np.ndarray:
+def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, parallel: bool = True,
+            threads: int | None = None) -> np.ndarray:
     """``[T, O]`` float32: ``bias + x @ weight`` in the specified binary32 order (module docstring); ``x [T, I]``
     float32, ``weight [I, O]`` and ``bias [O]`` float16 (widened exactly).  ``parallel``: blocks of tokens on
-    every core (``$KVCODEC_THREADS``; the result does not depend on it)."""
+    ``threads`` cores (default ``$KVCODEC_THREADS`` or every core; the result does not depend on it)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     w = np.ascontiguousarray(np.asarray(weight, dtype=np.float16).astype(np.float32))
     b = np.ascontiguousarray(np.asarray(bias, dtype=np.float16).astype(np.float32))
@@ -107,7 +108,7 @@ def predict(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, parallel: bool 
         raise ValueError(f"predict: x {x.shape}, weight {w.shape}, bias {b.shape} do not fit")
     out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
     nblk = (x.shape[0] + 7) // 8
-    n = min(threads(None), nblk) if parallel else 1
+    n = min(worker_threads(threads), nblk) if parallel else 1
     if n <= 1:
         _predict_range(x, w, b, out, 0, nblk)
         return out
@@ -139,7 +140,15 @@ class Predictors:
         return sum(w.nbytes + b.nbytes for w, b in self.keys + self.values)
 
     def tables(self, start: int, n: int):
+        """The decoder's (cos, sin) ``[n, D/2]`` of positions ``start ..``: the recurrence's values times
+        ``scale`` (spec 13.1)."""
         return rope_tables(self.cos_theta, self.sin_theta, self.scale, start, n)
+
+    def inverse_tables(self, start: int, n: int):
+        """The encoder's tables for taking keys back before RoPE: ``rotate(k, *inverse_tables, inverse=True)``
+        undoes ``rotate(., *tables)`` up to rounding, ``scale`` included (the model multiplies cos and sin by
+        it; dividing by it here keeps the decoder's keys at the model's scale)."""
+        return rope_tables(self.cos_theta, self.sin_theta, 1.0 / self.scale, start, n)
 
     def to_bytes(self) -> bytes:
         """The canonical safetensors bytes (:func:`to_bytes`)."""
@@ -182,6 +191,13 @@ def as_predictors(x) -> "Predictors":
     from .errors import ConfigError
 
     if isinstance(x, Predictors):
+        if not getattr(x, "_checked", False):  # built in memory: checked as its file would be, once
+            try:
+                data = x.to_bytes()
+            except (ValueError, TypeError, OverflowError) as e:
+                raise ConfigError(f"these predictors cannot be written as a predictors file: {e}") from None
+            back = from_bytes(data)
+            x._identity, x._checked = back.identity, True
         return x
     if isinstance(x, (bytes, bytearray, memoryview)):
         return from_bytes(bytes(x))
@@ -192,12 +208,15 @@ def as_predictors(x) -> "Predictors":
 
 
 def flat(x):
-    """[H, T, D] -> [T, H * D]."""
-    return np.ascontiguousarray(x.transpose(1, 0, 2).reshape(x.shape[1], -1))
+    """[H, T, D] -> [T, H * D] (T may be 0)."""
+    h, t, d = x.shape
+    return np.ascontiguousarray(x.transpose(1, 0, 2).reshape(t, h * d))
 
 
 def unflat(x, h):
-    return np.ascontiguousarray(x.reshape(x.shape[0], h, -1).transpose(1, 0, 2))
+    """[T, H * D] -> [H, T, D] (T may be 0)."""
+    t, w = x.shape
+    return np.ascontiguousarray(x.reshape(t, h, w // h).transpose(1, 0, 2))
 
 
 def _ridge(g: np.ndarray, xy: np.ndarray, damp: float):
@@ -228,7 +247,7 @@ def fit(caches, cos_theta, sin_theta, scale: float, key_weights, step: float, *,
     after layer on the reconstructions the decoder will have at ``step`` (closed loop, as AQUA-KV does)."""
     cfg = {"key_ratio": PREDICTED_KEY_RATIO, **(cfg or {})}
     nl = len(caches[0])
-    rot = [rope_tables(cos_theta, sin_theta, scale, 1, c[0][0].shape[1] - 1) for c in caches]
+    rot = [rope_tables(cos_theta, sin_theta, 1.0 / scale, 1, c[0][0].shape[1] - 1) for c in caches]  # inverse
     prev_k = prev_v = None
     keys, values = [], []
     for li in range(nl):
@@ -277,11 +296,12 @@ def code_layers(layers, pred: Predictors, step: float, key_weights, cfg: dict | 
     cfg = {"key_ratio": PREDICTED_KEY_RATIO, **(cfg or {}), "quantizer": "weighted"}
     t = layers[0][0].shape[1]
     cos, sin = pred.tables(1, t - 1)
+    icos, isin = pred.inverse_tables(1, t - 1)
     payloads, out = [], []
     prev_k = prev_v = None
     for li, (k, v) in enumerate(layers):
         h = k.shape[0]
-        kp = flat(rotate(k[:, 1:], cos, sin, inverse=True))
+        kp = flat(rotate(k[:, 1:], icos, isin, inverse=True))
         x = prev_k if li else np.zeros((len(kp), 0), np.float32)
         pk = predict(x, *pred.keys[li])
         pl = vq_rans.encode(unflat(kp - pk, h)[None], cfg, step=step, part=0, weights=key_weights[li])
@@ -336,9 +356,9 @@ def identity(data: bytes) -> str:
 
 
 def from_bytes(data: bytes) -> Predictors:
-    """Parse and check predictors written by :func:`to_bytes` (:class:`~kvcodec.errors.FormatError` naming the
-    field for anything else: another format, missing or extra tensors, shapes that do not chain, non-finite
-    values)."""
+    """Parse and check a predictors file (spec 13.1; :class:`~kvcodec.errors.FormatError` naming the field for
+    anything else: another format, missing or extra tensors, shapes that do not chain, non-finite values, a
+    ``scale`` that is not a non-zero finite binary32).  The result's identity is the SHA-256 of ``data``."""
     import json
     import struct
 
@@ -347,6 +367,7 @@ def from_bytes(data: bytes) -> Predictors:
 
     from .errors import FormatError, LimitExceeded
 
+    data = bytes(data)
     if len(data) > MAX_PREDICTORS_BYTES:
         raise LimitExceeded(f"predictors of {len(data)} bytes (limit {MAX_PREDICTORS_BYTES})", field="Predictors")
     if len(data) < 8:
@@ -354,21 +375,44 @@ def from_bytes(data: bytes) -> Predictors:
     (hlen,) = struct.unpack_from("<Q", data, 0)
     if hlen > len(data) - 8:
         raise FormatError(f"header length {hlen} runs past the {len(data)} bytes", field="Predictors.header")
+
+    def no_duplicates(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise FormatError(f"key {k!r} given twice", field="Predictors.meta.json")
+            out[k] = v
+        return out
+
     try:
-        t = load(bytes(data))
-        meta = json.loads(t.pop("meta.json").tobytes()) if "meta.json" in t else {}
+        t = load(data)
     except (SafetensorError, ValueError, UnicodeDecodeError) as e:
         raise FormatError(f"not a safetensors file of predictors: {e}", field="Predictors") from None
+    raw_meta = t.pop("meta.json", None)
+    if raw_meta is None or raw_meta.dtype != np.uint8 or raw_meta.ndim != 1:
+        raise FormatError("meta.json must be a U8 vector", field="Predictors.meta.json")
+    try:
+        meta = json.loads(raw_meta.tobytes().decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"meta.json is not a JSON object: {type(e).__name__}", field="Predictors.meta.json") \
+            from None
     if not isinstance(meta, dict) or meta.get("format") != PREDICTORS_FORMAT \
             or meta.get("version") != PREDICTORS_VERSION:
         raise FormatError(f"not {PREDICTORS_FORMAT} version {PREDICTORS_VERSION}", field="Predictors.format")
-    scale, extra = meta.get("scale"), meta.get("meta", {})
-    if not isinstance(scale, (int, float)) or not np.isfinite(scale) or not isinstance(extra, dict):
-        raise FormatError("scale must be a finite number and meta an object", field="Predictors.metadata")
+    scale, extra = meta.get("scale"), meta.get("meta")
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if ok:
+        with np.errstate(over="ignore"):
+            s32 = np.float32(float(scale)) if abs(scale) < 1e308 else np.float32(np.inf)
+        ok = bool(np.isfinite(s32)) and s32 != 0
+    if not ok or not isinstance(extra, dict):
+        raise FormatError("scale must be a number whose binary32 rounding is finite and not 0, and meta an object",
+                          field="Predictors.metadata")
     cos_t, sin_t = t.get("rope.cos_theta"), t.get("rope.sin_theta")
     if cos_t is None or sin_t is None or cos_t.dtype != np.float64 or cos_t.shape != sin_t.shape or cos_t.ndim != 1 \
-            or sin_t.dtype != np.float64 or not (np.isfinite(cos_t).all() and np.isfinite(sin_t).all()):
-        raise FormatError("rope.cos_theta / rope.sin_theta must be finite float64 vectors of one length",
+            or cos_t.size == 0 or sin_t.dtype != np.float64 \
+            or not (np.isfinite(cos_t).all() and np.isfinite(sin_t).all()):
+        raise FormatError("rope.cos_theta / rope.sin_theta must be finite float64 vectors of one non-zero length",
                           field="Predictors.rope")
     nl = 0
     while f"keys.{nl}.weight" in t:
@@ -391,7 +435,10 @@ def from_bytes(data: bytes) -> Predictors:
             dst.append((w, b))
     if len(t) != 4 * nl + 2:
         raise FormatError(f"{len(t)} tensors, {4 * nl + 2} expected for {nl} layers", field="Predictors")
-    return Predictors(keys, values, cos_t, sin_t, scale, extra)
+    pred = Predictors(keys, values, cos_t, sin_t, float(scale), extra)
+    pred._identity = identity(data)  # the file's own bytes, whatever serialiser wrote them
+    pred._checked = True
+    return pred
 
 
 def model_rope(model) -> tuple[np.ndarray, np.ndarray, float]:

@@ -391,7 +391,7 @@ class Store:
             return
         self._predictors[pred.identity] = pred
         path = self._predictors_path(ns, pred.identity)
-        if not self.fs.exists(path):
+        if not self._exists(path):
             self._write(path, pred.to_bytes(), overwrite=False)
 
     def predictors(self, ns: str, ident: str):
@@ -406,6 +406,10 @@ class Store:
                 raise FormatError(f"predictors {ident!r} is not a SHA-256", field="Header.predict.predictors")
             path = self._predictors_path(ns, ident)
             raw = self._read(path)
+            own = self.tier_options.get("predictors")
+            if raw is None and own is not None and own.identity == ident:
+                self._write(path, own.to_bytes(), overwrite=False)  # quarantined or lost: this store has them
+                raw = self._read(path)
             if raw is None:
                 raise PredictorsRequired(f"namespace {ns[:16]}…: its chunks need the predictors {ident}, and "
                                          f"{path} is missing")
@@ -413,7 +417,7 @@ class Store:
                 if hashlib.sha256(raw).hexdigest() != ident:
                     raise FormatError("the predictors do not hash to their name", field="Predictors")
                 pred = from_bytes(raw)
-            except FormatError as e:
+            except KvzError as e:
                 self._quarantine(path, e)
                 raise PredictorsRequired(f"namespace {ns[:16]}…: its predictors {ident} were damaged ({e}); "
                                          "moved to quarantine/") from None
@@ -444,6 +448,7 @@ class Store:
         n = self._check_storable(kv)
         ids = self._session_tokens(kv, model, tokens, n)
         ns = self.namespace(model, kv.dtype)
+        self._publish_predictors(ns)  # again: a reader may have quarantined them since
         nsb = bytes.fromhex(ns)
         parent = ROOT_PARENT
         for a in range(0, n, self.chunk_tokens):
@@ -561,6 +566,9 @@ class Store:
             for key, m in plan:
                 try:
                     self._open_chain(ns, key, files)
+                except PredictorsRequired:
+                    self._close(files)
+                    raise  # the chunk is there: its namespace's predictors are not (spec/store.md 2)
                 except (FileNotFoundError, KvzError):
                     break
                 hot.append((key, n, m))
@@ -1126,11 +1134,14 @@ class Store:
             except FileNotFoundError:
                 raise FileNotFoundError(f"chunk {key.hex()} is not stored hot: get(key, model) recomputes it") \
                     from None
+            f = None
             try:
                 f = KvzFile(fh)
                 self._attach_predictors(ns, f)
                 base, bm, _parent = _chunk_links(f.header.raw.get("info"), key)
             except BaseException:
+                if f is not None:
+                    f.close()
                 fh.close()
                 raise
             files[key] = (f, fh, base, bm)

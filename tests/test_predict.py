@@ -277,8 +277,10 @@ def test_predictors_are_taken_as_objects_bytes_or_paths(tmp_path):
     assert kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=raw, step=0.7) == data
     with pytest.raises(kvcodec.ConfigError, match="predictors="):
         kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=[1], step=0.7)
-    with pytest.raises(kvcodec.FormatError, match="Predictors"):
+    with pytest.raises(kvcodec.PredictorsRequired, match="these are"):  # the hash is checked first (spec)
         kvcodec.decode(data, predictors=raw[:-3])
+    with pytest.raises(kvcodec.FormatError, match="Predictors"):
+        kvcodec.Predictors.from_bytes(raw[:-3])
 
 
 def test_layer_by_layer_reads_reconstruct_each_layer_once(monkeypatch):
@@ -356,3 +358,106 @@ def test_a_store_keeps_its_namespace_predictors_once(tmp_path):
     assert not files[0].exists() and any((tmp_path / "quarantine").glob("*predictors*"))
     shutil.move(tmp_path / "aside", files[0])
     assert kvcodec.Store(tmp_path).get(key, output="kvcache").equal(back)
+
+
+def test_scaled_rotary_keys_keep_the_models_scale():
+    """Predictors whose RoPE scale is not 1 (YaRN, longrope: cos and sin times attention_scaling): the encoder
+    takes keys back before RoPE with the tables divided by the scale, so decoded keys are the cache's, not
+    scale^2 times them."""
+    import torch
+
+    import kvcodec
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    cache = kvcodec.to_canonical(prefill(model, torch.randint(0, model.config.vocab_size, (1, 30),
+                                                               generator=torch.Generator().manual_seed(8))))
+    for scale in (0.5, 1.7):
+        p = P.Predictors(pred.keys, pred.values, pred.cos_theta, pred.sin_theta, scale)
+        data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=p, step=0.005)
+        back = kvcodec.decode(data, output="kvcache", predictors=p)
+        for a, x in zip(back.keys, cache.keys):  # scale^2 times the keys would be a relative error >= 0.75
+            err = float((a.float() - x.float()).norm() / x.float().norm())
+            assert err < 0.15, (scale, err)
+
+
+def test_caches_without_quantized_tokens_round_trip():
+    """Every token exact (T <= sink + window, a 1-token cache): nothing is predicted, and both rate modes work."""
+    import torch
+
+    import kvcodec
+    from kvcodec.models import prefill
+
+    model, prof, pred = _tiny_predictors()
+    for n, opts in ((1, {"step": 0.5}), (1, {"bits": 2.0}), (5, {"bits": 2.0, "window": 4}),
+                    (6, {"step": 0.5, "sink": 3, "window": 3})):
+        cache = kvcodec.to_canonical(prefill(model, torch.randint(0, model.config.vocab_size, (1, n),
+                                                                   generator=torch.Generator().manual_seed(n))))
+        data = kvcodec.encode(cache, tier="lossy", quantizer="weighted", profile=prof, predictors=pred, **opts)
+        assert kvcodec.decode(data, output="kvcache", predictors=pred).equal(cache)
+
+
+def test_hostile_predictors_files_are_format_errors(tmp_path):
+    """Every malformed predictors file is a FormatError naming the field, never another exception; a file with
+    safetensors metadata or other meta.json keys (valid by the spec) is read, with the SHA-256 of its own
+    bytes as identity."""
+    import hashlib
+    import json
+
+    import pytest
+    from safetensors.numpy import load, save
+
+    from kvcodec.errors import FormatError
+
+    _, _, pred = _tiny_predictors()
+    base = load(pred.to_bytes())
+
+    def variant(meta=None, drop=(), extra=None, metadata=None):
+        t = {k: v for k, v in base.items() if k not in drop}
+        if meta is not None:
+            t["meta.json"] = np.frombuffer(meta.encode(), np.uint8).copy()
+        t.update(extra or {})
+        return save(t, metadata=metadata)
+
+    good = {"format": "kvz-predictors", "version": "1", "scale": 1.0, "meta": {}}
+    bad = [variant(json.dumps({**good, "scale": 10 ** 400})), variant(json.dumps({**good, "scale": True})),
+           variant(json.dumps({**good, "scale": 1e300})), variant(json.dumps({**good, "scale": 0})),
+           variant('{"format": "kvz-predictors", "version": "1", "scale": 1, "scale": 2, "meta": {}}'),
+           variant(json.dumps({k: v for k, v in good.items() if k != "meta"})),
+           variant("[" * 100000 + "]" * 100000), variant(drop=("meta.json",)),
+           variant(extra={"rope.cos_theta": np.zeros(0), "rope.sin_theta": np.zeros(0)}),
+           variant(extra={"meta.json": np.frombuffer(json.dumps(good).encode(), np.uint8).astype(np.float32)})]
+    for data in bad:
+        with pytest.raises(FormatError, match="Predictors"):
+            P.from_bytes(data)
+    ok = variant(json.dumps({**good, "x-note": "ignored"}), metadata={"written_by": "another tool"})
+    back = P.from_bytes(ok)
+    assert back.identity == hashlib.sha256(ok).hexdigest() != pred.identity
+    assert P.as_predictors(back) is back
+
+
+def test_positions_beyond_the_recurrence_limit_are_refused():
+    """A predicted file whose positions would need more than 2^30 recurrence steps is LimitExceeded before any
+    work (a hostile start_position cannot make the decoder spin), and the encoder refuses to write one."""
+    import copy
+    from pathlib import Path
+
+    import pytest
+
+    import kvcodec
+    from kvcodec.errors import LimitExceeded
+
+    from .common import fuzz_tools, vector_predictors
+
+    fz = fuzz_tools()
+    data = (Path(__file__).resolve().parent.parent / "spec" / "vectors" / "lossy_predicted.kvz").read_bytes()
+    h = copy.deepcopy(fz.header_of(data))
+    h["cache"]["start_position"] = (1 << 31) - 20
+    with pytest.raises(LimitExceeded, match="predict"):
+        kvcodec.decode(fz.with_header(data, h), predictors=vector_predictors("lossy_predicted"))
+    kv = kvcodec.to_canonical(kvcodec.decode(data, output="kvcache", predictors=vector_predictors("lossy_predicted")))
+    far = kvcodec.KVCache(kv.keys, kv.values, start_position=(1 << 31) - 20)
+    with pytest.raises(kvcodec.ConfigError, match="RoPE recurrence"):
+        kvcodec.encode(far, tier="lossy", quantizer="weighted", step=0.3,
+                       profile=kvcodec.Profile([np.ones((2, 8), np.float32)] * 2),
+                       predictors=vector_predictors("lossy_predicted"))

@@ -289,6 +289,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     """Parse and validate header bytes located at ``offset`` in the file."""
     lim = {"max_layers": L.MAX_LAYERS, "max_batch": L.MAX_BATCH, "max_heads": L.MAX_HEADS,
            "max_head_dim": L.MAX_HEAD_DIM, "max_seq_len": L.MAX_SEQ_LEN,
+           "max_rope_steps": L.MAX_ROPE_STEPS,
            "max_output_bytes": L.default_max_output_bytes(), **(limits or {})}
     v = Validator(offset)
     try:
@@ -398,6 +399,9 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
             for lay in layers)):
         v.fail("predict", "predicted layers must all hold the same tokens, heads and an even dimension (keys = "
                           "values), without layer state or sliding window")
+    if predict is not None and (start + layers[0].seq_len) * (layers[0].k_dim // 2) > lim["max_rope_steps"]:
+        v.fail("predict", f"positions up to {start + layers[0].seq_len} with {layers[0].k_dim // 2} rotary pairs need "
+                          f"more than {lim['max_rope_steps']} steps of the RoPE recurrence", LimitExceeded)
     if predict is not None and predict["exact_head"] + predict["exact_tail"] > layers[0].seq_len:
         v.fail("predict.exact_tail", f"{predict['exact_head']} + {predict['exact_tail']} exact tokens exceed the "
                                      f"layers' {layers[0].seq_len}")

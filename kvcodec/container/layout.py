@@ -58,6 +58,8 @@ MAX_BATCH = 1 << 16
 MAX_HEADS = 1 << 16
 MAX_HEAD_DIM = 1 << 16
 MAX_SEQ_LEN = 1 << 31
+#: (1.6) predicted files: (start_position + seq_len) * D / 2, the steps of the RoPE recurrence (spec 13.1, 9)
+MAX_ROPE_STEPS = 1 << 30
 MAX_CHUNK_TOKENS = 1 << 24
 MAX_OUTPUT_BYTES_CAP = 64 << 30  # decoded tensors; callers may raise or lower the limit
 

@@ -150,8 +150,9 @@ class LossyTier(DirectTier):
             b, h, n, d = where.shape
             comps += b * h * (n - head - tail) * d
             exact_bytes += codec.exact_bytes(tensor_slice(kv, li, part, where), where)
-        if comps == 0:
-            return None  # every token is stored exactly: no step to choose
+        if comps == 0:  # every token is stored exactly: no step to choose
+            return _predicted_payloads(kv, codec, jobs, params["step"]) if getattr(codec, "predictors", None) \
+                is not None else None
         best, first = None, None
         for _ in range(8):
             payloads = code_all()
@@ -258,6 +259,9 @@ def _check_predictors(pred, kv: KVCache, params: dict) -> str:
         raise ConfigError("predictors= needs full-attention layers without layer state or sliding window (spec "
                           "13.1): store this cache unpredicted")
     t = kv.keys[0].shape[2]
+    if (kv.start_position + t) * pred.cos_theta.size > L.MAX_ROPE_STEPS:
+        raise ConfigError(f"positions up to {kv.start_position + t} with {pred.cos_theta.size} rotary pairs exceed "
+                          f"the RoPE recurrence's limit of {L.MAX_ROPE_STEPS} steps (spec 13.1): store it unpredicted")
     for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
         width = k.shape[1] * k.shape[3]
         if k.shape != v.shape or k.shape[2] != t or pred.keys[i][1].shape[0] != width \
@@ -285,7 +289,7 @@ def _predicted_payloads(kv: KVCache, codec: VqRans, jobs, step: float) -> list[b
     t = kv.keys[0].shape[2]
     a, b = _exact_range(params, t)
     codec.exact_range = (a, t - b)  # the header's predict.exact_head / exact_tail
-    cos, sin = pred.tables(kv.start_position + a, b - a)
+    icos, isin = pred.inverse_tables(kv.start_position + a, b - a)
     by_layer = {}
     for j in jobs:
         by_layer.setdefault(j[0], []).append(j)
@@ -302,7 +306,7 @@ def _predicted_payloads(kv: KVCache, codec: VqRans, jobs, step: float) -> list[b
             for bi in range(k.shape[0]):
                 x = khat[li - 1][bi] if li else np.zeros((b - a, 0), np.float32)
                 pk.append(P.predict(x, *pred.keys[li], parallel=False))
-                res[bi][:, a:b] = P.unflat(P.flat(P.rotate(k[bi][:, a:b], cos, sin, inverse=True)) - pk[bi], h)
+                res[bi][:, a:b] = P.unflat(P.flat(P.rotate(k[bi][:, a:b], icos, isin, inverse=True)) - pk[bi], h)
             rec = _code_layer(kv, codec, by_layer[li], 0, res, step, out)
             khat[li] = [P.flat(rec[bi][:, a:b]) + pk[bi] for bi in range(k.shape[0])]
             ready[li].set()
@@ -368,25 +372,39 @@ class _PredictedDecoder:
         self.direct = direct  # the direct tiers' decoder: every section's residual
         self.pred = None
         self.done, self.prev, self.checked = -1, None, -1  # the last layer reconstructed, its (keys, values)
+        self.rope = None  # the rotation's tables, computed once
+        self.lock = threading.Lock()  # layer() from several threads: one reconstruction at a time
 
     def _predictors(self):
-        """The file's predictors, checked by identity before any tensor is decoded (:class:`PredictorsRequired`
-        names the SHA-256 the file needs); the header and the index stay readable without them (inspect)."""
-        from ..errors import PredictorsRequired
-        from ..predict import as_predictors
+        """The file's predictors, checked before any tensor is decoded in the spec's order: their SHA-256 first
+        (:class:`PredictorsRequired` names the one the file needs), then their file (:class:`FormatError`);
+        the header and the index stay readable without them (inspect)."""
+        import os
+
+        from ..errors import FormatError, PredictorsRequired
+        from ..predict import MAX_PREDICTORS_BYTES, as_predictors, from_bytes, identity
 
         if self.pred is None:
             want = self.f.header.predict["predictors"]
-            pred = getattr(self.f, "predictors", None)
-            if pred is None:
-                raise PredictorsRequired(f"this file's tensors are residuals of a prediction: decode it with "
-                                         f"predictors= (the predictors whose SHA-256 is {want})")
-            pred = as_predictors(pred)
-            got = pred.identity
-            if got != want:
-                raise PredictorsRequired(f"the file needs the predictors {want}, these are {got}")
-            from ..errors import FormatError
+            given = getattr(self.f, "predictors", None)
+            if given is None:
+                raise PredictorsRequired(f"this file's tensors are residuals of a prediction: decode it with its "
+                                         f"predictors (predictors=, or kvz --predictors FILE), the file whose SHA-256 "
+                                         f"is {want}")
+            if isinstance(given, (str, os.PathLike)):
+                from ..file import open_path
 
+                with open_path(given, "rb") as fh:
+                    given = fh.read(MAX_PREDICTORS_BYTES + 1)
+            if isinstance(given, (bytes, bytearray, memoryview)):
+                got = identity(bytes(given))
+                if got != want:
+                    raise PredictorsRequired(f"the file needs the predictors {want}, these are {got}")
+                pred = from_bytes(given)
+            else:
+                pred = as_predictors(given)
+                if pred.identity != want:
+                    raise PredictorsRequired(f"the file needs the predictors {want}, these are {pred.identity}")
             h = self.f.header
             width, pairs = h.layers[0].kv_heads * h.layers[0].k_dim, h.layers[0].k_dim // 2
             if len(pred.keys) != len(h.layers) or pred.keys[0][1].shape[0] != width or pred.cos_theta.size != pairs:
@@ -425,12 +443,16 @@ class _PredictedDecoder:
         """The requested layers; a layer needs the reconstruction of every layer below it, so the last one
         reconstructed is kept: layer-by-layer readers (``KvzFile.layer(0)``, ``layer(1)`` ...) decode each
         layer once."""
-        from .. import predict as P
-
         pred = self._predictors()
         layers = sorted(set(layers))
         if not layers:
             return {}
+        with self.lock:
+            return self._layers(pred, layers, progress)
+
+    def _layers(self, pred, layers, progress) -> dict:
+        from .. import predict as P
+
         f = self.f
         h = f.header
         t = h.layers[0].seq_len
@@ -442,7 +464,10 @@ class _PredictedDecoder:
         prev = self.prev if first else None
         d = self.direct.layers(range(first, layers[-1] + 1), progress)
         dt = d[first, L.PART_KEYS].dtype
-        cos, sin = pred.tables(h.start_position + a, b - a)
+        if self.rope is None:
+            self.rope = pred.tables(h.start_position + a, b - a)
+        cos, sin = self.rope
+        threads = getattr(f, "threads", None)
         out = {}
         for li in range(first, layers[-1] + 1):
             k, v = d[li, L.PART_KEYS].float().numpy(), d[li, L.PART_VALUES].float().numpy()
@@ -450,9 +475,9 @@ class _PredictedDecoder:
             ko, vo, cur = k.copy(), v.copy(), []
             for bi in range(bsz):
                 x = prev[bi][0] if li else np.zeros((b - a, 0), np.float32)
-                khat = P.flat(k[bi][:, a:b]) + P.predict(x, *pred.keys[li])
+                khat = P.flat(k[bi][:, a:b]) + P.predict(x, *pred.keys[li], threads=threads)
                 xv = khat if li == 0 else np.concatenate([khat, prev[bi][1]], axis=1)
-                vhat = P.flat(v[bi][:, a:b]) + P.predict(xv, *pred.values[li])
+                vhat = P.flat(v[bi][:, a:b]) + P.predict(xv, *pred.values[li], threads=threads)
                 ko[bi][:, a:b] = P.rotate(P.unflat(khat, hh), cos, sin)
                 vo[bi][:, a:b] = P.unflat(vhat, hh)
                 cur.append((khat, vhat))

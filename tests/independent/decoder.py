@@ -334,12 +334,12 @@ def validate_header(h, minor):
         layers.extend([L] * rep)
     predict = None
     if "predict" in h:
-        predict = validate_predict(h["predict"], minor, tier, reduce, layers)
+        predict = validate_predict(h["predict"], minor, tier, reduce, layers, sp)
     return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp, reduce=reduce,
                 predict=predict)
 
 
-def validate_predict(p, minor, tier, reduce, layers):
+def validate_predict(p, minor, tier, reduce, layers, sp):
     """The header's predict object (1.6, §4, §13.1). Returns dict(predictors, eh, et, T, H, D)."""
     w = "header.predict"
     # §3: a writer stamps 6 for a header with a predict object; a lower stamp breaks that MUST (§1: FormatError)
@@ -369,13 +369,18 @@ def validate_predict(p, minor, tier, reduce, layers):
     if D % 2:
         # "rotary pairs (i, i + D/2)": an odd D has no such pairing (not stated by the spec, assumed)
         raise FormatError(f"{w}.layout rotate_half needs an even head dimension, not {D}")
+    if (sp + T) * (D // 2) > 1 << 30:  # §9: the steps of the RoPE recurrence
+        raise LimitExceeded(f"{w}: (start_position + seq_len) * D/2 = {(sp + T) * (D // 2)} above 2^30")
     if eh + et > T:
         raise FormatError(f"{w}: exact_head + exact_tail = {eh + et} > seq_len {T}")
     return dict(predictors=p["predictors"], eh=eh, et=et, T=T, H=H, D=D)
 
 
 def _finite_json_number(v):
-    return _is_num(v) and math.isfinite(float(v))
+    try:
+        return _is_num(v) and math.isfinite(float(v))
+    except OverflowError:  # an integer beyond binary64
+        return False
 
 
 def parse_predictors(pb, info):
@@ -463,14 +468,16 @@ def parse_predictors(pb, info):
         return x
 
     try:
-        meta = json.loads(arrs["meta.json"][2].decode("utf-8"))
+        meta = json.loads(arrs["meta.json"][2].decode("utf-8"), object_pairs_hook=_no_duplicate_keys("meta.json: "))
     except (ValueError, RecursionError) as e:
         raise FormatError(f"predictors: meta.json is not UTF-8 JSON: {e}")
-    _keys(meta, ["format", "version", "scale", "meta"], (), "predictors.meta.json")
+    if not isinstance(meta, dict) or any(k not in meta for k in ("format", "version", "scale", "meta")):
+        raise FormatError("predictors: meta.json lacks format, version, scale or meta")  # other keys: ignored
     if meta["format"] != "kvz-predictors" or meta["version"] != "1":
         raise FormatError("predictors: meta.json format / version")
-    if not _finite_json_number(meta["scale"]):
-        raise FormatError("predictors: meta.json scale is not a finite number")
+    if not _finite_json_number(meta["scale"]) or not np.isfinite(np.float32(float(meta["scale"]))) \
+            or np.float32(float(meta["scale"])) == 0:
+        raise FormatError("predictors: meta.json scale is not a finite, non-zero binary32")
     if not isinstance(meta["meta"], dict):
         raise FormatError("predictors: meta.json meta is not an object")
     return dict(kw=[f16(f"keys.{l}.weight") for l in range(L)], kb=[f16(f"keys.{l}.bias") for l in range(L)],
