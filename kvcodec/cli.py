@@ -475,13 +475,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="quality of the lossy tier: KL of next-token distributions, top-1, greedy")
     s.add_argument("--out", default="bench_out", help="directory for eval.json and eval.md")
-    s.add_argument("--texts", nargs="*", help="corpus file names (default: three genres)")
+    s.add_argument("--texts", nargs="*", help="corpus file names or paths of any UTF-8 text files (default: three "
+                                              "corpus genres)")
     s.add_argument("--corpus", default=None, help="folder of the corpus texts (default: $KVCODEC_CORPUS)")
     s.add_argument("--prefix", type=int, default=1024, help="tokens of the cache that is compressed")
     s.add_argument("--continuation", type=int, default=256, help="teacher-forced tokens the KL is measured on")
     s.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"], help="the model's dtype")
     s.add_argument("--bits", type=float, default=3.0, help="average bits per component")
-    s.add_argument("--config", nargs="*", help='lossy options as JSON, e.g. \'{"bits": 2.5}\' (several: a sweep)')
+    s.add_argument("--config", nargs="*", help='lossy options as JSON, e.g. \'{"bits": 2.5}\' (several: a sweep); '
+                   '\'{"bits": 2, "quantizer": "weighted", "predictors": true}\' codes with --predictors')
+    s.add_argument("--profile", help="quantizer weighted: the profile (JSON; default: calibrated on the embedded text)")
+    s.add_argument("--predictors", help='configurations with "predictors": true: the predictors (kvz calibrate)')
     s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("verify", help="decode fully and check every checksum")

@@ -26,9 +26,11 @@ import copy
 import json
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from .common import missing_corpus, write_report
 
 DEFAULT_TEXTS = ["legal_en_gpl-3.0.txt", "prose_en_austen_pride_and_prejudice.txt", "code_python_textwrap.py"]
@@ -103,16 +105,25 @@ def run_eval(args) -> int:
     dtype = dtypes.parse(args.dtype).torch
     model, tok = load_model("smollm2", dtype=dtype)
     files = {f.name: f for f in corpus_files(args.corpus)}
-    if not files:
+    if not files and not args.texts:
         return missing_corpus("kvz eval")
     texts = args.texts or DEFAULT_TEXTS
     configs = [json.loads(c) for c in args.config] if args.config else [{"bits": args.bits}]
+    extra = _weighted_options(args, model, tok, configs)
     rows = []
     for name in texts:
-        prefix, cont, exact, comps = prefix_case(model, tok, files[name], args.prefix, args.continuation)
+        path = files.get(name) or Path(name)  # a corpus file's name, or any text file
+        if not path.is_file():
+            raise ConfigError(f"kvz eval: {name} is neither a corpus file nor a file")
+        prefix, cont, exact, comps = prefix_case(model, tok, path, args.prefix, args.continuation)
         for cfg in configs:
-            data = api.encode(exact, tier="lossy", **cfg)
-            comp = api.decode(data)
+            opts = {k: v for k, v in cfg.items() if k != "predictors"}
+            if cfg.get("quantizer") == "weighted":
+                opts["profile"] = extra["profile"]
+                if cfg.get("predictors"):
+                    opts["predictors"] = extra["predictors"]
+            data = api.encode(exact, tier="lossy", **opts)
+            comp = api.decode(data, predictors=opts.get("predictors"))
             r = evaluate_cache(model, tok, exact, comp, prefix, cont)
             r.update(text=name, config=cfg, bits_per_component=8 * len(data) / comps,
                      payload_bits_per_component=8 * sum(s["bytes"] for s in api.inspect(data)["sections"]) / comps)
@@ -124,6 +135,24 @@ def run_eval(args) -> int:
            "prefix": args.prefix, "continuation": args.continuation, "machine": platform.machine(), "rows": rows}
     write_report(args.out, "eval", res, to_markdown(res))
     return 0
+
+
+def _weighted_options(args, model, tok, configs) -> dict:
+    """The profile (``--profile``, else calibrated on the embedded text) and predictors (``--predictors``) of
+    the configurations with quantizer ``weighted`` (``"predictors": true`` in a configuration uses them)."""
+    out = {}
+    if any(c.get("quantizer") == "weighted" for c in configs):
+        from ..calibrate import Profile, calibrate
+
+        out["profile"] = Profile.load(args.profile) if getattr(args, "profile", None) else calibrate(model,
+                                                                                                    tokenizer=tok)
+    if any(c.get("predictors") for c in configs):
+        if not getattr(args, "predictors", None):
+            raise ConfigError('a configuration with "predictors": true needs --predictors FILE (kvz calibrate)')
+        from ..predict import Predictors
+
+        out["predictors"] = Predictors.load(args.predictors)
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
