@@ -207,6 +207,7 @@ def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smol
     other.write_text((Path(__file__).resolve().parent.parent / "spec" / "kvz.md").read_text()[:6000])
     assert main(["eval", "--texts", str(other), "--prefix", "192", "--continuation", "48", "--profile", str(prof),
                  "--predictors", str(pred), "--out", str(tmp_path / "ev"), "--config",
-                 '{"bits": 2, "quantizer": "weighted"}', '{"bits": 2, "quantizer": "weighted", "predictors": true}']) == 0
+                 '{"bits": 2, "quantizer": "weighted"}',
+                 '{"bits": 2, "quantizer": "weighted", "predictors": true}']) == 0
     rows = json.loads((tmp_path / "ev" / "eval.json").read_text())["rows"]
     assert len(rows) == 2 and rows[1]["mean_kl_bits"] < rows[0]["mean_kl_bits"]
