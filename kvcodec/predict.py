@@ -505,7 +505,8 @@ def calibrate_predictors(model, texts=None, *, tokenizer=None, profile=None, tok
         caches.append([(k[0].float().numpy(), v[0].float().numpy()) for k, v in zip(kv.keys, kv.values)])
         tensors += kv.keys + kv.values
     n = sum(int(ids.shape[1]) - 1 for ids in ids_list)  # token 0 is stored exactly, not fitted
-    features = 2 * kv.keys[0].shape[1] * kv.keys[0].shape[3]  # the value predictor's inputs
+    h, _, d = caches[0][0][0].shape
+    features = 2 * h * d  # the value predictor's inputs: this layer's keys and the layer below's values
     if n < 4 * features:
         from .errors import warn
 
