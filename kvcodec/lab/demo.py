@@ -105,12 +105,14 @@ def run_demo(args) -> int:
     z3 = len(zstandard.ZstdCompressor(level=3).compress(raw))
     tc = api.inspect(args.output)["token_channel"]
     print("\nsize of this cache:")
-    print(f"  {'method':36s} {'bytes':>12s} {'ratio':>10s} {'bits/comp':>10s}")
     comps = len(raw) / kv.keys[0].element_size()
-    for name, size in (("raw tensors", len(raw)), ("zstd -3", z3), ("kvz lossless (no model to decode)", n_lossless),
-                       ("kvz lossy, 3 bits (no model to decode)", n_lossy),
-                       ("kvz exact, whole file", n), ("kvz exact, token stream only", tc["token_stream_bytes"])):
-        print(f"  {name:36s} {size:12d} {len(raw) / size:10.1f} {8 * size / comps:10.5f}")
+    rows = (("raw tensors", len(raw)), ("zstd -3", z3), ("kvz lossless (no model to decode)", n_lossless),
+            ("kvz lossy, 3 bits (no model to decode)", n_lossy),
+            ("kvz exact, whole file", n), ("kvz exact, token stream only", tc["token_stream_bytes"]))
+    w = max(len(name) for name, _ in rows)  # every label fits: the columns line up
+    print(f"  {'method':{w}s} {'bytes':>12s} {'ratio':>10s} {'bits/comp':>10s}")
+    for name, size in rows:
+        print(f"  {name:{w}s} {size:12d} {len(raw) / size:10.1f} {8 * size / comps:10.5f}")
     print(f"  token stream: {tc['bits_per_token']} bits/token; restoring runs the model over the tokens again, "
           f"one step per token while their codes are decoded ({t_dec:.1f} s here, vs {t_prefill:.2f} s for a bare "
           "prefill; the static token model restores in one prefill)")
