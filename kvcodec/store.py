@@ -341,7 +341,6 @@ class Store:
             path = self._path("ns", ns, "namespace.json")
             if self._read(path) != data:
                 self._write(path, data)
-            self._publish_predictors(ns)
             self._namespaces[ns] = record
         return ns
 
@@ -389,7 +388,6 @@ class Store:
         pred = self.tier_options.get("predictors")
         if pred is None:
             return
-        self._predictors[pred.identity] = pred
         path = self._predictors_path(ns, pred.identity)
         if not self._exists(path):
             self._write(path, pred.to_bytes(), overwrite=False)
@@ -401,22 +399,21 @@ class Store:
         from .errors import PredictorsRequired
         from .predict import from_bytes
 
+        own = self.tier_options.get("predictors")
+        if own is not None and own.identity == ident:
+            return own  # this store's own: no need to read them back
         if ident not in self._predictors:
             if not _hex64(ident):
                 raise FormatError(f"predictors {ident!r} is not a SHA-256", field="Header.predict.predictors")
             path = self._predictors_path(ns, ident)
             raw = self._read(path)
-            own = self.tier_options.get("predictors")
-            if raw is None and own is not None and own.identity == ident:
-                self._write(path, own.to_bytes(), overwrite=False)  # quarantined or lost: this store has them
-                raw = self._read(path)
             if raw is None:
                 raise PredictorsRequired(f"namespace {ns[:16]}…: its chunks need the predictors {ident}, and "
                                          f"{path} is missing")
             try:
-                if hashlib.sha256(raw).hexdigest() != ident:
+                pred = from_bytes(raw)  # its identity is the SHA-256 of raw
+                if pred.identity != ident:
                     raise FormatError("the predictors do not hash to their name", field="Predictors")
-                pred = from_bytes(raw)
             except KvzError as e:
                 self._quarantine(path, e)
                 raise PredictorsRequired(f"namespace {ns[:16]}…: its predictors {ident} were damaged ({e}); "
@@ -448,7 +445,7 @@ class Store:
         n = self._check_storable(kv)
         ids = self._session_tokens(kv, model, tokens, n)
         ns = self.namespace(model, kv.dtype)
-        self._publish_predictors(ns)  # again: a reader may have quarantined them since
+        self._publish_predictors(ns)  # before any chunk that names them (and again if a reader quarantined them)
         nsb = bytes.fromhex(ns)
         parent = ROOT_PARENT
         for a in range(0, n, self.chunk_tokens):

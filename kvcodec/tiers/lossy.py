@@ -126,16 +126,15 @@ class LossyTier(DirectTier):
         ~0.5 bit."""
         given = job.options.codec
         params, kv = codec.params, job.kv
+        predicted = getattr(codec, "predictors", None) is not None  # each layer depends on the one before it
         if (params["quantizer"] not in ("uniform", "weighted") or given.get("step") is not None
                 or given.get("max_kl") is not None):  # a fixed step
-            if getattr(codec, "predictors", None) is not None:
-                return _predicted_payloads(kv, codec, jobs, params["step"])
-            return None
+            return _predicted_payloads(kv, codec, jobs, params["step"]) if predicted else None
         threads = self.encode_threads(job)
         work = self.encode_slice(job, codec)
 
         def code_all() -> list[bytes]:
-            if getattr(codec, "predictors", None) is not None:  # each layer depends on the one before it
+            if predicted:
                 return _predicted_payloads(kv, codec, jobs, params["step"])
             payloads = []
             run_ordered(jobs, work, threads, lambda j, pl: payloads.append(pl))
@@ -151,8 +150,7 @@ class LossyTier(DirectTier):
             comps += b * h * (n - head - tail) * d
             exact_bytes += codec.exact_bytes(tensor_slice(kv, li, part, where), where)
         if comps == 0:  # every token is stored exactly: no step to choose
-            return _predicted_payloads(kv, codec, jobs, params["step"]) if getattr(codec, "predictors", None) \
-                is not None else None
+            return _predicted_payloads(kv, codec, jobs, params["step"]) if predicted else None
         best, first = None, None
         for _ in range(8):
             payloads = code_all()
