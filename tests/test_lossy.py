@@ -438,3 +438,23 @@ def test_fused_reconstruction_kernels_match_the_spec_arithmetic(d):
     got = np.empty((6, 5, d), np.float32)
     _vq_numba.channel_dequant(s3, lo, steps, got)
     assert np.array_equal(got.reshape(2, 3, 5, d).view(np.uint32), want.view(np.uint32))
+
+
+def test_bf16_rounding_equals_torch_on_every_non_nan():
+    """The decoder rounds float32 reconstructions to bfloat16 itself (round to nearest even, spec section 13):
+    the same bits as torch's conversion for random bit patterns, ties, infinities, subnormals and signed zeros."""
+    from kvcodec.codecs._vq_numba import f32_to_bf16
+
+    rng = np.random.default_rng(0)
+    u = rng.integers(0, 2**32, size=(2, 3, 500, 64), dtype=np.uint64).astype(np.uint32)
+    u[0, 0, 0, :9] = [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x00000001, 0x80000000, 0x3F808000, 0x3F818000,
+                      0x3F807FFF, 0xFF7FFFFF]
+    f = u.view(np.float32)
+    ok = ~np.isnan(f)
+    out = np.zeros((2, 3, 510, 64), np.uint16)
+    f32_to_bf16(u, out[:, :, 7:507])  # a slice along the tokens, as the decoder writes it
+    want = torch.from_numpy(f.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(out[:, :, 7:507][ok], want[ok])
+    nan = out[:, :, 7:507][~ok]
+    assert ((nan & 0x7F80) == 0x7F80).all() and ((nan & 0x7F) != 0).all()  # NaNs stay NaN
+    assert not out[:, :, :7].any() and not out[:, :, 507:].any()

@@ -156,7 +156,9 @@ def test_fused_decode_assembles_words(monkeypatch, backend, ways):
         rans.lanes_decode(words, refs, cmap, freq, 12, ways, kbits, 6, lowbits, bytes(bad), out)
 
 
-def test_table_round_trip_and_validation():
+@pytest.mark.parametrize("backend", ["numba", "python"])
+def test_table_round_trip_and_validation(backend, monkeypatch):
+    monkeypatch.setenv("KVCODEC_BACKEND", backend)
     f = rans.normalize_counts(np.array([[0, 5, 0, 9, 0], [1, 0, 0, 0, 0]]), 8)
     packed = rans.pack_tables(f)
     np.testing.assert_array_equal(rans.unpack_tables(packed, 2, 5, 8), f)
@@ -207,12 +209,17 @@ def test_local_table_decoder_matches_the_reference(seed, bh, groups, ntok, kbits
     freq = rans.normalize_counts(counts, sb)
     words = rans.lanes_encode(syms, refs, cmap, freq, sb, ways, kbits, nclass)
     raw = rans.pack_bits(rans.coding_order(low, ways), lowbits)
-    want = f"fast_w{ways}" if (freq > 0).sum(axis=1).max() <= 256 else {4: "decode_w4", 8: "decode_w8"}.get(
-        ways, "generic")
-    assert rans.decode_kernel(ways, dim, freq) == want
-    out = np.zeros_like(full)
-    rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
-    np.testing.assert_array_equal(out, full)
+    local = (freq > 0).sum(axis=1).max() <= 256
+    table = "direct" if 2 * sb + kbits <= 32 else "indexed"
+    for vector in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVCODEC_VECTOR", vector)
+            want = (f"vector_w{ways}/{table}" if vector == "1" else f"fast_w{ways}") if local else {
+                4: "decode_w4", 8: "decode_w8"}.get(ways, "generic")
+            assert rans.decode_kernel(ways, dim, freq, sb, kbits, lowbits) == want
+            out = np.zeros_like(full)
+            rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
+            np.testing.assert_array_equal(out, full)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_BACKEND", "python")
         ref = np.zeros_like(full)
@@ -223,32 +230,43 @@ def test_local_table_decoder_matches_the_reference(seed, bh, groups, ntok, kbits
 def test_kernel_choice_and_fallbacks():
     """More than 256 symbols in a table, or lane groups across heads: the general kernels, same words."""
     rng = np.random.default_rng(5)
-    for dim, kbits, skew, want in ((8, 10, False, "decode_w8"), (12, 6, True, "decode_w8"), (16, 6, True, "fast_w8")):
-        full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 300, dim, kbits, 6, 6, 2, skew)
+    cases = ((8, 10, 6, False, "decode_w8"), (12, 6, 6, True, "decode_w8"), (16, 6, 6, True, "vector_w8/direct"),
+             (16, 10, 6, True, "vector_w8/indexed"), (16, 6, 26, True, "fast_w8"))
+    for dim, kbits, lowbits, skew, want in cases:
+        full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 300, dim, kbits, lowbits, 6, 2, skew)
         freq = rans.normalize_counts(counts, 12)
-        assert rans.decode_kernel(8, dim, freq) == want
+        assert rans.decode_kernel(8, dim, freq, 12, kbits, lowbits) == want
         words = rans.lanes_encode(syms, refs, cmap, freq, 12, 8, kbits, 6)
-        raw = rans.pack_bits(rans.coding_order(low, 8), 6)
+        raw = rans.pack_bits(rans.coding_order(low, 8), lowbits)
         out = np.zeros_like(full)
-        rans.lanes_decode(words, refs, cmap, freq, 12, 8, kbits, 6, 6, raw, out)
+        rans.lanes_decode(words, refs, cmap, freq, 12, 8, kbits, 6, lowbits, raw, out)
         np.testing.assert_array_equal(out, full)
     assert rans.decode_kernel(3, 9, freq) == "generic"
 
 
+def test_vector_kernels_build_here():
+    """The vector decoders compile on this machine (llvmlite, a Numba dependency): the speed BENCHMARKS quotes."""
+    assert rans.vector_kernels()
+
+
+@pytest.mark.parametrize("vector", ["1", "0"])
 @pytest.mark.parametrize("ways", rans.FAST_WAYS)
-def test_local_table_decoder_refuses_corrupt_streams(ways):
+@pytest.mark.parametrize("sb", [10, 12])
+def test_local_table_decoder_refuses_corrupt_streams(ways, vector, sb, monkeypatch):
+    monkeypatch.setenv("KVCODEC_VECTOR", vector)
     rng = np.random.default_rng(ways)
     full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 40, ways, 6, 5, 6, 2, True)
-    freq = rans.normalize_counts(counts, 10)
-    assert rans.decode_kernel(ways, ways, freq) == f"fast_w{ways}"
-    words = rans.lanes_encode(syms, refs, cmap, freq, 10, ways, 6, 6)
+    freq = rans.normalize_counts(counts, sb)
+    assert rans.decode_kernel(ways, ways, freq, sb, 6, 5) == (f"vector_w{ways}/direct" if vector == "1" else
+                                                              f"fast_w{ways}")
+    words = rans.lanes_encode(syms, refs, cmap, freq, sb, ways, 6, 6)
     raw = rans.pack_bits(rans.coding_order(low, ways), 5)
     zero_state = words.copy()
     zero_state[0] = 0
     for bad, what in ((words[:-1], "ended|final"), (np.concatenate([words, [7]]).astype(np.uint16), "left over"),
                       (zero_state, "initial")):
         with pytest.raises(FormatError, match=what):
-            rans.lanes_decode(bad, refs, cmap, freq, 10, ways, 6, 6, 5, raw, np.zeros_like(full))
+            rans.lanes_decode(bad, refs, cmap, freq, sb, ways, 6, 6, 5, raw, np.zeros_like(full))
 
 
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 12), ntok=st.integers(1, 50), kbits=st.integers(2, 12),
@@ -267,3 +285,49 @@ def test_encoder_statistics_and_low_bits_match_numpy(seed, rows, ntok, kbits, nc
     for a, b in zip(got[0][1], want[0][1]):
         np.testing.assert_array_equal(a, b)
     assert got[1] == want[1]
+
+
+def _stream(rng, bh, ntok, dim, kbits, lowbits, ways, sb, skew=True, offset=0):
+    full, syms, low, refs, cmap, counts = _words_problem(rng, bh, ntok, dim, kbits, lowbits, 6, 3, skew)
+    freq = rans.normalize_counts(counts, sb)
+    words = rans.lanes_encode(syms, refs, cmap, freq, sb, ways, kbits, 6)
+    raw = rans.pack_bits(rans.coding_order(low, ways), lowbits)
+    st = rans.Stream(words, refs, cmap, freq, sb, ways, kbits, 6, lowbits, raw, offset, offset + 1)
+    return st, full
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_streams_decoded_together_equal_each_alone(n):
+    """lanes_decode_many runs the vector kernels' streams several at a time; every stream's words are the ones
+    it decodes to alone, whatever the mix of kernels, shapes and batch sizes."""
+    rng = np.random.default_rng(n)
+    kinds = [(2, 40, 16, 6, 6, 8, 10), (2, 40, 16, 10, 6, 8, 12), (1, 33, 16, 6, 26, 8, 10),
+             (2, 40, 16, 9, 7, 8, 11), (1, 20, 32, 6, 6, 16, 10), (2, 40, 16, 6, 6, 8, 10), (1, 9, 8, 10, 22, 8, 10)]
+    jobs, want = [], []
+    for i in range(n):
+        bh, ntok, dim, kbits, lowbits, ways, sb = kinds[i % len(kinds)]
+        st, full = _stream(rng, bh, ntok, dim, kbits, lowbits, ways, sb, skew=i != 3)
+        jobs.append((st, np.zeros(full.reshape(bh, ntok, dim).shape, dtype=full.dtype)))
+        want.append(full)
+    rans.KERNEL_SYMBOLS.clear()
+    rans.lanes_decode_many(jobs)
+    for (st, out), full in zip(jobs, want):
+        np.testing.assert_array_equal(out, full)
+    assert sum(rans.KERNEL_SYMBOLS.values()) == sum(f.size for f in want)
+    if n >= 3:
+        assert {"vector_w8/direct", "vector_w8/indexed", "fast_w8"} <= set(rans.KERNEL_SYMBOLS)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_corrupt_stream_among_others_is_named(bad):
+    """One damaged stream in a batch decoded together: the error names that stream's offset."""
+    rng = np.random.default_rng(bad)
+    jobs = []
+    for i in range(3):
+        st, full = _stream(rng, 2, 40, 16, 6, 6, 8, 10, offset=1000 * (i + 1))
+        if i == bad:
+            st = st._replace(words=st.words[:-1])
+        jobs.append((st, np.zeros_like(full)))
+    with pytest.raises(FormatError, match="ended|final") as e:
+        rans.lanes_decode_many(jobs)
+    assert e.value.offset == 1000 * (bad + 1)

@@ -90,3 +90,20 @@ def fwht_rows(x):
                     x[r, j] = a + c
                     x[r, j + h] = a - c
             h *= 2
+
+
+@nb.njit(cache=True, nogil=True)
+def f32_to_bf16(u, out):
+    """``out[...]`` = the bfloat16 bit patterns of the float32 values whose bit patterns are ``u`` (uint32, both
+    ``[A, B, T, D]``; ``out`` may be a slice along T), rounded to nearest even (spec section 13); a NaN (which
+    finite inputs cannot produce) stays a quiet NaN with its sign and leading payload bits."""
+    a_n, b_n, t_n, d_n = u.shape
+    for a in range(a_n):
+        for b in range(b_n):
+            for t in range(t_n):
+                for i in range(d_n):
+                    w = u[a, b, t, i]
+                    nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                    r = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                    q = (w >> np.uint32(16)) | np.uint32(0x40)
+                    out[a, b, t, i] = np.uint16(q if nan else r)  # a select: the loop vectorises

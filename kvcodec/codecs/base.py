@@ -72,6 +72,14 @@ class Codec(ABC):
                out: np.ndarray | None = None) -> np.ndarray:
         """The slice's bit patterns (uint16/uint32, ``where.shape``); ``payload`` None means "no section"."""
 
+    #: payloads a decoder takes at once in :meth:`decode_many` (the file decoders batch their sections so)
+    decode_batch: ClassVar[int] = 1
+
+    def decode_many(self, items: list) -> list:
+        """:meth:`decode` of each ``(payload, where, out)`` (no predictions), in order; a codec whose decoder
+        gains from several payloads at once overrides it."""
+        return [self.decode(payload, where, out=out) for payload, where, out in items]
+
     def __eq__(self, other):
         return type(other) is type(self) and other.get_config() == self.get_config()
 

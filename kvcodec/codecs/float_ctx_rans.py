@@ -243,6 +243,29 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     return out
 
 
+def decode_many(items: list) -> list:
+    """:func:`decode` of each ``(payload, shape, dtype, offset, out)``, the coded payloads' streams decoded
+    together (:func:`~kvcodec.entropy.rans.lanes_decode_many`)."""
+    results, coded = [], []
+    for payload, shape, dtype, offset, out in items:
+        width = DTYPES[dtype].itemsize
+        mv = memoryview(payload)
+        b, h, s, d = shape
+        if len(mv) < 1 or mv[0] != MODE_CODED or b * h * s * d == 0:
+            results.append(decode(payload, shape, dtype, offset=offset, out=out))
+            continue
+        if out is None:
+            out = np.empty(shape, dtype=_uint(width))
+        elif out.shape != shape or out.dtype != _uint(width) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {shape}")
+        flat = out.reshape(b * h, s, d)
+        st, _ = parse_symbols(mv, flat.shape, 8 * width, offset=offset, exact_payload=True)
+        coded.append((st, flat))
+        results.append(out)
+    rans.lanes_decode_many(coded)
+    return results
+
+
 def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: int = 0,
                    exact_payload: bool = True, coded_bits: int | None = None) -> int:
     """Decode a Mode 1 payload's coded part (and its raw low bits) into ``out[bh, tokens, dim]``.
@@ -347,3 +370,8 @@ class FloatCtxRans(Codec):
 
     def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
         return decode(payload, where.shape, where.dtype, offset=where.offset, out=out)
+
+    decode_batch = 3  # the vector kernels' streams per loop (entropy/_lanes_simd.py)
+
+    def decode_many(self, items: list) -> list:
+        return decode_many([(payload, where.shape, where.dtype, where.offset, out) for payload, where, out in items])

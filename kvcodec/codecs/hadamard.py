@@ -6,6 +6,8 @@ A leaf module: the codec and the Triton kernels (``kvcodec._kernels.vq``) both t
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 #: ``Sign_Rule`` of a vq_rans payload: 1 = SplitMix64 (format 1.2), 0 = NumPy's PCG64 (format 1.1 files only)
@@ -14,11 +16,23 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def signs(seed: int, d: int, rule: int = SIGN_RULE) -> np.ndarray:
-    """The random signs (float32 +-1) of the randomized Hadamard transform (spec section 13).
+    """The random signs (float32 +-1, read-only) of the randomized Hadamard transform (spec section 13); the
+    last few (seed, d, rule) are cached: a decoder asks for the same ones for every slice.
 
     Rule 1: sign i is -1 when the top bit of SplitMix64's output for counter ``i + 1`` is set, i.e. of
     ``mix(seed + (i + 1) * 0x9E3779B97F4A7C15 mod 2**64)``.  Rule 0 (files of format 1.1): the i-th of d
     integers drawn by NumPy's ``Generator(PCG64(seed)).integers(0, 2, size=d, dtype=uint8)`` is 1."""
+    return _signs(int(seed), int(d), int(rule))
+
+
+@functools.lru_cache(maxsize=256)
+def _signs(seed: int, d: int, rule: int) -> np.ndarray:
+    out = _compute_signs(seed, d, rule)
+    out.flags.writeable = False
+    return out
+
+
+def _compute_signs(seed: int, d: int, rule: int) -> np.ndarray:
     if rule == 0:
         bits = np.random.Generator(np.random.PCG64(seed)).integers(0, 2, size=d, dtype=np.uint8)
         return np.where(bits == 1, np.float32(-1.0), np.float32(1.0))

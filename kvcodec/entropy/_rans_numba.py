@@ -242,6 +242,57 @@ def build_local_tables(freq, scale_bits, slot8, info):
 
 
 @nb.njit(cache=True, nogil=True)
+def unpack_tables(buf, scale_bits, freq):
+    """Parse ``freq.shape[0]`` frequency tables (spec "rANS stream": per context Lo u16, Count_Minus_One u16,
+    Count u16 frequencies, little-endian) into ``freq`` (zeroed by the caller).  Returns (code, context, a, b):
+    0 ok; 1 table ``context`` ends early; 2 its symbols a..b lie outside the alphabet; 3 it sums to a; 4 ``a``
+    bytes are left over."""
+    nctx, nsym = freq.shape
+    pos = 0
+    n = buf.shape[0]
+    for c in range(nctx):
+        if pos + 4 > n:
+            return 1, c, 0, 0
+        lo = np.int64(buf[pos]) | (np.int64(buf[pos + 1]) << 8)
+        cnt = (np.int64(buf[pos + 2]) | (np.int64(buf[pos + 3]) << 8)) + 1
+        pos += 4
+        if lo + cnt > nsym:
+            return 2, c, lo, lo + cnt
+        if pos + 2 * cnt > n:
+            return 1, c, 0, 0
+        total = 0
+        for k in range(cnt):
+            f = np.int64(buf[pos + 2 * k]) | (np.int64(buf[pos + 2 * k + 1]) << 8)
+            freq[c, lo + k] = f
+            total += f
+        pos += 2 * cnt
+        if total != 1 << scale_bits:
+            return 3, c, total, 0
+    if pos != n:
+        return 4, 0, n - pos, 0
+    return 0, 0, 0, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def build_direct_table(freq, scale_bits, table):
+    """The vector decoder's one-level table: ``table[c << scale_bits | slot]`` = ``freq - 1 | (slot - cum) <<
+    scale_bits | symbol << 2 scale_bits`` of the symbol that owns the slot in table c (needs ``2 scale_bits +
+    kbits <= 32``)."""
+    sb = np.uint32(scale_bits)
+    for c in range(freq.shape[0]):
+        cum = 0
+        base = c << scale_bits
+        for s in range(freq.shape[1]):
+            f = freq[c, s]
+            if f == 0:
+                continue
+            e = np.uint32(f - 1) | (np.uint32(s) << (sb + sb))
+            for k in range(f):
+                table[base + cum + k] = e | (np.uint32(k) << sb)
+            cum += f
+
+
+@nb.njit(cache=True, nogil=True)
 def lanes_decode_tail(words, nwords, pos, states, start_row, refs, ctx_map, entry, symt, scale_bits, kbits, nclass,
                       lowbits, raw, rp, acc, nacc, out):
     """Fused decode of the groups from ``start_row`` on, any number of ways.

@@ -25,7 +25,7 @@ __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
     "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "SparseCounts",
-    "pack_low_bits",
+    "pack_low_bits", "lanes_decode_many", "vector_kernels",
 ]
 
 MIN_SCALE_BITS = 8
@@ -227,11 +227,12 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         words_out[order] = (syms.ravel().astype(np.uint64)[order] << np.uint64(lowbits)) | low.astype(np.uint64)
         out[...] = words_out.reshape(bh, dim, ntok).transpose(0, 2, 1)
         return
-    kernel = decode_kernel(ways, dim, freq)
+    kernel = decode_kernel(ways, dim, freq, scale_bits, kbits, lowbits)
     with _KERNEL_LOCK:
         KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
-    if kernel.startswith("fast"):
-        _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field, offset)
+    if kernel.startswith(("fast", "vector")):
+        _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
+                     offset)
         return
     from ._rans_numba import build_decode_tables, lanes_decode_fused
 
@@ -254,46 +255,125 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         raise FormatError(f"raw bits: used {rp} of {raw.shape[0]} bytes", field="Raw_Bits", offset=raw_offset)
 
 
-#: lane counts with a local-table decoder (``_lanes_unrolled.fast_w*``)
+#: lane counts with a local-table decoder (``_lanes_unrolled.fast_w*``, ``_lanes_simd``)
 FAST_WAYS = (4, 8, 16)
 #: symbols decoded by each kernel in this process (``decode_kernel``'s names): ``kvz bench`` reports which ran
 KERNEL_SYMBOLS: dict[str, int] = {}
 _KERNEL_LOCK = threading.Lock()
 
 
-def decode_kernel(ways: int, dim: int, freq: np.ndarray) -> str:
+def vector_kernels() -> bool:
+    """Whether the local-table streams decode with the vector kernels (:mod:`._lanes_simd`, the default) or
+    the scalar ``fast_w*`` ones (``KVCODEC_VECTOR=0``; same words, tests compare the two)."""
+    v = os.environ.get("KVCODEC_VECTOR", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"KVCODEC_VECTOR must be '0' or '1', not {v!r}")
+    if v == "0":
+        return False
+    from . import _lanes_simd
+
+    return _lanes_simd.available()
+
+
+def decode_kernel(ways: int, dim: int, freq: np.ndarray, scale_bits: int | None = None, kbits: int | None = None,
+                  lowbits: int = 0) -> str:
     """Which decoder :func:`lanes_decode` runs for a stream of ``ways`` lanes into rows of ``dim`` channels with
-    tables ``freq``: ``fast_w4/8/16`` (local tables: at most 256 symbols per table, lane groups inside one head),
-    ``decode_w4/8`` (unrolled, any table), ``generic``, or ``python`` (the reference backend)."""
+    tables ``freq`` (``scale_bits``, ``kbits`` and ``lowbits`` as the stream has them):
+
+    * ``vector_w4/8/16/direct`` or ``.../indexed``: explicit vector code (:mod:`._lanes_simd`) with one table entry
+      per slot (when ``2 scale_bits + kbits <= 32``) or a byte index per slot and an entry per symbol;
+    * ``fast_w4/8/16``: the scalar local-table kernels (``KVCODEC_VECTOR=0``, or raw low bits wider than 25);
+    * both need at most 256 symbols per table and lane groups inside one head;
+    * ``decode_w4/8`` (unrolled, any table), ``generic``, or ``python`` (the reference backend)."""
     if backend() == "python":
         return "python"
-    if ways in FAST_WAYS and dim % ways == 0 and int((np.asarray(freq) > 0).sum(axis=1).max()) <= 256:
+    if ways in FAST_WAYS and dim % ways == 0 and int(np.count_nonzero(freq, axis=1).max()) <= 256:
+        from . import _lanes_simd
+
+        if lowbits <= _lanes_simd.MAX_LOWBITS and vector_kernels():
+            sb = 15 if scale_bits is None else scale_bits
+            direct = kbits is not None and _lanes_simd.direct_fits(sb, kbits)
+            return f"vector_w{ways}/{'direct' if direct else 'indexed'}"
         return f"fast_w{ways}"
     return f"decode_w{ways}" if ways in (4, 8) else "generic"
 
 
-def _decode_fast(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
-                 offset) -> None:
-    """Decode with the local-table kernel (:func:`decode_kernel` chose it: every table has <= 256 symbols)."""
-    from . import _lanes_unrolled as U
-    from ._rans_numba import build_local_tables
+def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, raw, out):
+    """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
+    <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`)."""
+    from ._lanes_simd import Prepared
+    from ._rans_numba import build_direct_table, build_local_tables
 
     g = freq.shape[0]
-    slot8 = np.empty(g << scale_bits, dtype=np.uint8)
+    raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)  # 16 zero bytes after the raw bits
+    raw64.view(np.uint8)[:raw.shape[0]] = raw
+    padded = np.concatenate([words, np.zeros(ways + 2, dtype=np.uint16)])
+    if kernel.startswith("fast"):  # the scalar kernels: cbase[6 r + class] = the table times 2**scale_bits
+        ctx6 = ctx_map if nclass == 6 else np.repeat(ctx_map[:, :1], 6, axis=1)
+        ctx = (ctx6.astype(np.uint32) << np.uint32(scale_bits)).ravel()
+    else:  # the vector kernels read the map itself (32-bit gathers: 3 bytes of padding)
+        ctx = np.concatenate([ctx_map.ravel(), np.zeros(3, dtype=np.uint8)])
+    if kernel.endswith("/direct"):
+        table = np.empty(g << scale_bits, dtype=np.uint32)
+        build_direct_table(freq, scale_bits, table)
+        return Prepared(padded, words.shape[0], refs, ctx, table, table, raw64, out)
+    slot8 = np.zeros((g << scale_bits) + 4, dtype=np.uint8)  # 32-bit gathers read 3 bytes past a slot
     info = np.empty(g << 8, dtype=np.uint64)
     if not build_local_tables(freq, scale_bits, slot8, info):  # the info table's bound; decode_kernel checked it
-        raise ValueError("a table has more than 256 symbols: not a fast_w* stream")
-    ctx6 = ctx_map if nclass == 6 else np.repeat(ctx_map[:, :1], 6, axis=1)
-    cbase = (ctx6.astype(np.uint32) << np.uint32(scale_bits)).ravel()
-    raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
-    raw64.view(np.uint8)[:raw.shape[0]] = raw
-    padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
-    kernel = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
-    status, pos = kernel(padded, words.shape[0], refs, cbase, slot8, info, scale_bits, kbits, lowbits, raw64, out)
-    if status == 0 and pos != words.shape[0]:
+        raise ValueError("a table has more than 256 symbols: not a local-table stream")
+    return Prepared(padded, words.shape[0], refs, ctx, slot8, info, raw64, out)
+
+
+def _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
+                 offset) -> None:
+    """Decode one local-table stream (:func:`decode_kernel` chose ``kernel``)."""
+    st = _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, raw, out)
+    if kernel.startswith("vector"):
+        from . import _lanes_simd
+
+        [(status, pos)] = _lanes_simd.decode_many(ways, scale_bits, kbits, nclass, lowbits, [st])
+    else:
+        from . import _lanes_unrolled as U
+
+        fast = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
+        status, pos = fast(st.words, st.nwords, refs, st.ctx, st.table, st.info, scale_bits, kbits, lowbits,
+                           st.raw64, out)
+    _check_status(status, pos, st.nwords, field, offset)
+
+
+def _check_status(status, pos, nwords, field, offset) -> None:
+    if status == 0 and pos != nwords:
         status = 4
     if status:
         raise FormatError(f"rANS stream: {STREAM_STATUS[int(status)]}", field=field, offset=offset)
+
+
+def lanes_decode_many(jobs) -> None:
+    """Decode several streams, each ``(Stream, out[bh, tokens, dim])`` as :func:`lanes_decode` takes them; the
+    streams the vector kernels decode run several at a time (their dependency chains overlap in one loop, see
+    :mod:`._lanes_simd`), the others one by one.  Raises :class:`FormatError` naming a corrupt stream."""
+    from . import _lanes_simd
+
+    batches: dict = {}
+    for s, out in jobs:
+        bh, ntok, dim = out.shape
+        kernel = decode_kernel(s.ways, dim, s.freq, s.scale_bits, s.kbits, s.lowbits)
+        if not kernel.startswith("vector"):
+            lanes_decode(s.words, s.refs, s.ctx_map, s.freq, s.scale_bits, s.ways, s.kbits, s.nclass, s.lowbits,
+                         s.raw, out, offset=s.offset, raw_offset=s.raw_offset)
+            continue
+        words, refs, ctx_map, freq, raw = check_stream(s.words, s.refs, s.ctx_map, s.freq, s.scale_bits, s.ways,
+                                                       s.kbits, s.nclass, s.lowbits, s.raw, bh * dim, out.size,
+                                                       offset=s.offset, raw_offset=s.raw_offset)
+        with _KERNEL_LOCK:
+            KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + out.size
+        prepared = _local_tables(kernel, words, refs, ctx_map, freq, s.scale_bits, s.ways, s.nclass, raw, out)
+        key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
+        batches.setdefault(key, []).append((prepared, s.offset))
+    for (kernel, ways, sb, kbits, nclass, lowbits, _, _), items in batches.items():
+        results = _lanes_simd.decode_many(ways, sb, kbits, nclass, lowbits, [p for p, _ in items])
+        for (p, offset), (status, pos) in zip(items, results):
+            _check_status(status, pos, p.nwords, "Words", offset)
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
@@ -405,29 +485,48 @@ def pack_tables(freq: np.ndarray) -> bytes:
 def unpack_tables(buf: bytes, nctx: int, nsym: int, scale_bits: int, *,
                   field: str = "Tables", offset: int | None = None) -> np.ndarray:
     """Parse and validate ``nctx`` tables; raises FormatError naming the context."""
-    m = 1 << scale_bits
     freq = np.zeros((nctx, nsym), dtype=np.uint32)
-    mv = memoryview(buf)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if backend() == "python":
+        code, c, a, b = _unpack_tables_py(raw, scale_bits, freq)
+    else:
+        from ._rans_numba import unpack_tables as _unpack
+
+        code, c, a, b = _unpack(raw, scale_bits, freq)
+    if code == 1:
+        raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
+    if code == 2:
+        raise FormatError(f"frequency table {c}: symbols {a}..{b} outside alphabet of {nsym}", field=field,
+                          offset=offset)
+    if code == 3:
+        raise FormatError(f"frequency table {c}: sums to {a}, not 2**{scale_bits}", field=field, offset=offset)
+    if code == 4:
+        raise FormatError(f"frequency tables: {a} bytes left over", field=field, offset=offset)
+    return freq
+
+
+def _unpack_tables_py(buf: np.ndarray, scale_bits: int, freq: np.ndarray) -> tuple[int, int, int, int]:
+    """The reference of ``_rans_numba.unpack_tables`` (same results)."""
+    mv = memoryview(buf.tobytes())
+    nctx, nsym = freq.shape
     pos = 0
     for c in range(nctx):
         if pos + 4 > len(mv):
-            raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
+            return 1, c, 0, 0
         lo, cnt = struct.unpack_from("<HH", mv, pos)
         cnt += 1
         pos += 4
         if lo + cnt > nsym:
-            raise FormatError(f"frequency table {c}: symbols {lo}..{lo + cnt} outside alphabet of {nsym}",
-                              field=field, offset=offset)
+            return 2, c, lo, lo + cnt
         if pos + 2 * cnt > len(mv):
-            raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
+            return 1, c, 0, 0
         freq[c, lo:lo + cnt] = np.frombuffer(mv[pos:pos + 2 * cnt], dtype="<u2")
         pos += 2 * cnt
-        if int(freq[c].sum()) != m:
-            raise FormatError(f"frequency table {c}: sums to {int(freq[c].sum())}, not 2**{scale_bits}",
-                              field=field, offset=offset)
+        if int(freq[c].sum()) != 1 << scale_bits:
+            return 3, c, int(freq[c].sum()), 0
     if pos != len(mv):
-        raise FormatError(f"frequency tables: {len(mv) - pos} bytes left over", field=field, offset=offset)
-    return freq
+        return 4, 0, len(mv) - pos, 0
+    return 0, 0, 0, 0
 
 
 def max_tables_bytes(nctx: int, nsym: int) -> int:

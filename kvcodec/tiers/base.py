@@ -379,24 +379,31 @@ class _DirectDecoder:
             for c in range(lay.chunks(h.chunk_tokens)):
                 jobs += [(li, L.PART_KEYS, c), (li, L.PART_VALUES, c)]
 
-        def prepare(job):
-            e = f.reader.entry(L.SECTION_KV, *job)
-            return f.reader.read_payload(e), e.payload_offset
+        n = self.codec.decode_batch  # sections decoded together (one job)
+        batches = [tuple(jobs[i:i + n]) for i in range(0, len(jobs), n)]
 
-        def work(job, prepared):
-            li, p, c = job
-            lay = h.layers[li]
-            a, b = lay.chunk_range(c, h.chunk_tokens)
-            where = Slice((h.batch, lay.kv_heads, b - a, lay.dim(p)), h.dtype, li, p, a, lay.seq_len, len(h.layers),
-                          prepared[1], f.reader.version[1])
-            whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
-            return self.codec.decode(prepared[0], where, out=outs[li, p] if whole else None)
+        def prepare(batch):
+            entries = [f.reader.entry(L.SECTION_KV, *job) for job in batch]
+            return [(f.reader.read_payload(e), e.payload_offset) for e in entries]
 
-        def put(job, arr):
-            li, p, c = job
-            if arr is not outs[li, p]:
-                a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
-                outs[li, p][:, :, a:b] = arr
+        def work(batch, prepared):
+            items = []
+            for (li, p, c), (payload, offset) in zip(batch, prepared):
+                lay = h.layers[li]
+                a, b = lay.chunk_range(c, h.chunk_tokens)
+                where = Slice((h.batch, lay.kv_heads, b - a, lay.dim(p)), h.dtype, li, p, a, lay.seq_len,
+                              len(h.layers), offset, f.reader.version[1])
+                whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
+                items.append((payload, where, outs[li, p] if whole else None))
+            return self.codec.decode_many(items)
 
-        run_ordered(jobs, work, f.threads, put, progress, prepare)
+        def put(batch, arrs):
+            for (li, p, c), arr in zip(batch, arrs):
+                if arr is not outs[li, p]:
+                    a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
+                    outs[li, p][:, :, a:b] = arr
+            if progress:  # counts sections
+                progress(len(batch))
+
+        run_ordered(batches, work, f.threads, put, None, prepare)
         return {key: from_bit_patterns(arr, dt.torch) for key, arr in outs.items()}

@@ -1,0 +1,416 @@
+"""The local-table lane decoders as explicit vector code (issue 16): LLVM IR written here, compiled by llvmlite
+(Numba's own LLVM binding; Numba's typed Python has no vector types) for the host CPU at first use, ~60 ms.
+
+The scalar ``fast_w*`` kernels (:mod:`._lanes_unrolled`) spend ~60 instructions per symbol because eight lanes'
+states, previous symbols and references do not fit the general-purpose registers.  Here a lane group is one
+vector: the states, the previous symbols and the context classes are ``<W x i32>`` registers and every table
+lookup is one gather for all lanes.  The shared word cursor of the interleaved stream (lanes that need a word
+take consecutive words in lane order, spec "rANS stream") is an exclusive prefix sum of the lanes' refill flags,
+computed in registers; the W words after the cursor are loaded at once and moved to their lanes by a variable
+permutation (AVX2 ``vpermd``; a gather elsewhere).  With one 32-bit table entry per slot (``direct``: freq - 1,
+slot - cum and the symbol, when ``2 Scale_Bits + Coded_Bits <= 32``) a symbol costs one gather.
+
+A single stream is latency-bound (gather -> state -> gather), so :func:`decode_many` runs :data:`STREAMS`
+independent streams in one loop and their chains overlap (measured on SmolLM2 bf16 payloads, 1 thread: one
+stream 1.9x the scalar kernel's speed, three 3.9x, four no better than three).
+
+The bitstream is the one the scalar kernels read, and the arithmetic is integer only, so every machine decodes
+the same words (tests compare with the scalar kernels and the pure-Python reference).  On a CPU without vector
+gathers LLVM emits scalar loads for them: slower, never different.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from ._rans_numba import RANS_L
+
+_LOCK = threading.Lock()
+_COMPILED: dict = {}
+
+#: raw low bits a lane reads with one 32-bit load at a byte offset (shift <= 7)
+MAX_LOWBITS = 25
+
+
+def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None) -> str:
+    """The decoder of ``K`` streams of ``W`` lanes each (same shape and parameters, decoded in one loop so that
+    their dependency chains overlap) writing ``ety`` (i16 / i32) words; see :func:`decode_many`."""
+    V = f"<{W} x i32>"
+    M = f"<{W} x i1>"
+    P = f"<{W} x ptr>"
+    V64 = f"<{W} x i64>"
+    iW = f"i{W}"
+    gather = f"@llvm.masked.gather.v{W}i32.v{W}p0"
+    ones = f"<{W} x i1> splat (i1 true)"
+    e = []
+    a = e.append
+
+    def splat(name, ty, scalar):
+        a(f"  %{name}.i = insertelement <{W} x {ty}> poison, {ty} {scalar}, i64 0")
+        a(f"  %{name} = shufflevector <{W} x {ty}> %{name}.i, <{W} x {ty}> poison, <{W} x i32> zeroinitializer")
+        return f"%{name}"
+
+    a(f"declare {V} {gather}({P}, i32, {M}, {V})")
+    a(f"declare {iW} @llvm.ctpop.{iW}({iW})")
+    a(f"declare {V64} @llvm.masked.gather.v{W}i64.v{W}p0({P}, i32, {M}, {V64})")
+    if permd:
+        a(f"declare {V} {permd}({V}, {V})")
+    # args: per stream k, ptrs[7 k ..] = words, refs, ctx, tab, info, raw, out; nwords[k]; res[k] = final pos
+    a("define i32 @dec(ptr noalias %ptrs, ptr noalias %nw, i64 %rows, i64 %ntok, i64 %dim, i32 %sb, i32 %kbits, "
+      "i32 %lb, i32 %nclass, ptr noalias %res) {")
+    a("entry:")
+    names = ("words", "refs", "ctx", "tab", "info", "raw", "out")
+    even = ", ".join(f"i32 {2 * j}" for j in range(W))
+    odd = ", ".join(f"i32 {2 * j + 1}" for j in range(W))
+    for k in range(K):
+        for i, nm in enumerate(names):
+            a(f"  %{nm}.{k}.p = getelementptr ptr, ptr %ptrs, i64 {7 * k + i}")
+            a(f"  %{nm}.{k} = load ptr, ptr %{nm}.{k}.p, align 8")
+        a(f"  %nwords.{k}.p = getelementptr i64, ptr %nw, i64 {k}")
+        a(f"  %nwords.{k} = load i64, ptr %nwords.{k}.p, align 8")
+        a(f"  %w0.{k} = load <{2 * W} x i16>, ptr %words.{k}, align 2")
+        a(f"  %hi.{k} = shufflevector <{2 * W} x i16> %w0.{k}, <{2 * W} x i16> poison, <{W} x i32> <{even}>")
+        a(f"  %lo.{k} = shufflevector <{2 * W} x i16> %w0.{k}, <{2 * W} x i16> poison, <{W} x i32> <{odd}>")
+        a(f"  %hi32.{k} = zext <{W} x i16> %hi.{k} to {V}")
+        a(f"  %lo32.{k} = zext <{W} x i16> %lo.{k} to {V}")
+        a(f"  %hish.{k} = shl {V} %hi32.{k}, splat (i32 16)")
+        a(f"  %x0.{k} = or {V} %hish.{k}, %lo32.{k}")
+    a("  %one.sb = shl i32 1, %sb")
+    a("  %mask.s = sub i32 %one.sb, 1")
+    maskv = splat("maskv", "i32", "%mask.s")
+    sbv = splat("sbv", "i32", "%sb")
+    a("  %sb8 = sub i32 %sb, 8")
+    sb8v = splat("sb8v", "i32", "%sb8")
+    a("  %kb1 = sub i32 %kbits, 1")
+    kb1v = splat("kb1v", "i32", "%kb1")
+    a("  %one.kb1 = shl i32 1, %kb1")
+    a("  %mm.s = sub i32 %one.kb1, 1")
+    mmv = splat("mmv", "i32", "%mm.s")
+    a("  %one.lb = shl i32 1, %lb")
+    a("  %lmask.s = sub i32 %one.lb, 1")
+    lmaskv = splat("lmaskv", "i32", "%lmask.s")
+    lbv = splat("lbv", "i32", "%lb")
+    Lv = f"splat (i32 {RANS_L})"
+    lanes = ", ".join(f"i32 {j}" for j in range(W))
+    a(f"  %lanelb = mul {V} <{lanes}>, {lbv}")
+    # offsets of the context map entries of a group's rows: lane * nclass + class (one column if nclass is 1)
+    a("  %ncl64 = zext i32 %nclass to i64")
+    nclv = splat("nclv", "i32", "%nclass")
+    a(f"  %lanencl = mul {V} <{lanes}>, {nclv}")
+    a("  %six = icmp eq i32 %nclass, 6")
+    a(f"  %coff0.s = add {V} %lanencl, zeroinitializer")
+    for c in range(1, 6):
+        a(f"  %coff{c} = add {V} %lanencl, splat (i32 {c})")
+        a(f"  %coff{c}.s = select i1 %six, {V} %coff{c}, {V} %lanencl")
+    a("  %lb64 = zext i32 %lb to i64")
+    a(f"  %steplb = mul i64 %lb64, {W}")
+    a(f"  %ngroups = udiv i64 %rows, {W}")
+    a("  %tdim = mul i64 %ntok, %dim")
+    a("  br label %gloop")
+    # --- groups of W rows
+    a("gloop:")
+    a("  %g = phi i64 [0, %entry], [%g.next, %gend]")
+    for k in range(K):
+        a(f"  %xg.{k} = phi {V} [%x0.{k}, %entry], [%x.{k}, %gend]")
+        a(f"  %posg.{k} = phi i64 [{2 * W}, %entry], [%pos.{k}, %gend]")
+    a("  %bpg = phi i64 [0, %entry], [%bp, %gend]")
+    a("  %gdone = icmp uge i64 %g, %ngroups")
+    a("  br i1 %gdone, label %finish, label %gbody")
+    a("gbody:")
+    a(f"  %g0 = mul i64 %g, {W}")
+    a("  %g0n = mul i64 %g0, %ncl64")
+    for k in range(K):
+        a(f"  %rptr.{k} = getelementptr i16, ptr %refs.{k}, i64 %g0")
+        a(f"  %rv16.{k} = load <{W} x i16>, ptr %rptr.{k}, align 2")
+        a(f"  %pinit.{k} = zext <{W} x i16> %rv16.{k} to {V}")
+        a(f"  %rr.{k} = and {V} %pinit.{k}, {mmv}")
+        # the row's table for each class of the previous symbol, times 2**sb: ctx_map[row, class] << sb
+        a(f"  %cbp.{k} = getelementptr i8, ptr %ctx.{k}, i64 %g0n")
+        for c in range(6):
+            a(f"  %cptr{c}.{k} = getelementptr i8, ptr %cbp.{k}, {V} %coff{c}.s")
+            a(f"  %cg{c}.{k} = call {V} {gather}({P} %cptr{c}.{k}, i32 1, {ones}, {V} zeroinitializer)")
+            a(f"  %cm{c}.{k} = and {V} %cg{c}.{k}, splat (i32 255)")
+            a(f"  %c{c}.{k} = shl {V} %cm{c}.{k}, {sbv}")
+    a("  %bh = udiv i64 %g0, %dim")
+    a("  %dd = urem i64 %g0, %dim")
+    a("  %bho = mul i64 %bh, %tdim")
+    a("  %o0 = add i64 %bho, %dd")
+    a("  br label %tloop")
+    # --- tokens
+    a("tloop:")
+    a("  %t = phi i64 [0, %gbody], [%t.next, %store]")
+    for k in range(K):
+        a(f"  %x.{k} = phi {V} [%xg.{k}, %gbody], [%x.next.{k}, %store]")
+        a(f"  %p.{k} = phi {V} [%pinit.{k}, %gbody], [%p.next.{k}, %store]")
+        a(f"  %pos.{k} = phi i64 [%posg.{k}, %gbody], [%pos.next.{k}, %store]")
+    a("  %bp = phi i64 [%bpg, %gbody], [%bp.next, %store]")
+    a("  %tdone = icmp uge i64 %t, %ntok")
+    a("  br i1 %tdone, label %gend, label %step")
+    a("step:")
+    shorts = []
+    for k in range(K):
+        # context class of the previous symbol: sign * 3 + (mag >= ref) + (mag > ref) picks the table
+        a(f"  %mag.{k} = and {V} %p.{k}, {mmv}")
+        a(f"  %sgn.v.{k} = lshr {V} %p.{k}, {kb1v}")
+        a(f"  %sgn.{k} = icmp ne {V} %sgn.v.{k}, zeroinitializer")
+        a(f"  %ge.{k} = icmp uge {V} %mag.{k}, %rr.{k}")
+        a(f"  %gt.{k} = icmp ugt {V} %mag.{k}, %rr.{k}")
+        a(f"  %s01.{k} = select {M} %ge.{k}, {V} %c1.{k}, {V} %c0.{k}")
+        a(f"  %s012.{k} = select {M} %gt.{k}, {V} %c2.{k}, {V} %s01.{k}")
+        a(f"  %s34.{k} = select {M} %ge.{k}, {V} %c4.{k}, {V} %c3.{k}")
+        a(f"  %s345.{k} = select {M} %gt.{k}, {V} %c5.{k}, {V} %s34.{k}")
+        a(f"  %cb.{k} = select {M} %sgn.{k}, {V} %s345.{k}, {V} %s012.{k}")
+        a(f"  %slot.{k} = and {V} %x.{k}, {maskv}")
+        a(f"  %a.{k} = or {V} %cb.{k}, %slot.{k}")
+        a(f"  %xs.{k} = lshr {V} %x.{k}, {sbv}")
+        if direct:  # one entry per slot: freq - 1 | (slot - cum) << sb | symbol << 2 sb
+            a(f"  %dptr.{k} = getelementptr i32, ptr %tab.{k}, {V} %a.{k}")
+            a(f"  %de.{k} = call {V} {gather}({P} %dptr.{k}, i32 4, {ones}, {V} zeroinitializer)")
+            a(f"  %fm1.{k} = and {V} %de.{k}, {maskv}")
+            a(f"  %freq.{k} = add {V} %fm1.{k}, splat (i32 1)")
+            a(f"  %bias.s.{k} = lshr {V} %de.{k}, {sbv}")
+            a(f"  %bias.{k} = and {V} %bias.s.{k}, {maskv}")
+            a(f"  %p.next.{k} = lshr {V} %bias.s.{k}, {sbv}")
+            a(f"  %m1.{k} = mul {V} %freq.{k}, %xs.{k}")
+            a(f"  %x1.{k} = add {V} %m1.{k}, %bias.{k}")
+        else:  # slot -> the symbol's index in its table (a byte) -> freq | cum << 16 | symbol << 32
+            a(f"  %sptr.{k} = getelementptr i8, ptr %tab.{k}, {V} %a.{k}")
+            a(f"  %s32.{k} = call {V} {gather}({P} %sptr.{k}, i32 1, {ones}, {V} zeroinitializer)")
+            a(f"  %idx.{k} = and {V} %s32.{k}, splat (i32 255)")
+            a(f"  %cbs.{k} = lshr {V} %cb.{k}, {sb8v}")
+            a(f"  %ti.{k} = or {V} %cbs.{k}, %idx.{k}")
+            a(f"  %iptr.{k} = getelementptr i64, ptr %info.{k}, {V} %ti.{k}")
+            a(f"  %inf.{k} = call {V64} @llvm.masked.gather.v{W}i64.v{W}p0({P} %iptr.{k}, i32 8, {ones}, "
+              f"{V64} zeroinitializer)")
+            a(f"  %fcv.{k} = trunc {V64} %inf.{k} to {V}")
+            a(f"  %inf.hi.{k} = lshr {V64} %inf.{k}, splat (i64 32)")
+            a(f"  %p.next.{k} = trunc {V64} %inf.hi.{k} to {V}")
+            a(f"  %freq.{k} = and {V} %fcv.{k}, splat (i32 65535)")
+            a(f"  %cum.{k} = lshr {V} %fcv.{k}, splat (i32 16)")
+            a(f"  %m1.{k} = mul {V} %freq.{k}, %xs.{k}")
+            a(f"  %m2.{k} = add {V} %m1.{k}, %slot.{k}")
+            a(f"  %x1.{k} = sub {V} %m2.{k}, %cum.{k}")
+        # renormalisation: the lanes below L take the next words in lane order (exclusive prefix sum)
+        a(f"  %n.{k} = icmp ult {V} %x1.{k}, {Lv}")
+        a(f"  %nv.{k} = zext {M} %n.{k} to {V}")
+        acc = f"%nv.{k}"
+        sh = 1
+        while sh < W:
+            idx = ", ".join(f"i32 {W if j < sh else j - sh}" for j in range(W))
+            a(f"  %sh{sh}.{k} = shufflevector {V} {acc}, {V} zeroinitializer, <{W} x i32> <{idx}>")
+            a(f"  %ps{sh}.{k} = add {V} {acc}, %sh{sh}.{k}")
+            acc = f"%ps{sh}.{k}"
+            sh *= 2
+        a(f"  %excl.{k} = sub {V} {acc}, %nv.{k}")
+        a(f"  %nb.{k} = bitcast {M} %n.{k} to {iW}")
+        a(f"  %cnt.{k} = call {iW} @llvm.ctpop.{iW}({iW} %nb.{k})")
+        a(f"  %cnt64.{k} = zext {iW} %cnt.{k} to i64")
+        a(f"  %wbase.{k} = getelementptr i16, ptr %words.{k}, i64 %pos.{k}")
+        if permd:  # the next W words in one load, moved to their lanes by a variable permutation
+            a(f"  %wnext.{k} = load <{W} x i16>, ptr %wbase.{k}, align 2")
+            a(f"  %wn32.{k} = zext <{W} x i16> %wnext.{k} to {V}")
+            a(f"  %wl.{k} = call {V} {permd}({V} %wn32.{k}, {V} %excl.{k})")
+        else:
+            a(f"  %wptr.{k} = getelementptr i16, ptr %wbase.{k}, {V} %excl.{k}")
+            a(f"  %wv.{k} = call {V} {gather}({P} %wptr.{k}, i32 2, {M} %n.{k}, {V} zeroinitializer)")
+            a(f"  %wl.{k} = and {V} %wv.{k}, splat (i32 65535)")
+        a(f"  %xsh.{k} = shl {V} %x1.{k}, splat (i32 16)")
+        a(f"  %xo.{k} = or {V} %xsh.{k}, %wl.{k}")
+        a(f"  %x.next.{k} = select {M} %n.{k}, {V} %xo.{k}, {V} %x1.{k}")
+        a(f"  %pos.next.{k} = add i64 %pos.{k}, %cnt64.{k}")
+        a(f"  %short.{k} = icmp ugt i64 %pos.next.{k}, %nwords.{k}")
+        shorts.append(f"%short.{k}")
+    acc = shorts[0]
+    for k in range(1, K):
+        a(f"  %anyshort.{k} = or i1 {acc}, {shorts[k]}")
+        acc = f"%anyshort.{k}"
+    a(f"  br i1 {acc}, label %fail, label %store")
+    # raw low bits: lane j's are bits bp + j lb .. of the packed stream (LSB first); then the output words
+    a("store:")
+    a("  %bpq = lshr i64 %bp, 3")
+    a("  %bpr64 = and i64 %bp, 7")
+    a("  %bpr = trunc i64 %bpr64 to i32")
+    bprv = splat("bprv", "i32", "%bpr")
+    a(f"  %boff = add {V} {bprv}, %lanelb")
+    a(f"  %bbyte = lshr {V} %boff, splat (i32 3)")
+    a(f"  %bsh = and {V} %boff, splat (i32 7)")
+    a("  %tt = mul i64 %t, %dim")
+    a("  %oi = add i64 %o0, %tt")
+    for k in range(K):
+        a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
+        a(f"  %rp.{k} = getelementptr i8, ptr %rbase.{k}, {V} %bbyte")
+        a(f"  %rv.{k} = call {V} {gather}({P} %rp.{k}, i32 1, {ones}, {V} zeroinitializer)")
+        a(f"  %rs.{k} = lshr {V} %rv.{k}, %bsh")
+        a(f"  %low.{k} = and {V} %rs.{k}, {lmaskv}")
+        a(f"  %hsym.{k} = shl {V} %p.next.{k}, {lbv}")
+        a(f"  %ov.{k} = or {V} %hsym.{k}, %low.{k}")
+        a(f"  %optr.{k} = getelementptr {ety}, ptr %out.{k}, i64 %oi")
+        if ety == "i32":
+            a(f"  store {V} %ov.{k}, ptr %optr.{k}, align 4")
+        else:
+            a(f"  %ovt.{k} = trunc {V} %ov.{k} to <{W} x {ety}>")
+            a(f"  store <{W} x {ety}> %ovt.{k}, ptr %optr.{k}, align 2")
+    a("  %bp.next = add i64 %bp, %steplb")
+    a("  %t.next = add i64 %t, 1")
+    a("  br label %tloop")
+    a("gend:")
+    a("  %g.next = add i64 %g, 1")
+    a("  br label %gloop")
+    # every state back at L, else status 3; the caller compares each final position with the stream's length
+    a("finish:")
+    oks = []
+    for k in range(K):
+        a(f"  %fin.{k} = icmp eq {V} %xg.{k}, {Lv}")
+        a(f"  %finb.{k} = bitcast {M} %fin.{k} to {iW}")
+        a(f"  %allok.{k} = icmp eq {iW} %finb.{k}, -1")
+        a(f"  %resp.{k} = getelementptr i64, ptr %res, i64 {k}")
+        a(f"  store i64 %posg.{k}, ptr %resp.{k}, align 8")
+        oks.append(f"%allok.{k}")
+    acc = oks[0]
+    for k in range(1, K):
+        a(f"  %ok.{k} = and i1 {acc}, {oks[k]}")
+        acc = f"%ok.{k}"
+    a(f"  %st = select i1 {acc}, i32 0, i32 3")
+    a("  ret i32 %st")
+    a("fail:")
+    a("  ret i32 1")
+    a("}")
+    return "\n".join(e) + "\n"
+
+
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+             ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+_PERMD = {8: ("+avx2", "@llvm.x86.avx2.permd"), 16: ("+avx512f", "@llvm.x86.avx512.permvar.si.512")}
+#: streams decoded together (one loop, independent chains: the gathers' latencies overlap)
+STREAMS = 3
+
+
+def _target():
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features().flatten()
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=llvm.get_host_cpu_name(), features=features,
+                                                                   opt=3)
+    return tm, features
+
+
+def _compiled(W: int, K: int, ety: str, direct: bool):
+    key = (W, K, ety, direct)
+    got = _COMPILED.get(key)
+    if got is not None:
+        return got
+    with _LOCK:
+        if key not in _COMPILED:
+            import llvmlite.binding as llvm
+
+            tm, features = _target()
+            feat, permd = _PERMD.get(W, (None, None))
+            mod = llvm.parse_assembly(_ir(W, K, ety, direct, permd if feat in features.split(",") else None))
+            mod.verify()
+            pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+            pb.getModulePassManager().run(mod, pb)
+            ee = llvm.create_mcjit_compiler(mod, tm)
+            ee.finalize_object()
+            # CFUNCTYPE calls release the GIL; the engine must outlive the function pointer
+            fn = ctypes.CFUNCTYPE(ctypes.c_int32, *_ARGTYPES)(ee.get_function_address("dec"))
+            _COMPILED[key] = (fn, ee, tm, mod)
+        return _COMPILED[key]
+
+
+def kernel(W: int, K: int, ety: str, direct: bool):
+    """The compiled decoder of ``K`` streams of ``W`` lanes, ``ety`` output words and the direct (one 32-bit
+    entry per slot) or two-level (byte index, then 64-bit entry) tables, compiled once per process for this CPU
+    (~60 ms)."""
+    return _compiled(W, K, ety, direct)[0]
+
+
+def assembly(W: int, K: int, ety: str, direct: bool) -> str:
+    """The decoder's machine code for this CPU, as text."""
+    _, _, tm, mod = _compiled(W, K, ety, direct)
+    return tm.emit_assembly(mod)
+
+
+def available() -> bool:
+    """Whether this machine compiles the vector kernels (llvmlite JIT for the host CPU); checked once."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            kernel(8, 1, "i16", True)
+            _AVAILABLE = True
+        except Exception:  # noqa: BLE001 - any failure to build means: use the scalar kernels
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+_AVAILABLE: bool | None = None
+
+
+class Prepared(NamedTuple):
+    """One stream as the vector kernels take it:
+
+    * ``words`` with ``ways + 2`` zero words after the stream's ``nwords``; ``refs`` (uint16 per row);
+    * ``ctx`` the context map (uint8 ``[rows, nclass]``, 3 bytes of padding: row r's table for the previous
+      symbol's class; the scalar ``fast_w*`` kernels take ``cbase[6 r + class]`` = that table times
+      ``2**scale_bits``, uint32, instead);
+    * ``table`` the direct table (uint32, :func:`._rans_numba.build_direct_table`; ``info`` unused) or the byte
+      index per slot with 3 bytes of padding and ``info`` the 64-bit entry per symbol
+      (:func:`._rans_numba.build_local_tables`);
+    * ``raw64`` the raw bits with 16 zero bytes after them; ``out[bh, t, d]`` uint16 / uint32, C-contiguous,
+      ``d % ways == 0``."""
+
+    words: np.ndarray
+    nwords: int
+    refs: np.ndarray
+    ctx: np.ndarray
+    table: np.ndarray
+    info: np.ndarray
+    raw64: np.ndarray
+    out: np.ndarray
+
+
+def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: int, streams: list) -> list:
+    """Decode ``streams`` (:class:`Prepared`, all of one shape, output dtype and table kind) with the same
+    ``ways``, ``scale_bits``, ``kbits``, ``nclass`` (1 or 6) and ``lowbits``: (status, final word position) of
+    each, as the scalar ``fast_w*`` kernels return them.  Streams run :data:`STREAMS` at a time in one loop."""
+    first = streams[0]
+    bh, ntok, dim = first.out.shape
+    ety = "i16" if first.out.dtype.itemsize == 2 else "i32"
+    direct = first.table.dtype == np.uint32
+    assert dim % ways == 0 and lowbits <= MAX_LOWBITS
+    for st in streams:
+        assert st.out.shape == first.out.shape and st.out.dtype == first.out.dtype and st.out.flags.c_contiguous
+        assert (st.table.dtype == np.uint32) == direct and st.ctx.dtype == np.uint8 and nclass in (1, 6)
+        assert st.ctx.shape[0] >= bh * dim * nclass + 3 and st.refs.shape[0] == bh * dim
+        assert st.refs.dtype == np.uint16 and st.words.dtype == np.uint16 and st.words.shape[0] >= st.nwords + ways + 2
+    results = []
+    i = 0
+    while i < len(streams):
+        group = streams[i:i + STREAMS]
+        results += _run(ways, group, ety, direct, bh * dim, ntok, dim, scale_bits, kbits, nclass, lowbits)
+        i += len(group)
+    return results
+
+
+def _run(ways, group, ety, direct, rows, ntok, dim, scale_bits, kbits, nclass, lowbits) -> list:
+    fn = kernel(ways, len(group), ety, direct)
+    ptrs = np.array([a.ctypes.data for st in group
+                     for a in (st.words, st.refs, st.ctx, st.table, st.info, st.raw64, st.out)], dtype=np.uint64)
+    nw = np.array([st.nwords for st in group], dtype=np.int64)
+    res = np.zeros(len(group), dtype=np.int64)
+    status = fn(ptrs.ctypes.data, nw.ctypes.data, rows, ntok, dim, scale_bits, kbits, lowbits, nclass,
+                res.ctypes.data)
+    if status and len(group) > 1:  # which stream: decode each alone (a corrupt file only)
+        return [r for st in group
+                for r in _run(ways, [st], ety, direct, rows, ntok, dim, scale_bits, kbits, nclass, lowbits)]
+    return [(int(status), int(r)) for r in res]
+
+
+def direct_fits(scale_bits: int, kbits: int) -> bool:
+    """Whether a direct entry (freq - 1, slot - cum, symbol) fits 32 bits."""
+    return 2 * scale_bits + kbits <= 32
