@@ -138,3 +138,20 @@ def test_generated_lane_decoders_match_their_generator(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_lanes.py"), "--stdout"], capture_output=True,
                          text=True, check=True).stdout
     assert out == (PACKAGE / "entropy" / "_lanes_unrolled.py").read_text()
+
+
+def test_the_benches_find_the_peer_scripts():
+    """kvz bench --lossy / --restore --peers run scripts/peers/* in the peers' venvs: the path they use is the
+    checkout's (a wrong one once made every peer row read "not set up"), and every peer they name has a recipe."""
+    import importlib.util
+
+    from kvcodec.lab.bench_lossy import PEER_SCRIPTS, PEER_VENV, PEERS
+    from kvcodec.lab.bench_restore import DECODE_PEERS
+
+    for name in ("runner.py", "dequant.py", "setup.sh", "recipes.py"):
+        assert (PEER_SCRIPTS / name).is_file(), PEER_SCRIPTS / name
+    spec = importlib.util.spec_from_file_location("recipes", PEER_SCRIPTS / "recipes.py")
+    recipes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipes)
+    for peer in PEERS + DECODE_PEERS:
+        assert PEER_VENV.get(peer, peer) in recipes.RECIPES, peer

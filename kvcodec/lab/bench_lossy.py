@@ -185,9 +185,11 @@ def _surprisal_adaptive(model, tok, exact, kv, prefix, cont, comps, text, b0: in
 
 PEERS = ["quanto", "hqq", "fp8", "turboquant", "fused-turboquant", "tiny-turboquant", "lmcache"]
 PEER_VENV = {"fp8": "quanto"}  # transformers' fp8 layer runs in the quanto venv (same transformers)
+#: the peer runners (scripts/peers in the checkout)
+PEER_SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "peers"
 
 
-def _peers_root() -> Path:
+def peers_root() -> Path:
     import os
 
     return Path(os.environ.get("KVCODEC_PEERS", Path.home() / ".cache" / "kvcodec" / "peers"))
@@ -197,7 +199,7 @@ def _peer_note(peers) -> str:
     if peers is None:
         return ("not run (add --peers after scripts/peers/setup.sh; ../shared/design/peers.md has their rates "
                 "under a cross-entropy protocol)")
-    return (f"run in their own venvs under {_peers_root()} (scripts/peers/setup.sh, scripts/peers/runner.py); "
+    return (f"run in their own venvs under {peers_root()} (scripts/peers/setup.sh, scripts/peers/runner.py); "
             "bits/comp as each peer stores its indices and side information (formula per row)")
 
 
@@ -213,16 +215,19 @@ def _peer_rows(peers, model, tok, exact, kv, prefix, cont, text) -> list[dict]:
     from ..cache import KVCache
     from .evaluate import evaluate_cache
 
-    runner = Path(__file__).resolve().parents[1] / "scripts" / "peers" / "runner.py"
+    runner = PEER_SCRIPTS / "runner.py"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.safetensors"
         save_file({**{f"keys.{i}": k.float().contiguous() for i, k in enumerate(kv.keys)},
                    **{f"values.{i}": v.float().contiguous() for i, v in enumerate(kv.values)}}, str(src))
         for peer in peers or PEERS:
-            py = _peers_root() / PEER_VENV.get(peer, peer) / "bin" / "python"
+            py = peers_root() / PEER_VENV.get(peer, peer) / "bin" / "python"
             base = {"text": text, "method": f"peer {peer}", "header_bytes": 0}
-            if not py.exists() or not runner.exists():
+            if not runner.exists():
+                rows.append({**base, "config": {"error": f"{runner} is missing (run from a checkout)"}})
+                continue
+            if not py.exists():
                 rows.append({**base, "config": {"error": f"not set up: scripts/peers/setup.sh {peer}"}})
                 continue
             out = Path(tmp) / peer

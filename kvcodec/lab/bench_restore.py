@@ -9,7 +9,8 @@ time from the file on disk to a ``DynamicCache`` the model takes as ``past_key_v
   static token model; ``--lm`` adds the exact tier with the model-coded token channel, minutes per restore);
 * ``safetensors.torch.load_file`` + the same conversion, and zstd -3 decompression + the same conversion;
 * recomputing the cache from its token ids with one prefill (the token ids are assumed known: the cheapest
-  recompute there is).
+  recompute there is);
+* with ``--peers``, the peer packages' decoders on the same cache (:func:`peer_rows`).
 
 The direct tiers' rows also time the encoder (the cache to ``.kvz`` bytes, same thread count). Quantizer
 ``weighted`` and its predictors are calibrated on the cache's own text (128 and ``--tokens`` tokens): these
@@ -74,8 +75,9 @@ def _from_tensors(tensors: dict, n_layers: int, model):
     return kv.to_dynamic_cache(model=model)
 
 
-def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list[int], lm: bool = False) -> list[dict]:
-    """Rows of one cache (see the module docstring)."""
+def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list[int], lm: bool = False,
+                 peers: list | None = None) -> list[dict]:
+    """Rows of one cache (see the module docstring); ``peers``: also their decoders (:func:`peer_rows`)."""
     tiers = TIERS + (LM_TIERS if lm else [])
     import safetensors.torch
 
@@ -169,7 +171,55 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
                 return model(ids, use_cache=True, logits_to_keep=1).past_key_values
 
         add("recompute (one prefill)", None, recompute, threads)
+        if peers is not None:
+            rows += peer_rows(peers, kv, folder, threads, repeats)
     _set_threads(os.cpu_count() or 1)
+    return rows
+
+
+#: the peers whose decoders ``--peers`` times (``scripts/peers/dequant.py``)
+DECODE_PEERS = ["quanto", "hqq", "turboquant", "fused-turboquant"]
+
+
+def peer_rows(peers, kv, folder: Path, threads: int, repeats: int) -> list[dict]:
+    """The peers' decoders alone on the same cache, each in its own venv (``scripts/peers/dequant.py``): the
+    whole cache's dequantization from their in-memory quantized form (no file read, no cache object), torch on
+    ``threads`` threads.  A peer that is not set up or fails gets a row saying why."""
+    import json
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from .bench_lossy import PEER_SCRIPTS, PEER_VENV, peers_root
+
+    script = PEER_SCRIPTS / "dequant.py"
+    src = folder / "peers_in.safetensors"
+    if not src.exists():
+        save_file({**{f"keys.{i}": k.float().contiguous() for i, k in enumerate(kv.keys)},
+                   **{f"values.{i}": v.float().contiguous() for i, v in enumerate(kv.values)}}, str(src))
+    raw = kv.nbytes()
+    rows = []
+    for peer in peers or DECODE_PEERS:
+        py = peers_root() / PEER_VENV.get(peer, peer) / "bin" / "python"
+        base = {"method": f"peer {peer}", "threads": threads, "bytes": None}
+        if not py.exists():
+            rows.append({**base, "error": f"not set up: scripts/peers/setup.sh {peer}"})
+            continue
+        proc = subprocess.run([str(py), str(script), peer, str(src), str(threads), str(repeats)],
+                              capture_output=True, text=True, timeout=3600)
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode or not lines:
+            rows.append({**base, "error": (proc.stderr or proc.stdout).strip()[-300:]})
+        for r in lines:
+            row = {**base, "method": f"peer decode: {r['config']}", "version": r["version"]}
+            if "error" in r:
+                rows.append({**row, "error": r["error"]})
+                continue
+            rows.append({**row, "restore_s": r["seconds"], "mb_s": raw / r["seconds"] / 1e6,
+                         "peer_output_dtype": r["dtype"]})
+        print(f"peer {peer} ({threads} threads): " + ", ".join(
+            f"{r['config']} {1e3 * r['seconds']:.0f} ms" if "seconds" in r else f"{r['config']} failed"
+            for r in lines), flush=True)
     return rows
 
 
@@ -183,6 +233,9 @@ def to_markdown(results: dict) -> str:
                   "| method | threads | file bytes | restore ms | MB/s of cache | × raw safetensors | "
                   "× recompute | encode ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in case["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['method']} | {r['threads']} | - | failed: {r['error'][:80]} | | | | |")
+                continue
             enc = f"{1e3 * r['encode_s']:.0f}" if r.get("encode_s") else "-"
             lines.append(f"| {r['method']} | {r['threads']} | {r['bytes'] if r['bytes'] else '-'} | "
                          f"{1e3 * r['restore_s']:.1f} | {r['mb_s']:.0f} | {_x(r.get('vs_raw'))} | "
@@ -190,6 +243,10 @@ def to_markdown(results: dict) -> str:
         lines.append("")
     lines.append("× raw safetensors, × recompute: that row's time over theirs at the same thread count "
                  "(below 1: faster).")
+    if any(r["method"].startswith("peer") for c in results["cases"] for r in c["rows"]):
+        lines += ["", "Peer rows (`--peers`, scripts/peers/dequant.py in each peer's venv): the peer's decoder alone "
+                  "on the same cache (its dequantization of every layer from its in-memory quantized form, float32 "
+                  "output; no file read, no cache object), MB/s of the cache's raw bytes as in every other row."]
     return "\n".join(lines) + "\n"
 
 
@@ -208,12 +265,13 @@ def run_restore_bench(args) -> int:
     repeats = args.repeats or 3
     thread_counts = sorted({1, os.cpu_count() or 1})
     results = {"command": f"kvz bench --restore --tokens {tokens} --repeats {repeats} --dtypes "
-                          + " ".join(args.dtypes) + (" --lm" if args.lm else ""),
+                          + " ".join(args.dtypes) + (" --lm" if args.lm else "")
+                          + ("" if args.peers is None else " --peers " + " ".join(args.peers)),
                **machine_info(), "repeats": repeats, "cases": []}
     for dname, g, m, ids, kv in corpus_caches(cdir, genres, args.dtypes, tokens):
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kvz-restore-") as d:
-            rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm)
+            rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm, args.peers)
         for r in rows:
             base = {n: next((x for x in rows if x["method"] == n and x["threads"] == r["threads"]), None)
                     for n in ("raw safetensors", "recompute (one prefill)")}
