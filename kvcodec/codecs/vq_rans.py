@@ -46,6 +46,7 @@ import numpy as np
 
 from ..dtypes import DTYPES, bit_patterns
 from ..errors import ConfigError, FormatError
+from ..entropy import rans
 from ..registry import register_codec
 from . import _vq_numba
 from . import float_ctx_rans as floatctx
@@ -455,6 +456,43 @@ class Decoded(NamedTuple):
 def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int = 0, minor: int = 99) -> Decoded:
     """Decode a payload of a ``[B, H, T, D]`` slice of a file stamped 1.``minor``.  Every field is validated
     before use."""
+    return decode_many([(payload, shape, dtype, offset, minor)])[0]
+
+
+def decode_many(items: list) -> list:
+    """:func:`decode` of each ``(payload, shape, dtype, offset, minor)``: the payloads are parsed side by side
+    and their index streams decoded together (:func:`~kvcodec.entropy.rans.lanes_decode_many`: the vector
+    kernels run several streams in one loop)."""
+    steps = [_decode_steps(*item) for item in items]
+    results: list = [None] * len(steps)
+    wanted = {}
+    for i, g in enumerate(steps):
+        try:
+            wanted[i] = next(g)
+        except StopIteration as e:
+            results[i] = e.value
+    while wanted:
+        rans.lanes_decode_many(list(wanted.values()))
+        decoded, wanted = wanted, {}
+        for i in decoded:
+            try:
+                wanted[i] = steps[i].send(None)
+            except StopIteration as e:
+                results[i] = e.value
+    return results
+
+
+def _symbols(mv, p: int, syms: np.ndarray, k: int, offset: int):
+    """Parse the index stream at ``p`` (``floatctx.decode_symbols``' checks) and ask the driver of
+    :func:`_decode_steps` to decode it into ``syms``; the bytes it used."""
+    st, used = floatctx.parse_symbols(mv[p:], syms.shape, k, offset=offset + p, exact_payload=False, coded_bits=k)
+    yield st, syms
+    return used
+
+
+def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset: int = 0, minor: int = 99):
+    """:func:`decode` as a generator: it yields each index stream ``(rans.Stream, out)`` it needs decoded and
+    returns the :class:`Decoded` (:func:`decode_many` drives it)."""
     mv = memoryview(payload)
     b, h, t, d = shape
     if len(mv) < _FIXED.size + 4:
@@ -508,7 +546,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
     elif tq and method == METHOD_CACHEGEN:
         out, p = _decode_cachegen(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CHANNEL:
-        out, p = _decode_channel(mv, p, (b, h, tq, d), k, lo, offset)
+        out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset)
     elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
@@ -526,8 +564,7 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         norms = floatctx.decode(mv[p:p + norms_len], (b, h, tq, 1), "float16", offset=offset + p)
         p += norms_len
         syms = np.empty((b * h, tq, d), dtype=np.uint16)
-        used = floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
-        p += used
+        p += yield from _symbols(mv, p, syms, k, offset)
         n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
         if not np.isfinite(n32).all():
             raise FormatError("a vector norm is not finite", field="VQ.Norms", offset=offset)
@@ -554,7 +591,8 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
 
 
 def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
-    """Method 5: ``float32(symbol + Index_Offset) * Channel_Steps[h, d]`` (one binary32 product)."""
+    """Method 5: ``float32(symbol + Index_Offset) * Channel_Steps[h, d]`` (one binary32 product); a generator
+    (its index stream is decoded by :func:`decode_many`'s driver)."""
     b, h, t, d = shape
     n = 2 * h * d
     if len(mv) < p + n:
@@ -565,7 +603,7 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
                           offset=offset + p)
     p += n
     syms = np.empty((b * h, t, d), dtype=np.uint16)
-    p += floatctx.decode_symbols(mv[p:], syms, k, offset=offset + p, exact_payload=False, coded_bits=k)
+    p += yield from _symbols(mv, p, syms, k, offset)
     out = np.empty((b * h, t, d), dtype=np.float32)
     _vq_numba.channel_dequant(syms, lo, st, out)
     return out.reshape(b, h, t, d), p
@@ -693,10 +731,21 @@ class VqRans(Codec):
     def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
         """The reconstruction's bit patterns in the cache's dtype (float32 values rounded to nearest even: here
         for bfloat16, by torch for float16), exact head and tail tokens as stored."""
+        return self._finish(decode(payload, where.shape, where.dtype, offset=where.offset, minor=where.minor),
+                            where, out)
+
+    decode_batch = 3  # index streams decoded together (entropy/_lanes_simd.py)
+
+    def decode_many(self, items: list) -> list:
+        decs = decode_many([(payload, where.shape, where.dtype, where.offset, where.minor)
+                            for payload, where, _ in items])
+        return [self._finish(dec, where, out) for dec, (_, where, out) in zip(decs, items)]
+
+    @staticmethod
+    def _finish(dec: Decoded, where: Slice, out) -> np.ndarray:
         import torch
 
         dt = DTYPES[where.dtype]
-        dec = decode(payload, where.shape, where.dtype, offset=where.offset, minor=where.minor)
         if out is None:
             out = np.empty(where.shape, dtype=dt.uint)
         h0, t = dec.head_tokens, where.shape[2]
