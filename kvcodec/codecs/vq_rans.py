@@ -45,8 +45,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..dtypes import DTYPES, bit_patterns
-from ..errors import ConfigError, FormatError
 from ..entropy import rans
+from ..errors import ConfigError, FormatError
 from ..registry import register_codec
 from . import _vq_numba
 from . import float_ctx_rans as floatctx
