@@ -8,7 +8,8 @@ lookup is one gather for all lanes.  The shared word cursor of the interleaved s
 take consecutive words in lane order, spec "rANS stream") is an exclusive prefix sum of the lanes' refill flags,
 computed in registers; the W words after the cursor are loaded at once and moved to their lanes by a variable
 permutation (AVX2 ``vpermd``; a gather elsewhere).  With one 32-bit table entry per slot (``direct``: freq - 1,
-slot - cum and the symbol, when ``2 Scale_Bits + Coded_Bits <= 32``) a symbol costs one gather.
+slot - cum and the symbol, when ``2 Scale_Bits + Coded_Bits <= 32``) a symbol costs one gather; when a step's
+raw low bits fit 64 bits (bf16, fp16: 8 lanes x 6 bits) they come from one load, shifted apart per lane.
 
 A single stream is latency-bound (gather -> state -> gather), so :func:`decode_many` runs :data:`STREAMS`
 independent streams in one loop and their chains overlap (measured on SmolLM2 bf16 payloads, 1 thread: one
@@ -36,9 +37,10 @@ _COMPILED: dict = {}
 MAX_LOWBITS = 25
 
 
-def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None) -> str:
+def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool = False) -> str:
     """The decoder of ``K`` streams of ``W`` lanes each (same shape and parameters, decoded in one loop so that
-    their dependency chains overlap) writing ``ety`` (i16 / i32) words; see :func:`decode_many`."""
+    their dependency chains overlap) writing ``ety`` (i16 / i32) words; see :func:`decode_many`.  ``narrow``:
+    a step's ``W * lowbits`` raw bits fit one 64-bit load after a shift of up to 7 (:func:`narrow_raw`)."""
     V = f"<{W} x i32>"
     M = f"<{W} x i1>"
     P = f"<{W} x ptr>"
@@ -97,6 +99,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None) -> str:
     Lv = f"splat (i32 {RANS_L})"
     lanes = ", ".join(f"i32 {j}" for j in range(W))
     a(f"  %lanelb = mul {V} <{lanes}>, {lbv}")
+    a(f"  %lanelb64 = zext {V} %lanelb to {V64}")
     # offsets of the context map entries of a group's rows: lane * nclass + class (one column if nclass is 1)
     a("  %ncl64 = zext i32 %nclass to i64")
     nclv = splat("nclv", "i32", "%nclass")
@@ -242,9 +245,17 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None) -> str:
     a("  %oi = add i64 %o0, %tt")
     for k in range(K):
         a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
-        a(f"  %rp.{k} = getelementptr i8, ptr %rbase.{k}, {V} %bbyte")
-        a(f"  %rv.{k} = call {V} {gather}({P} %rp.{k}, i32 1, {ones}, {V} zeroinitializer)")
-        a(f"  %rs.{k} = lshr {V} %rv.{k}, %bsh")
+        if narrow:  # one 64-bit load, each lane's field shifted out of it
+            a(f"  %r64.{k} = load i64, ptr %rbase.{k}, align 1")
+            a(f"  %r64s.{k} = lshr i64 %r64.{k}, %bpr64")
+            a(f"  %r64v.i.{k} = insertelement {V64} poison, i64 %r64s.{k}, i64 0")
+            a(f"  %r64v.{k} = shufflevector {V64} %r64v.i.{k}, {V64} poison, <{W} x i32> zeroinitializer")
+            a(f"  %r64f.{k} = lshr {V64} %r64v.{k}, %lanelb64")
+            a(f"  %rs.{k} = trunc {V64} %r64f.{k} to {V}")
+        else:  # a 32-bit load per lane at its byte
+            a(f"  %rp.{k} = getelementptr i8, ptr %rbase.{k}, {V} %bbyte")
+            a(f"  %rv.{k} = call {V} {gather}({P} %rp.{k}, i32 1, {ones}, {V} zeroinitializer)")
+            a(f"  %rs.{k} = lshr {V} %rv.{k}, %bsh")
         a(f"  %low.{k} = and {V} %rs.{k}, {lmaskv}")
         a(f"  %hsym.{k} = shl {V} %p.next.{k}, {lbv}")
         a(f"  %ov.{k} = or {V} %hsym.{k}, %low.{k}")
@@ -300,8 +311,8 @@ def _target():
     return tm, features
 
 
-def _compiled(W: int, K: int, ety: str, direct: bool):
-    key = (W, K, ety, direct)
+def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
+    key = (W, K, ety, direct, narrow)
     got = _COMPILED.get(key)
     if got is not None:
         return got
@@ -311,7 +322,8 @@ def _compiled(W: int, K: int, ety: str, direct: bool):
 
             tm, features = _target()
             feat, permd = _PERMD.get(W, (None, None))
-            mod = llvm.parse_assembly(_ir(W, K, ety, direct, permd if feat in features.split(",") else None))
+            mod = llvm.parse_assembly(_ir(W, K, ety, direct, permd if feat in features.split(",") else None,
+                                          narrow))
             mod.verify()
             pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
             pb.getModulePassManager().run(mod, pb)
@@ -323,17 +335,22 @@ def _compiled(W: int, K: int, ety: str, direct: bool):
         return _COMPILED[key]
 
 
-def kernel(W: int, K: int, ety: str, direct: bool):
+def kernel(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
     """The compiled decoder of ``K`` streams of ``W`` lanes, ``ety`` output words and the direct (one 32-bit
-    entry per slot) or two-level (byte index, then 64-bit entry) tables, compiled once per process for this CPU
-    (~60 ms)."""
-    return _compiled(W, K, ety, direct)[0]
+    entry per slot) or two-level (byte index, then 64-bit entry) tables, reading a step's raw bits with one load
+    if ``narrow``; compiled once per process for this CPU (~60 ms)."""
+    return _compiled(W, K, ety, direct, narrow)[0]
 
 
-def assembly(W: int, K: int, ety: str, direct: bool) -> str:
+def assembly(W: int, K: int, ety: str, direct: bool, narrow: bool = False) -> str:
     """The decoder's machine code for this CPU, as text."""
-    _, _, tm, mod = _compiled(W, K, ety, direct)
+    _, _, tm, mod = _compiled(W, K, ety, direct, narrow)
     return tm.emit_assembly(mod)
+
+
+def narrow_raw(ways: int, lowbits: int) -> bool:
+    """Whether one step's raw bits (``ways * lowbits``, after a shift of up to 7) fit one 64-bit load."""
+    return ways * lowbits + 7 <= 64
 
 
 def available() -> bool:
@@ -398,7 +415,7 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
 
 
 def _run(ways, group, ety, direct, rows, ntok, dim, scale_bits, kbits, nclass, lowbits) -> list:
-    fn = kernel(ways, len(group), ety, direct)
+    fn = kernel(ways, len(group), ety, direct, narrow_raw(ways, lowbits))
     ptrs = np.array([a.ctypes.data for st in group
                      for a in (st.words, st.refs, st.ctx, st.table, st.info, st.raw64, st.out)], dtype=np.uint64)
     nw = np.array([st.nwords for st in group], dtype=np.int64)
