@@ -62,8 +62,11 @@ class KvzReader:
 
     def __init__(self, source, *, limits: dict | None = None):
         self._own = False
+        self._mem = None  # the file's bytes, when they are in memory: payloads are read as views, not copies
         if isinstance(source, (bytes, bytearray, memoryview)):
-            self._f = io.BytesIO(bytes(source))
+            data = bytes(source)  # immutable: a view of it stays valid
+            self._mem = memoryview(data)
+            self._f = io.BytesIO(data)
         elif isinstance(source, (str, os.PathLike)):
             self._f = open(source, "rb")
             self._own = True
@@ -78,6 +81,7 @@ class KvzReader:
                 self._f.close()
                 self._own = False
             self._f = io.BytesIO(data)
+            self._mem = memoryview(data)
         self.limits = dict(limits or {})
         try:
             self._open()
@@ -259,14 +263,18 @@ class KvzReader:
     def has(self, section_type: int, layer: int = 0, part: int = 0, chunk: int = 0) -> bool:
         return (section_type, layer, part, chunk) in self._by_key
 
-    def read_payload(self, e: SectionEntry) -> bytes:
-        """Read one section's payload, checking its header against the index and its checksum."""
+    def read_payload(self, e: SectionEntry) -> bytes | memoryview:
+        """Read one section's payload, checking its header against the index and its checksum (a read-only view
+        when the file is in memory)."""
         typ, flags, layer, part, chunk, n, psum = self._section_header_at(e.offset)
         if (typ, layer, part, chunk, n) != (e.section_type, e.layer, e.part, e.chunk, e.length):
             raise OffsetError("section header disagrees with the index", field="Section_Type", offset=e.offset)
         if not flags & L.FLAG_CRITICAL and typ in L.SECTION_NAMES:
             raise FormatError(f"a {e.name} section is not marked critical", field="Section_Flags", offset=e.offset + 2)
-        data = self._read_at(e.payload_offset, n, "Payload")
+        if self._mem is not None and e.payload_offset + n <= self.size:
+            data = self._mem[e.payload_offset:e.payload_offset + n]
+        else:
+            data = self._read_at(e.payload_offset, n, "Payload")
         if L.xxh3(data) != psum:
             raise ChecksumMismatch(f"{e.name} section (layer {e.layer}, part {e.part}, chunk {e.chunk}): "
                                    "payload checksum mismatch", field="Payload_Checksum", offset=e.offset + 24)
