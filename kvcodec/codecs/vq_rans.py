@@ -734,7 +734,8 @@ class VqRans(Codec):
         return self._finish(decode(payload, where.shape, where.dtype, offset=where.offset, minor=where.minor),
                             where, out)
 
-    decode_batch = 3  # index streams decoded together (entropy/_lanes_simd.py)
+    decode_batch = 6  # index streams decoded together (entropy/_lanes_simd.py): keys and values have their own
+    # parameters, so 6 slices make two groups of 3
 
     def decode_many(self, items: list) -> list:
         decs = decode_many([(payload, where.shape, where.dtype, where.offset, where.minor)
