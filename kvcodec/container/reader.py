@@ -263,9 +263,13 @@ class KvzReader:
     def has(self, section_type: int, layer: int = 0, part: int = 0, chunk: int = 0) -> bool:
         return (section_type, layer, part, chunk) in self._by_key
 
-    def read_payload(self, e: SectionEntry) -> bytes | memoryview:
-        """Read one section's payload, checking its header against the index and its checksum (a read-only view
-        when the file is in memory)."""
+    def read_payload(self, e: SectionEntry) -> bytes:
+        """Read one section's payload, checking its header against the index and its checksum."""
+        data = self.read_payload_view(e)
+        return data if isinstance(data, bytes) else data.tobytes()
+
+    def read_payload_view(self, e: SectionEntry) -> bytes | memoryview:
+        """:meth:`read_payload`, as a read-only view of the file's bytes when they are in memory (no copy)."""
         typ, flags, layer, part, chunk, n, psum = self._section_header_at(e.offset)
         if (typ, layer, part, chunk, n) != (e.section_type, e.layer, e.part, e.chunk, e.length):
             raise OffsetError("section header disagrees with the index", field="Section_Type", offset=e.offset)

@@ -384,7 +384,7 @@ class _DirectDecoder:
 
         def prepare(batch):
             entries = [f.reader.entry(L.SECTION_KV, *job) for job in batch]
-            return [(f.reader.read_payload(e), e.payload_offset) for e in entries]
+            return [(f.reader.read_payload_view(e), e.payload_offset) for e in entries]
 
         def work(batch, prepared):
             items = []
