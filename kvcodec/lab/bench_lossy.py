@@ -320,17 +320,25 @@ def _plot(res, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     summ = _summary(res["rows"])
-    for method in sorted({r["method"] for r in summ}):
-        pts = sorted((r["bits"], r["kl"]) for r in summ if r["method"] == method)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+
+    def series(r):  # one curve per quantizer family (turboquant's IP variant apart from its MSE one)
+        cfg = r["config"].get("config", "") if isinstance(r["config"], dict) else ""
+        return r["method"] + (" (IP + QJL)" if "TurboQuantIP" in cfg else "")
+
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(sorted({series(r) for r in summ})):
+        pts = sorted((r["bits"], r["kl"]) for r in summ if series(r) == name)
+        kvz = name.startswith("kvz")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if kvz else "s--", color=colors[i % len(colors)],
+                lw=2 if "predictors" in name else 1.2, ms=5 if kvz else 4, label=name)
     ax.axhline(0.01, color="grey", lw=0.8, ls="--")
     ax.axvline(2.0, color="grey", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.set_xlabel("bits per component (all side information)")
     ax.set_ylabel("mean KL(P_exact || P_compressed), bits/token")
     ax.set_title("SmolLM2-135M, kvz lossy tier: rate vs distortion")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -266,7 +266,7 @@ def run_restore_bench(args) -> int:
     thread_counts = sorted({1, os.cpu_count() or 1})
     results = {"command": f"kvz bench --restore --tokens {tokens} --repeats {repeats} --dtypes "
                           + " ".join(args.dtypes) + (" --lm" if args.lm else "")
-                          + ("" if args.peers is None else " --peers " + " ".join(args.peers)),
+                          + ("" if args.peers is None else " ".join([" --peers"] + args.peers)),
                **machine_info(), "repeats": repeats, "cases": []}
     for dname, g, m, ids, kv in corpus_caches(cdir, genres, args.dtypes, tokens):
         t0 = time.perf_counter()
