@@ -51,6 +51,13 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     e = []
     a = e.append
 
+    def fold(op, name, flags):  # the i1 flags of the K streams combined by ``op``: the result's name
+        acc = flags[0]
+        for k in range(1, len(flags)):
+            a(f"  %{name}.{k} = {op} i1 {acc}, {flags[k]}")
+            acc = f"%{name}.{k}"
+        return acc
+
     def splat(name, ty, scalar):
         a(f"  %{name}.i = insertelement <{W} x {ty}> poison, {ty} {scalar}, i64 0")
         a(f"  %{name} = shufflevector <{W} x {ty}> %{name}.i, <{W} x {ty}> poison, <{W} x i32> zeroinitializer")
@@ -227,11 +234,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
         a(f"  %pos.next.{k} = add i64 %pos.{k}, %cnt64.{k}")
         a(f"  %short.{k} = icmp ugt i64 %pos.next.{k}, %nwords.{k}")
         shorts.append(f"%short.{k}")
-    acc = shorts[0]
-    for k in range(1, K):
-        a(f"  %anyshort.{k} = or i1 {acc}, {shorts[k]}")
-        acc = f"%anyshort.{k}"
-    a(f"  br i1 {acc}, label %fail, label %store")
+    a(f"  br i1 {fold('or', 'anyshort', shorts)}, label %fail, label %store")
     # raw low bits: lane j's are bits bp + j lb .. of the packed stream (LSB first); then the output words
     a("store:")
     a("  %bpq = lshr i64 %bp, 3")
@@ -281,11 +284,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
         a(f"  %resp.{k} = getelementptr i64, ptr %res, i64 {k}")
         a(f"  store i64 %posg.{k}, ptr %resp.{k}, align 8")
         oks.append(f"%allok.{k}")
-    acc = oks[0]
-    for k in range(1, K):
-        a(f"  %ok.{k} = and i1 {acc}, {oks[k]}")
-        acc = f"%ok.{k}"
-    a(f"  %st = select i1 {acc}, i32 0, i32 3")
+    a(f"  %st = select i1 {fold('and', 'ok', oks)}, i32 0, i32 3")
     a("  ret i32 %st")
     a("fail:")
     a("  ret i32 1")

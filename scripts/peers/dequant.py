@@ -47,36 +47,34 @@ def _hf(backend, nbits):
     return f"{backend} nbits={nbits} group=64 (QuantizedLayer._dequantize)", encode, decode
 
 
-def _turboquant(bits):
-    from turboquant import TurboQuantMSE
-
+def _tq(label, make, encode_name, decode_name):
+    """A TurboQuant implementation: one quantizer per head dimension, its encode / decode methods by name."""
     tq = {}
 
     def encode(k, v):
-        q = tq.setdefault(k.shape[-1], TurboQuantMSE(k.shape[-1], bits=bits, device="cpu"))
-        return q, q.quantize(k), q.quantize(v)
+        q = tq.setdefault(k.shape[-1], make(k.shape[-1]))
+        return q, getattr(q, encode_name)(k), getattr(q, encode_name)(v)
 
     def decode(state):
         q, a, b = state
-        return q.dequantize(*a), q.dequantize(*b)
+        dec = getattr(q, decode_name)
+        return (dec(*a), dec(*b)) if isinstance(a, tuple) else (dec(a), dec(b))
 
-    return f"turboquant TurboQuantMSE bits={bits} (dequantize)", encode, decode
+    return label, encode, decode
+
+
+def _turboquant(bits):
+    from turboquant import TurboQuantMSE
+
+    return _tq(f"turboquant TurboQuantMSE bits={bits} (dequantize)",
+               lambda d: TurboQuantMSE(d, bits=bits, device="cpu"), "quantize", "dequantize")
 
 
 def _fused(bits):
     from fused_turboquant.core.quantizer import TurboQuantMSE
 
-    tq = {}
-
-    def encode(k, v):
-        q = tq.setdefault(k.shape[-1], TurboQuantMSE(k.shape[-1], bits=bits, device="cpu"))
-        return q, q.encode(k), q.encode(v)
-
-    def decode(state):
-        q, a, b = state
-        return q.decode(a), q.decode(b)
-
-    return f"fused-turboquant TurboQuantMSE(RHT) bits={bits}, PyTorch CPU path (decode)", encode, decode
+    return _tq(f"fused-turboquant TurboQuantMSE(RHT) bits={bits}, PyTorch CPU path (decode)",
+               lambda d: TurboQuantMSE(d, bits=bits, device="cpu"), "encode", "decode")
 
 
 PEERS = {
