@@ -155,3 +155,21 @@ def test_the_benches_find_the_peer_scripts():
     spec.loader.exec_module(recipes)
     for peer in PEERS + DECODE_PEERS:
         assert PEER_VENV.get(peer, peer) in recipes.RECIPES, peer
+
+
+def test_restore_bench_names_a_peer_it_cannot_run(tmp_path, monkeypatch):
+    """kvz bench --restore --peers: a peer without a venv gets a row that says so (and the report shows it)."""
+    from kvcodec.cache import to_canonical
+    from kvcodec.lab import bench_restore
+
+    from .common import random_cache
+
+    monkeypatch.setenv("KVCODEC_PEERS", str(tmp_path / "no-venvs"))
+    kv = to_canonical(random_cache())
+    rows = bench_restore.peer_rows(["quanto"], kv, tmp_path, 1, 1)
+    assert rows == [{"method": "peer quanto", "threads": 1, "bytes": None,
+                     "error": "not set up: scripts/peers/setup.sh quanto"}]
+    md = bench_restore.to_markdown({"command": "c", "machine": "m", "torch": "t", "numba": "n", "cpus": 1,
+                                    "repeats": 1, "cases": [{"text": "x", "dtype": "bf16", "tokens": 16,
+                                                             "raw_bytes": 1, "rows": rows}]})
+    assert "peer quanto | 1 | - | failed: not set up" in md
