@@ -235,11 +235,17 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
         raise FormatError(f"unknown mode {mode}", field="Mode", offset=offset)
     if n == 0:
         raise FormatError("coded payload for an empty tensor", field="Mode", offset=offset)
-    if out is None:
-        out = np.empty((b, h, s, d), dtype=_uint(width))
-    elif out.shape != (b, h, s, d) or out.dtype != _uint(width) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {(b, h, s, d)}")
+    out = _output(out, (b, h, s, d), width)
     decode_symbols(mv, out.reshape(b * h, s, d), 8 * width, offset=offset, exact_payload=True)
+    return out
+
+
+def _output(out, shape: tuple, width: int) -> np.ndarray:
+    """``out`` checked to be a C-contiguous array of ``shape`` and ``width``-byte words, or a new one."""
+    if out is None:
+        return np.empty(shape, dtype=_uint(width))
+    if out.shape != shape or out.dtype != _uint(width) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {shape}")
     return out
 
 
@@ -254,10 +260,7 @@ def decode_many(items: list) -> list:
         if len(mv) < 1 or mv[0] != MODE_CODED or b * h * s * d == 0:
             results.append(decode(payload, shape, dtype, offset=offset, out=out))
             continue
-        if out is None:
-            out = np.empty(shape, dtype=_uint(width))
-        elif out.shape != shape or out.dtype != _uint(width) or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {_uint(width).__name__} array of shape {shape}")
+        out = _output(out, tuple(shape), width)
         flat = out.reshape(b * h, s, d)
         st, _ = parse_symbols(mv, flat.shape, 8 * width, offset=offset, exact_payload=True)
         coded.append((st, flat))

@@ -228,8 +228,7 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         out[...] = words_out.reshape(bh, dim, ntok).transpose(0, 2, 1)
         return
     kernel = decode_kernel(ways, dim, freq, scale_bits, kbits, lowbits)
-    with _KERNEL_LOCK:
-        KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
+    _count(kernel, n)
     if kernel.startswith(("fast", "vector")):
         _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
                      offset)
@@ -260,6 +259,11 @@ FAST_WAYS = (4, 8, 16)
 #: symbols decoded by each kernel in this process (``decode_kernel``'s names): ``kvz bench`` reports which ran
 KERNEL_SYMBOLS: dict[str, int] = {}
 _KERNEL_LOCK = threading.Lock()
+
+
+def _count(kernel: str, n: int) -> None:
+    with _KERNEL_LOCK:
+        KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
 
 
 def vector_kernels() -> bool:
@@ -365,8 +369,7 @@ def lanes_decode_many(jobs) -> None:
         words, refs, ctx_map, freq, raw = check_stream(s.words, s.refs, s.ctx_map, s.freq, s.scale_bits, s.ways,
                                                        s.kbits, s.nclass, s.lowbits, s.raw, bh * dim, out.size,
                                                        offset=s.offset, raw_offset=s.raw_offset)
-        with _KERNEL_LOCK:
-            KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + out.size
+        _count(kernel, out.size)
         prepared = _local_tables(kernel, words, refs, ctx_map, freq, s.scale_bits, s.ways, s.nclass, raw, out)
         key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
         batches.setdefault(key, []).append((prepared, s.offset))
