@@ -536,6 +536,12 @@ def test_bench_method_options_and_variant_pairs():
     assert torch.equal(win.layers[0].keys, k[:, :, 96 - win.entries():])  # a pure recent window
     with pytest.raises(ValueError, match="unknown method option"):
         br._reduced(m, "cluster,sink=0", cache, ids, 0.25, None, 0)
+    with pytest.raises(ValueError, match="no question was given"):
+        br._reduced(m, "snapkv,question", cache, ids, 0.25, None, 0)
+    q = _ids(5, 4)
+    asked, _ = br._reduced(m, "snapkv,question", cache, ids, 0.25, None, 0, question=q)
+    assert torch.equal(asked.layers[0].keys, kvcodec.reduce(cache, m, 0.25, "snapkv", question=q).layers[0].keys)
+    assert br._asks("cluster,question,sinks=0") and not br._asks("cluster,sinks=0")
     rows = []
     for i, (method, bits) in enumerate([("full", -1.0), ("cluster", -3.0), ("cluster,sinks=0", -5.0),
                                         ("streaming", -2.0)] * 2):
@@ -564,3 +570,69 @@ def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):
     nxt = _ids(3, 5)
     direct = kvcodec.reduce(model_cache(m, ids), m, keep=0.25, tokens=ids)
     assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=direct).logits)
+
+
+def _question_queries(m, cache, q):
+    """The question's post-RoPE queries per layer, recorded by the public observer on a copy of the cache."""
+    import copy
+
+    with att.observe(m, window=q.shape[1], received=False) as obs:
+        m(q, past_key_values=copy.deepcopy(cache))
+    return obs
+
+
+def test_snapkv_knowing_the_question_keeps_the_keys_the_question_attends_to():
+    """question=: the kept tokens are the top keys by the question's pooled attention (recomputed here in
+    float64), with no raw window (the question is not in the cache); the cache given is left untouched."""
+    m = _model("llama")
+    ids, q = _ids(100), _ids(7, 5)
+    cache = model_cache(m, ids)
+    red = kvcodec.reduce(cache, m, budget=20, method="snapkv", question=q)
+    assert cache.get_seq_length() == 100 and red.entries() == 20
+    blind = kvcodec.reduce(cache, m, budget=20, method="snapkv", tokens=ids)
+    k = cache.layers[0].keys
+    assert torch.equal(blind.layers[0].keys, k[:, :, 80:])  # budget < 64: the agnostic window is all it keeps
+    obs = _question_queries(m, cache, q)
+    for li, layer in enumerate(cache.layers):
+        keys = layer.keys.double()
+        qs = obs.queries[li].double()  # [1, hq, 7, d]
+        g = qs.shape[1] // keys.shape[1]
+        probs = torch.softmax(obs.scaling[li] * qs @ keys.repeat_interleave(g, 1).transpose(-1, -2), -1).mean(2)
+        pooled = torch.stack([probs[..., max(0, j - 2):j + 3].mean(-1) for j in range(100)], -1)
+        score = pooled.view(1, keys.shape[1], g, 100).mean(2)
+        want = score.topk(20, -1).indices.sort(-1).values
+        got = red.layers[li].keys
+        assert torch.equal(got, layer.keys.gather(2, want[..., None].expand(-1, -1, -1, k.shape[-1])))
+    out = m.generate(torch.cat([ids, q], 1), past_key_values=red, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 112)
+
+
+def test_merge_reduce_knowing_the_question_anchors_at_its_queries():
+    m = _model("qwen2")
+    ids, q = _ids(120), _ids(6, 9)
+    cache = model_cache(m, ids)
+    red = kvcodec.reduce(cache, m, keep=0.25, method="cluster", question=q)
+    blind = kvcodec.reduce(cache, m, keep=0.25, method="cluster", tokens=ids)
+    obs = _question_queries(m, cache, q)
+    for li, layer in enumerate(red.layers):
+        qs = obs.queries[li]
+        h = cache.layers[li].keys.shape[1]
+        want = qs.mean(2).view(1, h, qs.shape[1] // h, -1).mean(2)
+        assert torch.allclose(layer.anchor, want, atol=1e-6)
+        assert not torch.allclose(layer.anchor, blind.layers[li].anchor)
+    assert red.entries() == blind.entries()
+    nxt = _ids(3, 2)
+    assert torch.isfinite(m(nxt, past_key_values=red).logits).all()
+
+
+def test_a_question_is_refused_where_it_would_change_nothing():
+    m = _model("llama")
+    ids, q = _ids(60), _ids(4, 1)
+    cache = model_cache(m, ids)
+    for method, form in [("streaming", "query"), ("h2o", "query"), ("cluster", "dot"), ("sample", "kernel")]:
+        with pytest.raises(ValueError, match="looks at no query"):
+            kvcodec.reduce(cache, m, keep=0.3, method=method, form=form, question=q, tokens=ids)
+    with pytest.raises(ValueError, match="not both"):
+        kvcodec.reduce(cache, m, keep=0.3, method="snapkv", question=q, observation=_question_queries(m, cache, q))
+    with pytest.raises(ValueError, match="non-empty"):
+        kvcodec.reduce(cache, m, keep=0.3, method="snapkv", question=[])

@@ -115,8 +115,13 @@ def _continuation_kl(model, cache, cont, ref_logp):
     return float((ref_logp.exp() * (ref_logp - lq)).sum(-1).mean() / math.log(2))
 
 
-def _reduced(model, method, full, ids, keep, obs, seed):
-    """(the method's cache, bytes of its .kvz or None)."""
+def _asks(method: str) -> bool:
+    """Whether ``method`` is reduced knowing the question (the ``,question`` option)."""
+    return "question" in method.split(",")[1:]
+
+
+def _reduced(model, method, full, ids, keep, obs, seed, question=None):
+    """(the method's cache, bytes of its .kvz or None); ``question`` (token ids) for ``,question`` methods."""
     from ..api import decode, encode
     from ..reduction import prefill, reduce
 
@@ -130,9 +135,16 @@ def _reduced(model, method, full, ids, keep, obs, seed):
     kw = {}
     for o in options:
         key, _, value = o.partition("=")
+        if o == "question":
+            if question is None:
+                raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
+            kw["question"] = question
+            continue
         if key not in ("sinks", "window"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F)")
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, question)")
         kw[key] = int(value) if key == "sinks" else float(value)
+    if "question" in kw:
+        obs = None
     red = reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query", **kw)
     if not bits:
         return red, None
@@ -172,19 +184,27 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                 for m in methods:
                     if m == "full" and keep != keeps[0]:
                         continue
-                    t1 = time.perf_counter()
-                    red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
-                    t_red = time.perf_counter() - t1
-                    got = red.entries() if hasattr(red, "entries") else n
+                    asks = _asks(m)
+                    if not asks:
+                        t1 = time.perf_counter()
+                        red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
+                        t_red = time.perf_counter() - t1
                     for it in items:
                         q = _ids(tok, f"Question: {it['question']}\nAnswer:{it.get('lead', '')}")
                         a = _ids(tok, " " + it["answer"])
+                        if asks:  # reduced knowing this item's question (its first line, not the answer's lead)
+                            t1 = time.perf_counter()
+                            red, nbytes = _reduced(model, m, full, ids, keep, obs, seed,
+                                                   question=_ids(tok, f"Question: {it['question']}\n"))
+                            t_red = time.perf_counter() - t1
+                        got = red.entries() if hasattr(red, "entries") else n
                         lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
                                      "entries": got, "answer_bits": lp, "exact": em, "kvz_bytes": nbytes,
                                      "reduce_s": round(t_red, 3), "prefill_s": round(t_prefill, 3)})
-                    if cont is not None:
+                    if cont is not None and not asks:  # a continuation has no question to know
+                        got = red.entries() if hasattr(red, "entries") else n
                         kl = _continuation_kl(model, copy.deepcopy(red), cont, ref_logp)
                         rows.append({"file": doc["file"], "kind": "continuation", "depth": 1.0, "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k, "entries": got,
@@ -278,7 +298,7 @@ def summarise(rows, keeps, methods):
     # each merge-reduce method vs each baseline, and each variant ("cluster,sinks=0") vs its method, per item
     present = {r["method"] for r in rows}
     pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample") and "-" not in a
-             for b in ("snapkv", "streaming", "h2o")]
+             for b in ("snapkv", "streaming", "h2o") + (("snapkv,question",) if _asks(a) else ())]
     pairs += [(a, a.split(",")[0]) for a in methods if "," in a]
     vs = []
     for keep in keeps:

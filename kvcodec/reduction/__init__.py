@@ -111,6 +111,19 @@ def _tokens(cache, model, tokens):
     return rec.tokens.long()
 
 
+def _observe_question(cache, model, question):
+    """The queries of ``question`` (token ids) run after ``cache`` (left untouched), recorded per layer."""
+    from ..tokens.plan import cache_kwarg
+
+    q = torch.as_tensor(question)
+    q = (q[None] if q.dim() == 1 else q).long()
+    if q.dim() != 2 or q.shape[-1] == 0:
+        raise ValueError(f"question must be a non-empty sequence of token ids, got shape {tuple(q.shape)}")
+    with observe(model, window=q.shape[-1], received=False) as obs:
+        model(q, **{cache_kwarg(model): copy.deepcopy(cache)})
+    return obs
+
+
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
     """Indices ``[b, h, budget]`` (ascending) of the tokens a baseline keeps."""
     b, h, n, _ = keys.shape
@@ -127,8 +140,11 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
         g = hq // h
         kq = keys.float().repeat_interleave(g, dim=1)
         logits = scaling * queries.float() @ kq.transpose(-1, -2)  # [b, hq, W, n]
-        qpos = torch.arange(n - queries.shape[2], n)[:, None]
-        logits = logits.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
+        if obs_layer.get("after"):  # a question's queries, past the cache: every key visible, no raw window
+            w = 0
+        else:
+            qpos = torch.arange(n - queries.shape[2], n)[:, None]
+            logits = logits.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
         att = torch.softmax(logits, -1)[..., : n - w].mean(2)  # attention to keys before the window
         att = torch.nn.functional.avg_pool1d(att.reshape(b * hq, 1, -1), 5, stride=1, padding=2,
                                              count_include_pad=False).reshape(b, hq, -1)
@@ -149,7 +165,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 @torch.no_grad()
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
-           form: str = "query") -> ReducedCache:
+           form: str = "query", question=None) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -157,7 +173,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     :func:`kvcodec.reduction.attention.observe` recorded during the prefill that made the cache (``snapkv`` and
     ``h2o`` then skip their own re-run).  ``window``: the fraction of the budget kept as raw recent tokens
     (merge-reduce methods; default 0); ``form``: the mass the reducers preserve (``"query"``, ``"dot"``,
-    ``"kernel"``)."""
+    ``"kernel"``).  ``question``: token ids of what the reduced cache will be asked, when that is known at
+    reduction time (query-aware compression, SnapKV's setting): the question is run once after the full cache
+    and its queries, not the prefill's last 64, are what ``snapkv`` scores keys with (no raw window: the
+    question is not part of the cache) and what the ``query`` form's anchor is; the methods that look at no
+    query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) refuse it."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -175,7 +195,15 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     scale = scalings(model)
     obs = observation
     need_q = method in ("snapkv", "h2o") or (method in MERGE_REDUCE and form == "query")
-    if need_q and (obs is None or (method == "h2o" and not obs.received)):
+    if question is not None:
+        if not need_q or method == "h2o":
+            what = f"form {form!r}" if method in MERGE_REDUCE else f"method {method!r}"
+            raise ValueError(f"{what} looks at no query, so a question would change nothing; "
+                             "question= needs snapkv or a merge-reduce method in the query form")
+        if observation is not None:
+            raise ValueError("pass question= or observation=, not both")
+        obs = _observe_question(cache, model, question)
+    elif need_q and (obs is None or (method == "h2o" and not obs.received)):
         ids = _tokens(cache, model, tokens)
         if ids.shape[-1] != n:
             raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
@@ -197,7 +225,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         else:
             keys, values = layer.keys, layer.values
             o = None if obs is None else {"queries": obs.queries.get(i), "scaling": obs.scaling.get(i),
-                                          "received": obs.received.get(i), "seen": obs.seen.get(i)}
+                                          "received": obs.received.get(i), "seen": obs.seen.get(i),
+                                          "after": question is not None}
             idx = _select(method, keys, o, entries, sinks)
             gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
             gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
