@@ -458,3 +458,52 @@ def test_bf16_rounding_equals_torch_on_every_non_nan():
     nan = out[:, :, 7:507][~ok]
     assert ((nan & 0x7F80) == 0x7F80).all() and ((nan & 0x7F) != 0).all()  # NaNs stay NaN
     assert not out[:, :, :7].any() and not out[:, :, 507:].any()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_vector_reconstruction_equals_the_scalar_kernels(d):
+    """The vector reconstruction (``_rotate_simd``: one token per vector register) gives the scalar kernels' bits
+    - float32, and bfloat16 rounded to nearest even - written into a strided slice of a larger output, including
+    values that overflow to infinity and butterflies that make NaN (a hostile Step)."""
+    from kvcodec.codecs import _rotate_simd, _vq_numba
+    from kvcodec.codecs.hadamard import signs
+
+    if not _rotate_simd.usable(np.zeros((1, 1, d), np.uint16), 0, np.zeros((1, 1, 1, d), np.uint16)):
+        pytest.skip("no vector kernels on this machine")
+    rng = np.random.default_rng(d)
+    b, h, t = 2, 3, 45
+    sign = signs(0x6B767A, d)
+    for step, lo, top in [(0.3183, -7, 16), (1.7e-3, -300, 700), (3.0e38, -2, 4), (0.05, 2**31 - 65536, 65535)]:
+        syms = rng.integers(0, top, size=(b * h, t, d)).astype(np.uint16)
+        norms = (rng.random((b * h, t)) * 60000).astype(np.float16).astype(np.float32)
+        norms[0, :3] = [0.0, 6.1e-5, 65504.0]
+        want = np.empty((b * h * t, d), np.float32)
+        _vq_numba.rotate_back(syms.reshape(-1, d), lo, np.float32(step), np.zeros(1, np.float32), False, sign,
+                              np.float32(1.0 / d), norms.reshape(-1), want)
+        want = want.reshape(b, h, t, d)
+        want_bf = np.zeros((b, h, t + 9, d), np.uint16)
+        _vq_numba.f32_to_bf16(want.view(np.uint32), want_bf[:, :, 4:4 + t])
+        got32 = np.zeros((b, h, t + 9, d), np.uint32)
+        got_bf = np.zeros((b, h, t + 9, d), np.uint16)
+        for out in (got32, got_bf):
+            assert _rotate_simd.usable(syms, lo, out[:, :, 4:4 + t])
+            _rotate_simd.rotate(syms, lo, np.float32(step), sign, 1.0 / d, norms, out[:, :, 4:4 + t])
+        np.testing.assert_array_equal(got32[:, :, 4:4 + t], want.view(np.uint32))
+        np.testing.assert_array_equal(got_bf, want_bf)  # the head and tail rows untouched (zeros)
+        assert not got32[:, :, :4].any() and not got32[:, :, 4 + t:].any()
+    assert not _rotate_simd.usable(syms, 2**31 - 65535, got32)  # symbol + offset could leave 32 bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lossy_decode_is_the_same_with_and_without_vector_kernels(dtype, monkeypatch):
+    """A head dimension the vector reconstruction takes (64), with exact head (sink) and tail (window) tokens
+    around the quantized ones: KVCODEC_VECTOR=0 (scalar kernels) decodes the same bits."""
+    cache = structured_cache(layers=2, seq=70, dtype=dtype)
+    data = kvcodec.encode(cache, tier="lossy", bits=2.5, sink=3, window=5, chunk_tokens=32)
+    a = kvcodec.decode(data, output="kvcache")
+    monkeypatch.setenv("KVCODEC_VECTOR", "0")
+    b = kvcodec.decode(data, output="kvcache")
+    assert a.equal(b)
+    kv = kvcodec.to_canonical(cache)
+    assert torch.equal(a.keys[0][:, :, :3], kv.keys[0][:, :, :3]) and torch.equal(a.keys[0][:, :, -5:],
+                                                                                  kv.keys[0][:, :, -5:])

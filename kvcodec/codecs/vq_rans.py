@@ -48,7 +48,7 @@ from ..dtypes import DTYPES, bit_patterns
 from ..entropy import rans
 from ..errors import ConfigError, FormatError
 from ..registry import register_codec
-from . import _vq_numba
+from . import _rotate_simd, _vq_numba
 from . import float_ctx_rans as floatctx
 from .base import Codec, Slice
 from .hadamard import SIGN_RULE, fwht, signs  # noqa: F401  (part of this codec's reference arithmetic)
@@ -446,7 +446,8 @@ def describe(prefix: bytes, shape: tuple[int, int, int, int], dtype_bits: int) -
 
 # --- decoder ------------------------------------------------------------------------
 class Decoded(NamedTuple):
-    values: np.ndarray  # float32 [B, H, T - H0 - E, D]: the dequantized tokens H0 .. T - E
+    values: np.ndarray | None  # float32 [B, H, T - H0 - E, D]: the dequantized tokens H0 .. T - E (None:
+    # written into the caller's ``dest`` already)
     tail: np.ndarray | None  # bit patterns of the E exact last tokens, or None
     exact: int  # E
     head: np.ndarray | None  # bit patterns of the H0 exact first tokens (Mode 2), or None
@@ -460,9 +461,11 @@ def decode(payload, shape: tuple[int, int, int, int], dtype: str, *, offset: int
 
 
 def decode_many(items: list) -> list:
-    """:func:`decode` of each ``(payload, shape, dtype, offset, minor)``: the payloads are parsed side by side
-    and their index streams decoded together (:func:`~kvcodec.entropy.rans.lanes_decode_many`: the vector
-    kernels run several streams in one loop)."""
+    """:func:`decode` of each ``(payload, shape, dtype, offset, minor[, dest])``: the payloads are parsed side by
+    side and their index streams decoded together (:func:`~kvcodec.entropy.rans.lanes_decode_many`: the vector
+    kernels run several streams in one loop).  ``dest`` (optional): the slice's output bit patterns ``[B, H, T,
+    D]`` (uint16 for bfloat16, uint32 for float32), into which Method 1's tokens are written directly when the
+    vector reconstruction takes them (:mod:`._rotate_simd`; the result's ``values`` is then ``None``)."""
     steps = [_decode_steps(*item) for item in items]
     results: list = [None] * len(steps)
     wanted = {}
@@ -490,7 +493,8 @@ def _symbols(mv, p: int, syms: np.ndarray, k: int, offset: int):
     return used
 
 
-def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset: int = 0, minor: int = 99):
+def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset: int = 0, minor: int = 99,
+                  dest=None):
     """:func:`decode` as a generator: it yields each index stream ``(rans.Stream, out)`` it needs decoded and
     returns the :class:`Decoded` (:func:`decode_many` drives it)."""
     mv = memoryview(payload)
@@ -571,10 +575,16 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
         s = syms.reshape(-1, d)
         if method == METHOD_LLOYD and (int(s.max()) >= levels or lo != 0):
             raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
-        out = np.empty((b * h * tq, d), dtype=np.float32)
-        _vq_numba.rotate_back(s, lo, np.float32(st), cb if method == METHOD_LLOYD else np.zeros(1, np.float32),
-                              method == METHOD_LLOYD, signs(seed, d, rule), np.float32(1.0 / d), n32, out)
-        out = out.reshape(b, h, tq, d)
+        view = None if dest is None else dest[:, :, head_tokens:head_tokens + tq]
+        if (method == METHOD_UNIFORM and dtype in ("bfloat16", "float32") and view is not None
+                and _rotate_simd.usable(syms, lo, view)):
+            _rotate_simd.rotate(syms, lo, st, signs(seed, d, rule), 1.0 / d, n32.reshape(b * h, tq), view)
+            out = None
+        else:
+            out = np.empty((b * h * tq, d), dtype=np.float32)
+            _vq_numba.rotate_back(s, lo, np.float32(st), cb if method == METHOD_LLOYD else np.zeros(1, np.float32),
+                                  method == METHOD_LLOYD, signs(seed, d, rule), np.float32(1.0 / d), n32, out)
+            out = out.reshape(b, h, tq, d)
     if len(mv) < p + 4:
         raise FormatError("payload ends before Tail_Length", field="VQ.Tail_Length", offset=offset + p)
     (tail_len,) = struct.unpack_from("<I", mv, p)
@@ -731,26 +741,27 @@ class VqRans(Codec):
     def decode(self, payload, where: Slice, prediction=None, out=None) -> np.ndarray:
         """The reconstruction's bit patterns in the cache's dtype (float32 values rounded to nearest even: here
         for bfloat16, by torch for float16), exact head and tail tokens as stored."""
-        return self._finish(decode(payload, where.shape, where.dtype, offset=where.offset, minor=where.minor),
-                            where, out)
+        return self.decode_many([(payload, where, out)])[0]
 
     decode_batch = 6  # index streams decoded together (entropy/_lanes_simd.py): keys and values have their own
     # parameters, so 6 slices make two groups of 3
 
     def decode_many(self, items: list) -> list:
-        decs = decode_many([(payload, where.shape, where.dtype, where.offset, where.minor)
-                            for payload, where, _ in items])
-        return [self._finish(dec, where, out) for dec, (_, where, out) in zip(decs, items)]
+        outs = [np.empty(where.shape, dtype=DTYPES[where.dtype].uint) if out is None else out
+                for _, where, out in items]
+        decs = decode_many([(payload, where.shape, where.dtype, where.offset, where.minor, out)
+                            for (payload, where, _), out in zip(items, outs)])
+        return [self._finish(dec, where, out) for dec, (_, where, _), out in zip(decs, items, outs)]
 
     @staticmethod
     def _finish(dec: Decoded, where: Slice, out) -> np.ndarray:
         import torch
 
         dt = DTYPES[where.dtype]
-        if out is None:
-            out = np.empty(where.shape, dtype=dt.uint)
         h0, t = dec.head_tokens, where.shape[2]
-        if dt.name == "bfloat16":  # rounded here: torch's conversion is ~10x slower
+        if dec.values is None:  # written into out by the vector reconstruction
+            pass
+        elif dt.name == "bfloat16":  # rounded here: torch's conversion is ~10x slower
             from ._vq_numba import f32_to_bf16
 
             f32_to_bf16(dec.values.view(np.uint32), out[:, :, h0:t - dec.exact])

@@ -310,8 +310,10 @@ def _target():
     return tm, features
 
 
-def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
-    key = (W, K, ety, direct, narrow)
+def jit(key, build, symbol: str, restype, argtypes):
+    """``(function, engine, target machine, module)``: the function ``symbol`` of the LLVM IR ``build(features)``
+    returns (``features``: the host CPU's, comma-separated), optimised and compiled for this CPU once per
+    process and ``key``.  Calls through the function release the GIL."""
     got = _COMPILED.get(key)
     if got is not None:
         return got
@@ -320,18 +322,23 @@ def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
             import llvmlite.binding as llvm
 
             tm, features = _target()
-            feat, permd = _PERMD.get(W, (None, None))
-            mod = llvm.parse_assembly(_ir(W, K, ety, direct, permd if feat in features.split(",") else None,
-                                          narrow))
+            mod = llvm.parse_assembly(build(features))
             mod.verify()
             pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
             pb.getModulePassManager().run(mod, pb)
             ee = llvm.create_mcjit_compiler(mod, tm)
             ee.finalize_object()
-            # CFUNCTYPE calls release the GIL; the engine must outlive the function pointer
-            fn = ctypes.CFUNCTYPE(ctypes.c_int32, *_ARGTYPES)(ee.get_function_address("dec"))
+            # the engine must outlive the function pointer
+            fn = ctypes.CFUNCTYPE(restype, *argtypes)(ee.get_function_address(symbol))
             _COMPILED[key] = (fn, ee, tm, mod)
         return _COMPILED[key]
+
+
+def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
+    feat, permd = _PERMD.get(W, (None, None))
+    return jit(("lanes", W, K, ety, direct, narrow),
+               lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow),
+               "dec", ctypes.c_int32, _ARGTYPES)
 
 
 def kernel(W: int, K: int, ety: str, direct: bool, narrow: bool = False):

@@ -1,0 +1,145 @@
+"""The lossy tier's reconstruction (spec section 13, Method 1) as explicit vector code (issue 16).
+
+A token's ``D`` components are one ``<D x float>`` value: ``z = float32(symbol + Index_Offset) * Step``, the
+Walsh-Hadamard butterfly (stage ``h``: ``p = z[j ^ h]``, then ``z[j] + p`` where bit ``h`` of ``j`` is clear and
+``p - z[j]`` where it is set: the pair ``(a + b, a - b)`` of the spec), then ``((z * sign) * (1 / D)) * norm``, and
+for bfloat16 output the rounding to nearest even of :func:`kvcodec.codecs._vq_numba.f32_to_bf16`.  LLVM IR
+written here and compiled by llvmlite for the host CPU (as :mod:`kvcodec.entropy._lanes_simd`): the stages
+become register shuffles, adds, subtracts and blends, with no transposes and no scalar loop.
+
+No fast-math flag is set, so every operation is the binary32 operation the spec writes, in its order (no fused
+multiply-add, no reassociation); each output is computed from the same two inputs as in the scalar kernel, so
+the bits are the same (``tests/test_lossy.py`` compares both).  ``float32(symbol + Index_Offset)`` is converted
+from a 32-bit integer, exact as the spec's 64-bit sum whenever the sum fits 32 bits (:func:`usable` checks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..entropy import _lanes_simd, rans
+
+__all__ = ["DIMS", "usable", "rotate"]
+
+#: head dimensions compiled here (others take the Numba kernel)
+DIMS = (64, 128)
+
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_int32, ctypes.c_float, ctypes.c_float]
+
+
+def _vec(d: int, ty: str, values) -> str:
+    return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
+
+
+def _ir(d: int, bf16: bool) -> str:
+    """``void rot(i16* syms, float* norms, float* sign, out*, rows, T, heads, sB, sH, sT, i32 off, float step,
+    float inv_d)``: row ``i = r * T + t`` of ``syms [rows, T, D]`` (and ``norms [rows, T]``) is written at byte
+    ``(r / heads) * sB + (r % heads) * sH + t * sT`` of ``out``, ``D`` float32 or bfloat16 words."""
+    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    splat = f"<{d} x i32> zeroinitializer"
+    a = []
+    w = a.append
+    w("define void @rot(ptr %syms, ptr %norms, ptr %sign, ptr %out, i64 %rows, i64 %T, i64 %heads, i64 %sB, "
+      "i64 %sH, i64 %sT, i32 %off, float %step, float %invd) {")
+    w("entry:")
+    w(f"  %sg = load {F}, ptr %sign, align 4")
+    for name, ty, val in (("offv", "i32", "%off"), ("stepv", "float", "%step"), ("invdv", "float", "%invd")):
+        vt = I32 if ty == "i32" else F
+        w(f"  %{name}.0 = insertelement {vt} poison, {ty} {val}, i64 0")
+        w(f"  %{name} = shufflevector {vt} %{name}.0, {vt} poison, {splat}")
+    w("  %n = mul i64 %rows, %T")
+    w("  %empty = icmp eq i64 %n, 0")
+    w("  br i1 %empty, label %done, label %loop")
+    w("loop:")
+    w("  %i = phi i64 [0, %entry], [%i1, %loop]")
+    w("  %r = udiv i64 %i, %T")
+    w("  %t = urem i64 %i, %T")
+    w("  %ob = udiv i64 %r, %heads")
+    w("  %oh = urem i64 %r, %heads")
+    w(f"  %si = mul i64 %i, {d}")
+    w("  %sp = getelementptr i16, ptr %syms, i64 %si")
+    w(f"  %s = load {I16}, ptr %sp, align 2")
+    w(f"  %s32 = zext {I16} %s to {I32}")
+    w(f"  %q = add {I32} %s32, %offv")
+    w(f"  %qf = sitofp {I32} %q to {F}")
+    w(f"  %z0 = fmul {F} %qf, %stepv")
+    h, k = 1, 0
+    while h < d:
+        perm = _vec(d, "i32", [j ^ h for j in range(d)])
+        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
+        w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
+        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
+        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
+        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
+        h, k = 2 * h, k + 1
+    w("  %np = getelementptr float, ptr %norms, i64 %i")
+    w("  %nr = load float, ptr %np, align 4")
+    w(f"  %nrv.0 = insertelement {F} poison, float %nr, i64 0")
+    w(f"  %nrv = shufflevector {F} %nrv.0, {F} poison, {splat}")
+    w(f"  %y1 = fmul {F} %z{k}, %sg")
+    w(f"  %y2 = fmul {F} %y1, %invdv")
+    w(f"  %y3 = fmul {F} %y2, %nrv")
+    w("  %o1 = mul i64 %ob, %sB")
+    w("  %o2 = mul i64 %oh, %sH")
+    w("  %o3 = mul i64 %t, %sT")
+    w("  %o12 = add i64 %o1, %o2")
+    w("  %o = add i64 %o12, %o3")
+    w("  %op = getelementptr i8, ptr %out, i64 %o")
+    if bf16:
+        def c(v):
+            return _vec(d, "i32", [v] * d)
+        w(f"  %wb = bitcast {F} %y3 to {I32}")
+        w(f"  %abs = and {I32} %wb, {c(0x7FFFFFFF)}")
+        w(f"  %isnan = icmp ugt {I32} %abs, {c(0x7F800000)}")
+        w(f"  %hi = lshr {I32} %wb, {c(16)}")
+        w(f"  %lsb = and {I32} %hi, {c(1)}")
+        w(f"  %rb = add {I32} %wb, {c(0x7FFF)}")
+        w(f"  %rb2 = add {I32} %rb, %lsb")
+        w(f"  %rn = lshr {I32} %rb2, {c(16)}")
+        w(f"  %qn = or {I32} %hi, {c(0x40)}")
+        w(f"  %sel = select <{d} x i1> %isnan, {I32} %qn, {I32} %rn")
+        w(f"  %bf = trunc {I32} %sel to {I16}")
+        w(f"  store {I16} %bf, ptr %op, align 2")
+    else:
+        w(f"  store {F} %y3, ptr %op, align 4")
+    w("  %i1 = add i64 %i, 1")
+    w("  %more = icmp ult i64 %i1, %n")
+    w("  br i1 %more, label %loop, label %done")
+    w("done:")
+    w("  ret void")
+    w("}")
+    return "\n".join(a) + "\n"
+
+
+def _kernel(d: int, bf16: bool):
+    return _lanes_simd.jit(("rotate", d, bf16), lambda features: _ir(d, bf16), "rot", None, _ARGTYPES)[0]
+
+
+def usable(syms, offset: int, out) -> bool:
+    """Whether :func:`rotate` takes these arrays (a compiled ``D``, contiguous symbols, rows contiguous in
+    ``out``, float32 / uint32 / uint16 output, ``symbol + offset`` inside 32 bits) on this machine
+    (``KVCODEC_VECTOR=0``: never)."""
+    if syms.ndim != 3 or syms.shape[2] not in DIMS:
+        return False
+    if not (syms.flags.c_contiguous and syms.dtype == np.uint16 and out.ndim == 4):
+        return False
+    if out.shape[3] != syms.shape[2] or out.shape[0] * out.shape[1] != syms.shape[0] or out.shape[2] != syms.shape[1]:
+        return False
+    if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
+        return False
+    return -(2 ** 31) <= offset and offset + 65535 < 2 ** 31 and rans.vector_kernels()
+
+
+def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
+    """Method 1's reconstruction of ``syms [B*H, T, D]`` (uint16) with ``norms [B*H, T]`` into ``out [B, H, T,
+    D]`` (float32 or its uint32 bit patterns, or uint16 bfloat16 patterns rounded to nearest even); callers check
+    :func:`usable` first."""
+    rows, t, d = syms.shape
+    norms = np.ascontiguousarray(norms, dtype=np.float32)
+    sign = np.ascontiguousarray(sign, dtype=np.float32)
+    assert norms.shape == (rows, t) and sign.shape == (d,) and out.shape[0] * out.shape[1] == rows
+    fn = _kernel(d, out.dtype == np.uint16)
+    fn(syms.ctypes.data, norms.ctypes.data, sign.ctypes.data, out.ctypes.data, rows, t, out.shape[1],
+       out.strides[0], out.strides[1], out.strides[2], int(offset), float(step), float(inv_d))
