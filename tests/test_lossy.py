@@ -438,6 +438,14 @@ def test_fused_reconstruction_kernels_match_the_spec_arithmetic(d):
     got = np.empty((6, 5, d), np.float32)
     _vq_numba.channel_dequant(s3, lo, steps, got)
     assert np.array_equal(got.reshape(2, 3, 5, d).view(np.uint32), want.view(np.uint32))
+    # written straight into a slice of the output: float32 bits, and bfloat16 rounded as f32_to_bf16 does
+    bits32 = np.zeros((2, 3, 9, d), np.uint32)
+    _vq_numba.channel_dequant_into(s3, lo, steps, bits32[:, :, 2:7])
+    assert np.array_equal(bits32[:, :, 2:7], want.view(np.uint32)) and not bits32[:, :, [0, 1, 7, 8]].any()
+    bf, want_bf = np.zeros((2, 3, 9, d), np.uint16), np.zeros((2, 3, 9, d), np.uint16)
+    _vq_numba.channel_dequant_into(s3, lo, steps, bf[:, :, 2:7])
+    _vq_numba.f32_to_bf16(want.view(np.uint32), want_bf[:, :, 2:7])
+    assert np.array_equal(bf, want_bf)
 
 
 def test_bf16_rounding_equals_torch_on_every_non_nan():

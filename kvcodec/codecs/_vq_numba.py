@@ -75,6 +75,33 @@ def channel_dequant(syms, offset, steps, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def channel_dequant_into(syms, offset, steps, out):
+    """:func:`channel_dequant` written into ``out [B, H, T, D]`` (any strides, e.g. a slice of the cache's
+    output): the float32 bit patterns (uint32) or the bfloat16 ones rounded to nearest even (uint16,
+    :func:`f32_to_bf16`'s rule), in one pass."""
+    b_n, heads, t, d = out.shape
+    tmp = np.empty(d, dtype=np.float32)
+    bits = tmp.view(np.uint32)
+    for a in range(b_n):
+        for hh in range(heads):
+            r = a * heads + hh
+            st = steps[r % steps.shape[0]]
+            for j in range(t):
+                for i in range(d):
+                    tmp[i] = np.float32(np.int64(syms[r, j, i]) + offset) * st[i]
+                if out.itemsize == 4:
+                    for i in range(d):
+                        out[a, hh, j, i] = bits[i]
+                else:
+                    for i in range(d):
+                        w = bits[i]
+                        nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                        rn = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                        q = (w >> np.uint32(16)) | np.uint32(0x40)
+                        out[a, hh, j, i] = np.uint16(q if nan else rn)
+
+
+@nb.njit(cache=True, nogil=True)
 def fwht_rows(x):
     """In place: the unnormalised Walsh-Hadamard butterfly of every row of ``x [N, D]`` (float32, D a power of
     two), ``(a, b) <- (a + b, a - b)`` for h = 1, 2, 4 ... in the order of :func:`kvcodec.codecs.hadamard.fwht`'s

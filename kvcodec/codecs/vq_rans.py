@@ -550,7 +550,9 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     elif tq and method == METHOD_CACHEGEN:
         out, p = _decode_cachegen(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CHANNEL:
-        out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset)
+        direct = dest is not None and dtype in ("bfloat16", "float32")
+        view = dest[:, :, head_tokens:head_tokens + tq] if direct else None
+        out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset, view)
     elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
@@ -600,9 +602,11 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     return Decoded(out, tail, exact, head, head_tokens)
 
 
-def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
+def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view=None):
     """Method 5: ``float32(symbol + Index_Offset) * Channel_Steps[h, d]`` (one binary32 product); a generator
-    (its index stream is decoded by :func:`decode_many`'s driver)."""
+    (its index stream is decoded by :func:`decode_many`'s driver).  With ``view`` (the output slice's uint32
+    float32 or uint16 bfloat16 bit patterns) the values are written there, rounded (bfloat16), and the
+    result is ``None``."""
     b, h, t, d = shape
     n = 2 * h * d
     if len(mv) < p + n:
@@ -614,6 +618,9 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int):
     p += n
     syms = np.empty((b * h, t, d), dtype=np.uint16)
     p += yield from _symbols(mv, p, syms, k, offset)
+    if view is not None:
+        _vq_numba.channel_dequant_into(syms, lo, st, view)
+        return None, p
     out = np.empty((b * h, t, d), dtype=np.float32)
     _vq_numba.channel_dequant(syms, lo, st, out)
     return out.reshape(b, h, t, d), p
