@@ -371,14 +371,16 @@ def to_markdown(res) -> str:
              f"{res['seed']}. Answer NLL ratio = total answer NLL under the method / under the full cache "
              "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
              "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
-             "KL: mean bits/token over the 64-token continuation.", "",
+             "KL: mean bits/token over the 64-token continuation (none for methods reduced knowing the "
+             "question: a continuation has no question).", "",
              "| keep | method | entries | answer NLL ratio | Δ bits [95 % CI] | p | needle EM (full) | KL bits/tok | "
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
         lo, hi = s["delta_bits_ci95"]
         lines.append(f"| {s['keep']:g} | {s['method']} | {s['entries_mean']:.0f} | {s['nll_ratio']:.3f} | "
                      f"{s['delta_bits_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {s['sign_test_p']:.3f} | "
-                     f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | {s['kl_bits_mean']:.4f} | "
+                     f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | "
+                     f"{'-' if math.isnan(s['kl_bits_mean']) else format(s['kl_bits_mean'], '.4f')} | "
                      f"{s['reduce_s_median']:.2f} |")
     lines += ["", "Paired comparisons (answer log2-likelihood, method A − method B; positive = A better):", "",
               "| keep | A | B | items | mean Δ bits [95 % CI] | A better / B better | sign-test p |",
