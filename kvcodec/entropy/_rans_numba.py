@@ -112,6 +112,47 @@ def lanes_encode(syms, ctx, freq, cum, scale_bits, ways, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def lanes_encode_ctx(syms, refs, ctx_map, kbits, nclass, freq, cum, scale_bits, ways, out):
+    """:func:`lanes_encode` with each symbol's table found on the way (``ctx_map[r, class of the previous
+    symbol]``, as :func:`contexts` computes it) instead of read from a table-id matrix, 32-bit state arithmetic
+    (states stay below 2**32) and the renormalisation written without a branch: the word is stored every step
+    and kept only when the state was too large.  The same words as :func:`lanes_encode`.  ``out`` must hold
+    ``rows * tokens + 2 * ways + 1`` words."""
+    rows, ntok = syms.shape
+    states = np.empty(ways, dtype=np.uint32)
+    for j in range(ways):
+        states[j] = RANS_L
+    pos = 0
+    shift = np.uint64(32 - scale_bits)  # x_max = ((L >> sb) << 16) * f = f << (32 - sb)
+    sb = np.uint32(scale_bits)
+    ngroups = (rows + ways - 1) // ways
+    for g in range(ngroups - 1, -1, -1):
+        g0 = g * ways
+        lanes = min(ways, rows - g0)
+        for t in range(ntok - 1, -1, -1):
+            for j in range(lanes - 1, -1, -1):
+                r = g0 + j
+                ref = np.int64(refs[r])
+                prev = np.int64(syms[r, t - 1]) if t > 0 else ref
+                c = ctx_map[r, symbol_class(prev, ref, kbits, nclass)]
+                s = syms[r, t]
+                f = np.uint32(freq[c, s])
+                x = states[j]
+                out[pos] = np.uint16(x & np.uint32(0xFFFF))
+                big = np.uint64(x) >= (np.uint64(f) << shift)
+                pos += np.int64(big)
+                x = (x >> np.uint32(16)) if big else x
+                q = x // f
+                states[j] = (q << sb) + (x - q * f) + np.uint32(cum[c, s])
+    for j in range(ways - 1, -1, -1):
+        x = states[j]
+        out[pos] = np.uint16(x & np.uint32(0xFFFF))
+        out[pos + 1] = np.uint16(x >> np.uint32(16))
+        pos += 2
+    return pos
+
+
+@nb.njit(cache=True, nogil=True)
 def row_stats(syms, kbits, nclass, refs, indptr, col, val):
     """Encoder statistics of a ``[rows, tokens]`` symbol matrix in one pass per row: ``refs[r]``, the lower
     median of the row's magnitudes (``sym & (2**(kbits-1) - 1)``), and the counts of histogram row
