@@ -267,3 +267,28 @@ def test_reencode_lossy_vector_from_its_inputs(case):
             assert predict.identity(predict.to_bytes(opts["predictors"])) == meta["options"]["predictors"]
         data = kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **opts)
     assert data == expected
+
+
+def _index_scale_bits(data, monkeypatch) -> set:
+    """The Scale_Bits of every index stream decoding ``data`` reads (spied on the rANS driver)."""
+    from kvcodec.entropy import rans
+
+    seen, real = set(), rans.lanes_decode_many
+    monkeypatch.setattr(rans, "lanes_decode_many", lambda jobs: (seen.update(s.scale_bits for s, _ in jobs),
+                                                                 real(jobs))[1])
+    kvcodec.decode(data, output="kvcache")
+    return seen
+
+
+def test_a_lossy_file_from_before_scale_bits_10_decodes(monkeypatch):
+    """Until spec revision 1.6.2 the reference encoder coded the lossy tier's index streams with Scale_Bits 12
+    (now 10; the format did not change): the lossy_uniform_window vector as it was then still decodes to its
+    recorded tensors, reading Scale_Bits 12, where the current vector reads 10."""
+    legacy = Path(__file__).resolve().parent / "data" / "legacy"
+    meta = json.loads((legacy / "lossy_scale12.json").read_text())
+    data = (legacy / "lossy_scale12.kvz").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
+    kv = kvcodec.decode(data, output="kvcache")
+    assert [sha(t) for t in kv.keys] == meta["keys_sha256"] and [sha(t) for t in kv.values] == meta["values_sha256"]
+    assert _index_scale_bits(data, monkeypatch) == {12}
+    assert _index_scale_bits((VECTORS / "lossy_uniform_window.kvz").read_bytes(), monkeypatch) == {10}
