@@ -499,19 +499,38 @@ def test_vector_reconstruction_equals_the_scalar_kernels(d):
         np.testing.assert_array_equal(got32[:, :, 4:4 + t], want.view(np.uint32))
         np.testing.assert_array_equal(got_bf, want_bf)  # the head and tail rows untouched (zeros)
         assert not got32[:, :, :4].any() and not got32[:, :, 4 + t:].any()
-    assert not _rotate_simd.usable(syms, 2**31 - 65535, got32)  # symbol + offset could leave 32 bits
+    view = got32[:, :, 4:4 + t]
+    assert _rotate_simd.usable(syms, 2**31 - 65536, view) and _rotate_simd.usable(syms, -(2**31), view)
+    assert not _rotate_simd.usable(syms, 2**31 - 65535, view)  # symbol + offset could leave 32 bits
+    assert not _rotate_simd.usable(syms, -(2**31) - 1, view)
+    frozen = view.copy()
+    frozen.flags.writeable = False
+    assert not _rotate_simd.usable(syms, 0, frozen)  # never written through a pointer
+    with pytest.raises(ValueError, match="usable"):
+        _rotate_simd.rotate(syms, 0, np.float32(1.0), sign, 1.0 / d, norms, got32)  # the whole array: wrong shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lossy_decode_is_the_same_with_and_without_vector_kernels(dtype, monkeypatch):
     """A head dimension the vector reconstruction takes (64), with exact head (sink) and tail (window) tokens
     around the quantized ones: KVCODEC_VECTOR=0 (scalar kernels) decodes the same bits."""
+    from kvcodec.codecs import _rotate_simd
+
     cache = structured_cache(layers=2, seq=70, dtype=dtype)
-    data = kvcodec.encode(cache, tier="lossy", bits=2.5, sink=3, window=5, chunk_tokens=32)
-    a = kvcodec.decode(data, output="kvcache")
-    monkeypatch.setenv("KVCODEC_VECTOR", "0")
-    b = kvcodec.decode(data, output="kvcache")
-    assert a.equal(b)
+    calls = []
+    real = _rotate_simd.rotate
+    monkeypatch.setattr(_rotate_simd, "rotate", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    for chunk in (32, 4096):  # chunks of a layer, and one chunk that is the layer's whole output
+        data = kvcodec.encode(cache, tier="lossy", bits=2.5, sink=3, window=5, chunk_tokens=chunk)
+        monkeypatch.delenv("KVCODEC_VECTOR", raising=False)
+        calls.clear()
+        a = kvcodec.decode(data, output="kvcache")
+        if _rotate_simd.usable(np.zeros((1, 1, 64), np.uint16), 0, np.zeros((1, 1, 1, 64), np.uint16)):
+            assert calls, "the vector reconstruction did not run"
+        monkeypatch.setenv("KVCODEC_VECTOR", "0")
+        calls.clear()
+        b = kvcodec.decode(data, output="kvcache")
+        assert not calls and a.equal(b)
     kv = kvcodec.to_canonical(cache)
     assert torch.equal(a.keys[0][:, :, :3], kv.keys[0][:, :, :3]) and torch.equal(a.keys[0][:, :, -5:],
                                                                                   kv.keys[0][:, :, -5:])

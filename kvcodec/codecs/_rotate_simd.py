@@ -129,7 +129,24 @@ def usable(syms, offset: int, out) -> bool:
         return False
     if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
         return False
-    return -(2 ** 31) <= offset and offset + 65535 < 2 ** 31 and rans.vector_kernels()
+    if not out.flags.writeable or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
+        return False
+    return rans.vector_kernels() and _builds(syms.shape[2], out.dtype == np.uint16)
+
+
+_BUILT: dict = {}
+
+
+def _builds(d: int, bf16: bool) -> bool:
+    """Whether this machine compiles the kernel (checked once; a failure means: use the Numba kernels)."""
+    key = (d, bf16)
+    if key not in _BUILT:
+        try:
+            _kernel(d, bf16)
+            _BUILT[key] = True
+        except Exception:  # noqa: BLE001 - any failure to build means: use the Numba kernels
+            _BUILT[key] = False
+    return _BUILT[key]
 
 
 def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
@@ -139,7 +156,9 @@ def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
     rows, t, d = syms.shape
     norms = np.ascontiguousarray(norms, dtype=np.float32)
     sign = np.ascontiguousarray(sign, dtype=np.float32)
-    assert norms.shape == (rows, t) and sign.shape == (d,) and out.shape[0] * out.shape[1] == rows
+    if not usable(syms, offset, out) or norms.shape != (rows, t) or sign.shape != (d,):
+        raise ValueError(f"rotate: symbols {syms.shape} {syms.dtype}, norms {norms.shape}, signs {sign.shape}, "
+                         f"output {out.shape} {out.dtype} do not fit the vector kernel (check usable() first)")
     fn = _kernel(d, out.dtype == np.uint16)
     fn(syms.ctypes.data, norms.ctypes.data, sign.ctypes.data, out.ctypes.data, rows, t, out.shape[1],
        out.strides[0], out.strides[1], out.strides[2], int(offset), float(step), float(inv_d))

@@ -502,6 +502,10 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     returns the :class:`Decoded` (:func:`decode_many` drives it)."""
     mv = memoryview(payload)
     b, h, t, d = shape
+    if dest is not None and (dest.shape != tuple(shape) or dest.dtype != DTYPES[dtype].uint
+                             or not dest.flags.writeable):
+        raise ValueError(f"dest must be a writeable {DTYPES[dtype].uint.__name__} array of shape {tuple(shape)}, "
+                         f"got {dest.dtype} {dest.shape}")
     if len(mv) < _FIXED.size + 4:
         raise FormatError("vq_rans payload shorter than its fixed fields", field="VQ.Mode", offset=offset)
     mode, method, k, rule, exact, seed, st, norms_len = _FIXED.unpack_from(mv, 0)

@@ -293,7 +293,7 @@ def summarise(rows, keeps, methods):
                         "sign_test_p": _sign_test(d),
                         "nll_ratio": tot_r / tot_f if tot_f else float("nan"),
                         "needle_exact": acc, "needle_exact_full": acc_f,
-                        "kl_bits_mean": float(np.mean(kls)) if kls else float("nan"),
+                        "kl_bits_mean": float(np.mean(kls)) if kls else None,
                         "reduce_s_median": float(np.median([r["reduce_s"] for r in sel]))})
     # each merge-reduce method vs each baseline, and each variant ("cluster,sinks=0") vs its method, per item
     present = {r["method"] for r in rows}
@@ -380,7 +380,7 @@ def to_markdown(res) -> str:
         lines.append(f"| {s['keep']:g} | {s['method']} | {s['entries_mean']:.0f} | {s['nll_ratio']:.3f} | "
                      f"{s['delta_bits_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {s['sign_test_p']:.3f} | "
                      f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | "
-                     f"{'-' if math.isnan(s['kl_bits_mean']) else format(s['kl_bits_mean'], '.4f')} | "
+                     f"{'-' if s['kl_bits_mean'] is None else format(s['kl_bits_mean'], '.4f')} | "
                      f"{s['reduce_s_median']:.2f} |")
     lines += ["", "Paired comparisons (answer log2-likelihood, method A − method B; positive = A better):", "",
               "| keep | A | B | items | mean Δ bits [95 % CI] | A better / B better | sign-test p |",

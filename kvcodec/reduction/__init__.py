@@ -119,6 +119,11 @@ def _observe_question(cache, model, question):
     q = (q[None] if q.dim() == 1 else q).long()
     if q.dim() != 2 or q.shape[-1] == 0:
         raise ValueError(f"question must be a non-empty sequence of token ids, got shape {tuple(q.shape)}")
+    batch = next(int(la.keys.shape[0]) for la in cache.layers if getattr(la, "keys", None) is not None)
+    if q.shape[0] != batch:
+        if q.shape[0] != 1:
+            raise ValueError(f"{q.shape[0]} questions for a cache of batch {batch} (give one, or one per row)")
+        q = q.expand(batch, -1)
     with observe(model, window=q.shape[-1], received=False) as obs:
         model(q, **{cache_kwarg(model): copy.deepcopy(cache)})
     return obs
