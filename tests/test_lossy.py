@@ -178,6 +178,8 @@ def test_bad_options_and_payloads():
     for bad, field in ((b"\x03" + payload[1:], "VQ.Mode"), (payload[:1] + b"\x07" + payload[2:], "VQ.Method"),
                        (payload[:2] + b"\x0f" + payload[3:], "VQ.Symbol_Bits"),
                        (payload[:16] + struct.pack("<f", float("nan")) + payload[20:], "VQ.Step"),
+                       # finite, but the butterfly would overflow to infinities and then CPU-dependent NaNs
+                       (payload[:16] + struct.pack("<f", 3.0e38) + payload[20:], "VQ.Step"),
                        (payload[:-3], "VQ.Tail_Length"), (payload[:30], None)):
         with pytest.raises(kvcodec.FormatError) as ei:
             quant.decode(bad, shape, "bfloat16")
@@ -534,3 +536,18 @@ def test_lossy_decode_is_the_same_with_and_without_vector_kernels(dtype, monkeyp
     kv = kvcodec.to_canonical(cache)
     assert torch.equal(a.keys[0][:, :, :3], kv.keys[0][:, :, :3]) and torch.equal(a.keys[0][:, :, -5:],
                                                                                   kv.keys[0][:, :, -5:])
+
+
+def test_a_codebook_that_would_overflow_the_reconstruction_is_refused():
+    """Method 2: a finite codebook value large enough for the butterfly to overflow binary32 (and then make
+    CPU-dependent NaNs) is refused by name (spec section 13, 1.6.2), as Method 1's Step is."""
+    data = kvcodec.encode(structured_cache(layers=1, seq=20), tier="lossy", quantizer="lloyd", lloyd_bits=3, sink=0)
+    with KvzReader(data) as r:
+        payload = bytearray(r.read_payload(r.entry(L.SECTION_KV, 0, L.PART_KEYS, 0)))
+    assert payload[0] == 1 and payload[1] == 2  # Mode 1, Method 2: the codebook follows the fixed fields
+    at = quant._FIXED.size + 4
+    quant.decode(bytes(payload), (1, 2, 20, 64), "bfloat16")  # as written: fine
+    payload[at:at + 4] = struct.pack("<f", 3.0e38)
+    with pytest.raises(kvcodec.FormatError) as ei:
+        quant.decode(bytes(payload), (1, 2, 20, 64), "bfloat16")
+    assert ei.value.field == "VQ.Codebook"

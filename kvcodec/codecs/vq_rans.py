@@ -87,6 +87,10 @@ PREDICTED_KEY_RATIO = 0.07
 # 1.4x faster than at 12 for the same bytes (+0.00 %; BENCHMARKS.md); files made at 12 decode as before
 _CTX = {**floatctx.DEFAULTS, "scale_bits": 10}
 
+#: Methods 1 and 2: max |z| * max(D, 65536) must stay below this, so the butterfly (|y| <= D max |z|) and the
+#: product with a float16 norm (< 65536) stay finite and no NaN (whose bits would be the CPU's) can arise
+RECON_BOUND = 2.0 ** 127
+
 
 def check_config(cfg: dict) -> dict:
     cfg = {k: v for k, v in cfg.items() if k not in ("max_kl", "calibrated_kl")}  # recorded, informative
@@ -564,12 +568,18 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
         levels = 1 << k
+        if method == METHOD_UNIFORM and max(abs(lo), abs(lo + levels - 1)) * st >= RECON_BOUND / max(d, 65536):
+            raise FormatError(f"Step {st} with Index_Offset {lo} could overflow binary32 in the reconstruction "
+                              "(spec section 13)", field="VQ.Step", offset=offset + 16)
         if method == METHOD_LLOYD:
             if len(mv) < p + 4 * levels:
                 raise FormatError("payload shorter than its codebook", field="VQ.Codebook", offset=offset + p)
             cb = np.frombuffer(mv[p:p + 4 * levels], dtype="<f4").astype(np.float32)
             if not np.isfinite(cb).all():
                 raise FormatError("codebook has a non-finite value", field="VQ.Codebook", offset=offset + p)
+            if float(np.abs(cb).max()) >= RECON_BOUND / max(d, 65536):
+                raise FormatError("a codebook value could overflow binary32 in the reconstruction (spec section 13)",
+                                  field="VQ.Codebook", offset=offset + p)
             p += 4 * levels
         if norms_len > len(mv) - p:
             raise FormatError(f"Norms_Length {norms_len} runs past the payload", field="VQ.Norms_Length",

@@ -1335,6 +1335,8 @@ def vq_payload(payload, shape, dtype, W, minor, exact=None):
     else:
         if not (math.isfinite(step) and step > 0):
             raise FormatError("Step")
+        if max(abs(o), abs(o + (1 << k) - 1)) * step >= 2.0 ** 127 / max(D, 65536):
+            raise FormatError("Step could overflow the reconstruction")
     if (method not in (1, 5) or Tq == 0) and o != 0:
         raise FormatError("Index_Offset must be 0")
     if Tq == 0 and norms_len != 0:
@@ -1349,6 +1351,8 @@ def vq_payload(payload, shape, dtype, W, minor, exact=None):
                 cb = np.frombuffer(rd.take(4 << k), "<f4").astype(np.float32)
                 if not np.isfinite(cb).all():
                     raise FormatError("Codebook not finite")
+                if float(np.abs(cb).max()) >= 2.0 ** 127 / max(D, 65536):
+                    raise FormatError("Codebook could overflow the reconstruction")
             nend = rd.pos + norms_len
             if norms_len == 0 or nend > len(payload):
                 raise FormatError("Norms_Length")
