@@ -44,6 +44,9 @@ def test_numba_matches_reference_and_round_trips(seed, rows, ntok, kbits, nclass
     words = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, kbits, nclass)
     got = decode_syms(words, refs, ctx_map, freq, sb, ways, kbits, nclass, rows, ntok)
     np.testing.assert_array_equal(got, syms)
+    given = rans.contexts(syms, refs, ctx_map, kbits, nclass)  # the tables given instead of found on the way
+    np.testing.assert_array_equal(rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, kbits, nclass, ctx=given),
+                                  words)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_BACKEND", "python")
         ref_words = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, kbits, nclass)

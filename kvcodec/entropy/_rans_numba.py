@@ -71,54 +71,18 @@ def contexts(syms, refs, ctx_map, kbits, nclass, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def lanes_encode(syms, ctx, freq, cum, scale_bits, ways, out):
-    """Encode the ``[rows, tokens]`` matrix ``syms`` with per-symbol table ids ``ctx``.
+def lanes_encode(syms, ctx, refs, ctx_map, kbits, nclass, freq, cum, scale_bits, ways, out):
+    """Encode the ``[rows, tokens]`` matrix ``syms``; each symbol's table is ``ctx[r, t]`` when ``ctx`` is given
+    (a study's own contexts), else found on the way: ``ctx_map[r, class of the previous symbol]`` as
+    :func:`contexts` computes it (``ctx`` then has 0 rows).
 
-    Every coded symbol must have a non-zero frequency in its table (the caller
-    guarantees it).  ``out`` must hold ``rows * tokens + 2 * ways`` words.
+    Every coded symbol must have a non-zero frequency in its table (the caller guarantees it).  States stay
+    below 2**32; the renormalisation is written without a branch (the word is stored every step and kept
+    only when the state was too large), so ``out`` must hold ``rows * tokens + 2 * ways + 1`` words.
     Returns the number of words written, in emission order (to be reversed).
     """
     rows, ntok = syms.shape
-    states = np.empty(ways, dtype=np.uint64)
-    for j in range(ways):
-        states[j] = RANS_L
-    pos = 0
-    shift = np.uint64(32 - scale_bits)  # x_max = ((L >> sb) << 16) * f = f << (32 - sb)
-    sb = np.uint64(scale_bits)
-    ngroups = (rows + ways - 1) // ways
-    for g in range(ngroups - 1, -1, -1):
-        g0 = g * ways
-        lanes = min(ways, rows - g0)
-        for t in range(ntok - 1, -1, -1):
-            for j in range(lanes - 1, -1, -1):
-                r = g0 + j
-                c = ctx[r, t]
-                s = syms[r, t]
-                f = np.uint64(freq[c, s])
-                x = states[j]
-                if x >= (f << shift):
-                    out[pos] = np.uint16(x & np.uint64(0xFFFF))
-                    pos += 1
-                    x >>= np.uint64(16)
-                q = x // f
-                states[j] = (q << sb) + (x - q * f) + np.uint64(cum[c, s])
-    # Flush so that, after reversal, state 0 comes first, high word first.
-    for j in range(ways - 1, -1, -1):
-        x = states[j]
-        out[pos] = np.uint16(x & np.uint64(0xFFFF))
-        out[pos + 1] = np.uint16(x >> np.uint64(16))
-        pos += 2
-    return pos
-
-
-@nb.njit(cache=True, nogil=True)
-def lanes_encode_ctx(syms, refs, ctx_map, kbits, nclass, freq, cum, scale_bits, ways, out):
-    """:func:`lanes_encode` with each symbol's table found on the way (``ctx_map[r, class of the previous
-    symbol]``, as :func:`contexts` computes it) instead of read from a table-id matrix, 32-bit state arithmetic
-    (states stay below 2**32) and the renormalisation written without a branch: the word is stored every step
-    and kept only when the state was too large.  The same words as :func:`lanes_encode`.  ``out`` must hold
-    ``rows * tokens + 2 * ways + 1`` words."""
-    rows, ntok = syms.shape
+    given = ctx.shape[0] > 0
     states = np.empty(ways, dtype=np.uint32)
     for j in range(ways):
         states[j] = RANS_L
@@ -132,9 +96,12 @@ def lanes_encode_ctx(syms, refs, ctx_map, kbits, nclass, freq, cum, scale_bits, 
         for t in range(ntok - 1, -1, -1):
             for j in range(lanes - 1, -1, -1):
                 r = g0 + j
-                ref = np.int64(refs[r])
-                prev = np.int64(syms[r, t - 1]) if t > 0 else ref
-                c = ctx_map[r, symbol_class(prev, ref, kbits, nclass)]
+                if given:
+                    c = np.int64(ctx[r, t])
+                else:
+                    ref = np.int64(refs[r])
+                    prev = np.int64(syms[r, t - 1]) if t > 0 else ref
+                    c = np.int64(ctx_map[r, symbol_class(prev, ref, kbits, nclass)])
                 s = syms[r, t]
                 f = np.uint32(freq[c, s])
                 x = states[j]
@@ -144,6 +111,7 @@ def lanes_encode_ctx(syms, refs, ctx_map, kbits, nclass, freq, cum, scale_bits, 
                 x = (x >> np.uint32(16)) if big else x
                 q = x // f
                 states[j] = (q << sb) + (x - q * f) + np.uint32(cum[c, s])
+    # Flush so that, after reversal, state 0 comes first, high word first.
     for j in range(ways - 1, -1, -1):
         x = states[j]
         out[pos] = np.uint16(x & np.uint32(0xFFFF))

@@ -120,14 +120,11 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
 
         return lanes_encode_ref(syms, refs, ctx_map, freq, scale_bits, ways, kbits, nclass)
     from ._rans_numba import lanes_encode as _enc
-    from ._rans_numba import lanes_encode_ctx
 
     out = np.empty(syms.size + 2 * ways + 1, dtype=np.uint16)
-    if ctx is None:
-        nw = lanes_encode_ctx(syms, np.ascontiguousarray(refs), np.ascontiguousarray(ctx_map), kbits, nclass, freq,
-                              cumulative(freq), scale_bits, ways, out)
-    else:
-        nw = _enc(syms, ctx, freq, cumulative(freq), scale_bits, ways, out)
+    ctx = np.zeros((0, 0), np.int32) if ctx is None else np.ascontiguousarray(ctx, dtype=np.int32)
+    nw = _enc(syms, ctx, np.ascontiguousarray(refs), np.ascontiguousarray(ctx_map), kbits, nclass, freq,
+              cumulative(freq), scale_bits, ways, out)
     return out[:nw][::-1].copy()
 
 
