@@ -555,7 +555,7 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
         if must_be_zero and value:
             raise FormatError(f"{name} must be 0 for Method {method} with {tq} quantized tokens (spec section 13)",
                               field=f"VQ.{name}", offset=offset + at)
-    out = np.zeros((b, h, tq, d), dtype=np.float32)
+    out = np.zeros((b, h, 0, d), dtype=np.float32)  # tq == 0; every method with tokens replaces it
     if tq and method == METHOD_KIVI:
         out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CACHEGEN:
