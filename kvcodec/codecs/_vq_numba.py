@@ -74,6 +74,17 @@ def channel_dequant(syms, offset, steps, out):
                 out[a, j, i] = np.float32(np.int64(syms[a, j, i]) + offset) * st[i]
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def bf16_bits(w):
+    """The bfloat16 bit pattern of the float32 whose bit pattern is ``w`` (uint32), rounded to nearest even
+    (spec section 13); a NaN stays a quiet NaN with its sign and leading payload bits.  A select, no branch:
+    the loops that call it vectorise."""
+    nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    r = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    q = (w >> np.uint32(16)) | np.uint32(0x40)
+    return np.uint16(q if nan else r)
+
+
 @nb.njit(cache=True, nogil=True)
 def channel_dequant_into(syms, offset, steps, out):
     """:func:`channel_dequant` written into ``out [B, H, T, D]`` (any strides, e.g. a slice of the cache's
@@ -94,11 +105,7 @@ def channel_dequant_into(syms, offset, steps, out):
                         out[a, hh, j, i] = bits[i]
                 else:
                     for i in range(d):
-                        w = bits[i]
-                        nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                        rn = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                        q = (w >> np.uint32(16)) | np.uint32(0x40)
-                        out[a, hh, j, i] = np.uint16(q if nan else rn)
+                        out[a, hh, j, i] = bf16_bits(bits[i])
 
 
 @nb.njit(cache=True, nogil=True)
@@ -129,8 +136,4 @@ def f32_to_bf16(u, out):
         for b in range(b_n):
             for t in range(t_n):
                 for i in range(d_n):
-                    w = u[a, b, t, i]
-                    nan = (w & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                    r = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                    q = (w >> np.uint32(16)) | np.uint32(0x40)
-                    out[a, b, t, i] = np.uint16(q if nan else r)  # a select: the loop vectorises
+                    out[a, b, t, i] = bf16_bits(u[a, b, t, i])

@@ -556,13 +556,13 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
             raise FormatError(f"{name} must be 0 for Method {method} with {tq} quantized tokens (spec section 13)",
                               field=f"VQ.{name}", offset=offset + at)
     out = np.zeros((b, h, 0, d), dtype=np.float32)  # tq == 0; every method with tokens replaces it
+    # where Methods 1 and 5 may write their tokens directly: the output's bfloat16 / float32 bit patterns
+    view = dest[:, :, head_tokens:head_tokens + tq] if dest is not None and dtype in ("bfloat16", "float32") else None
     if tq and method == METHOD_KIVI:
         out, p = _decode_kivi(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CACHEGEN:
         out, p = _decode_cachegen(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CHANNEL:
-        direct = dest is not None and dtype in ("bfloat16", "float32")
-        view = dest[:, :, head_tokens:head_tokens + tq] if direct else None
         out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset, view)
     elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
@@ -594,9 +594,7 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
         s = syms.reshape(-1, d)
         if method == METHOD_LLOYD and (int(s.max()) >= levels or lo != 0):
             raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
-        view = None if dest is None else dest[:, :, head_tokens:head_tokens + tq]
-        if (method == METHOD_UNIFORM and dtype in ("bfloat16", "float32") and view is not None
-                and _rotate_simd.usable(syms, lo, view)):
+        if method == METHOD_UNIFORM and view is not None and _rotate_simd.usable(syms, lo, view):
             _rotate_simd.rotate(syms, lo, st, signs(seed, d, rule), 1.0 / d, n32.reshape(b * h, tq), view)
             out = None
         else:

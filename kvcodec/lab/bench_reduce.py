@@ -189,6 +189,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                         t1 = time.perf_counter()
                         red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
                         t_red = time.perf_counter() - t1
+                        got = red.entries() if hasattr(red, "entries") else n
                     for it in items:
                         q = _ids(tok, f"Question: {it['question']}\nAnswer:{it.get('lead', '')}")
                         a = _ids(tok, " " + it["answer"])
@@ -197,14 +198,13 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                             red, nbytes = _reduced(model, m, full, ids, keep, obs, seed,
                                                    question=_ids(tok, f"Question: {it['question']}\n"))
                             t_red = time.perf_counter() - t1
-                        got = red.entries() if hasattr(red, "entries") else n
+                            got = red.entries() if hasattr(red, "entries") else n
                         lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
                                      "entries": got, "answer_bits": lp, "exact": em, "kvz_bytes": nbytes,
                                      "reduce_s": round(t_red, 3), "prefill_s": round(t_prefill, 3)})
                     if cont is not None and not asks:  # a continuation has no question to know
-                        got = red.entries() if hasattr(red, "entries") else n
                         kl = _continuation_kl(model, copy.deepcopy(red), cont, ref_logp)
                         rows.append({"file": doc["file"], "kind": "continuation", "depth": 1.0, "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k, "entries": got,

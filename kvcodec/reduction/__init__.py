@@ -111,15 +111,15 @@ def _tokens(cache, model, tokens):
     return rec.tokens.long()
 
 
-def _observe_question(cache, model, question):
-    """The queries of ``question`` (token ids) run after ``cache`` (left untouched), recorded per layer."""
+def _observe_question(cache, model, question, batch: int):
+    """The queries of ``question`` (token ids) run after ``cache`` (of ``batch`` rows, left untouched), recorded
+    per layer."""
     from ..tokens.plan import cache_kwarg
 
     q = torch.as_tensor(question)
     q = (q[None] if q.dim() == 1 else q).long()
     if q.dim() != 2 or q.shape[-1] == 0:
         raise ValueError(f"question must be a non-empty sequence of token ids, got shape {tuple(q.shape)}")
-    batch = next(int(la.keys.shape[0]) for la in cache.layers if getattr(la, "keys", None) is not None)
     if q.shape[0] != batch:
         if q.shape[0] != 1:
             raise ValueError(f"{q.shape[0]} questions for a cache of batch {batch} (give one, or one per row)")
@@ -207,7 +207,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                              "question= needs snapkv or a merge-reduce method in the query form")
         if observation is not None:
             raise ValueError("pass question= or observation=, not both")
-        obs = _observe_question(cache, model, question)
+        obs = _observe_question(cache, model, question, int(cache.layers[full[0]].keys.shape[0]))
     elif need_q and (obs is None or (method == "h2o" and not obs.received)):
         ids = _tokens(cache, model, tokens)
         if ids.shape[-1] != n:
