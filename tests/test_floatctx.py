@@ -160,17 +160,19 @@ def test_lossless_tier_default_scale_bits_and_wide_symbols():
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 80), nsym=st.sampled_from([4, 64, 1024]),
        density=st.floats(0.0, 1.0), tables=st.integers(1, 32))
 def test_table_clustering_is_backend_independent(seed, rows, nsym, density, tables):
-    """The encoder's k-means over histogram rows (sparse, no BLAS) picks the same tables with the Numba kernel
-    and the NumPy formulation (so the bytes cannot depend on the backend or the machine's BLAS); its table sums
-    are the dense sums; empty rows go to table 0 and tables are numbered in order of first use."""
+    """The encoder's k-means over histogram rows (sparse, no BLAS) picks the same tables with the vector kernel,
+    the Numba kernel and the NumPy formulation (so the bytes cannot depend on the backend or the machine's BLAS);
+    its table sums are the dense sums; empty rows go to table 0 and tables are numbered in order of first use."""
     from kvcodec.entropy import rans
 
     rng = np.random.default_rng(seed)
     dense = rng.poisson(3.0, (rows, nsym)) * (rng.random((rows, nsym)) < density)
     counts = rans.SparseCounts.from_dense(dense)
     np.testing.assert_array_equal(counts.dense(), dense)
-    got = fc._cluster(counts, tables)
+    got = fc._cluster(counts, tables)  # the vector kernel where this machine builds it
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCODEC_VECTOR", "0")  # the Numba loop
+        np.testing.assert_array_equal(fc._cluster(counts, tables), got)
         mp.setenv("KVCODEC_BACKEND", "python")
         want = fc._cluster(counts, tables)
     np.testing.assert_array_equal(got, want)

@@ -90,9 +90,9 @@ def _nearest(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndar
     """For each sparse row, the table ``t`` of least code length ``-sum_k val[k] * logq[t, idx[k]]`` (the sum
     accumulated over the row's entries in column order, from 0.0; ties to the lowest ``t``): a fixed order of
     binary64 operations, so every machine and both backends pick the same tables."""
-    logq_t = np.ascontiguousarray(logq.T)
-    out = np.empty(indptr.size - 1, dtype=np.int64)
     if rans.backend() == "python":
+        logq_t = np.ascontiguousarray(logq.T)
+        out = np.empty(indptr.size - 1, dtype=np.int64)
         nnz = np.diff(indptr)
         acc = np.zeros((out.size, logq.shape[0]))
         for k in range(int(nnz.max()) if nnz.size else 0):
@@ -101,10 +101,7 @@ def _nearest(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndar
             acc[rr] += val[e][:, None] * logq_t[idx[e]]
         out[:] = np.argmin(-acc, axis=1)
         return out
-    from ..entropy._rans_numba import nearest_tables
-
-    nearest_tables(indptr, idx, val, logq_t, out)
-    return out
+    return rans.nearest_tables(indptr, idx, val, logq)
 
 
 def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.ndarray:
@@ -131,8 +128,15 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
     mean = np.bincount(row, weights=val * idx, minlength=live.size) / tot
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
+    qs = np.empty(g * used.size)
     for _ in range(iters):
-        q = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size).reshape(g, used.size) + 1e-3
+        if rans.backend() == "python":
+            qs = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size)
+        else:  # the same exact integer sums in one pass
+            from ..entropy._rans_numba import table_sums
+
+            table_sums(indptr, idx, val, a, used.size, qs)
+        q = qs.reshape(g, used.size) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
         na = _nearest(indptr, idx, val, logq)
         if np.array_equal(na, a):
@@ -156,9 +160,9 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
         return bytes([MODE_RAW])
     k, ways = cfg["coded_bits"], cfg["ways"]
     lowbits = 8 * width - k
-    rows = np.ascontiguousarray(words.transpose(0, 1, 3, 2)).reshape(b * h * d, s)
-    syms = (rows >> lowbits).astype(np.uint16)
-    low = rans.pack_low_bits(rows, lowbits, ways)
+    w3 = np.ascontiguousarray(words).reshape(b * h, s, d)
+    syms = (w3 >> lowbits).astype(np.uint16)
+    low = rans.pack_low_bits(w3, lowbits, ways)
     out = encode_symbols(syms, k, cfg) + low
     if len(out) >= 1 + n * width:  # coding does not pay: store the words as they are
         return bytes([MODE_RAW]) + np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
@@ -167,13 +171,17 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
 
 def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     """The coded part of a Mode 1 payload (fixed fields, side information, rANS words) for a
-    ``[rows, tokens]`` matrix of ``k``-bit symbols; the caller appends the raw low bits."""
+    ``[rows, tokens]`` matrix of ``k``-bit symbols, or a ``[BH, tokens, D]`` array whose rows are its
+    ``(bh, d)`` channels (a cache's own layout, which the vector encoder reads in place); the caller appends
+    the raw low bits."""
     sb, ways = cfg["scale_bits"], cfg["ways"]
-    nrows, s = syms.shape
+    syms = np.ascontiguousarray(syms, dtype=np.uint16)
+    rows2 = syms if syms.ndim == 2 else np.ascontiguousarray(syms.transpose(0, 2, 1)).reshape(-1, syms.shape[1])
+    nrows = rows2.shape[0]
     n = syms.size
     nclass = 6 if cfg["context"] == "prev" else 1
     # reference symbol of each row (sign 0, the lower median magnitude) and histograms per (row, class)
-    refs, counts = rans.row_stats(syms, k, nclass)
+    refs, counts = rans.row_stats(rows2, k, nclass)
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1

@@ -227,7 +227,7 @@ def _encode_kivi(x: np.ndarray, cfg: dict, axis: int) -> list[bytes]:
     q[s32 == 0] = 0
     qx = _kivi_ungroup(q, x.shape, axis, group)
     k = max(2, bits)
-    rows = np.ascontiguousarray(qx.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
+    rows = qx.reshape(b * h, t, d)
     side = np.stack([mn, scale], axis=1).view(np.uint16).reshape(-1, 2, 1, 1)
     side_p = floatctx.encode(np.ascontiguousarray(side.transpose(1, 0, 2, 3)).reshape(1, 2, -1, 1), "float16", {})
     return [_KIVI.pack(axis, bits, group), struct.pack("<I", len(side_p)), side_p,
@@ -244,8 +244,7 @@ def _encode_cachegen(x: np.ndarray, bins: int) -> tuple[list[bytes], int]:
     q = np.clip(np.rint(x / safe[:, None, :, None]), -half, half).astype(np.int64)
     q[np.broadcast_to((s32 == 0)[:, None, :, None], q.shape)] = 0
     k = max(2, math.ceil(math.log2(2 * half + 1)))
-    syms = (q + half).astype(np.uint16)
-    rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
+    rows = (q + half).astype(np.uint16).reshape(b * h, t, d)
     side = floatctx.encode(scale16.view(np.uint16).reshape(b, 1, t, 1), "float16", {})
     return [struct.pack("<HH", bins, 0), struct.pack("<I", len(side)), side, floatctx.encode_symbols(rows, k, _CTX)], k
 
@@ -303,9 +302,8 @@ def index_payload(q: np.ndarray, levels: int | None = None) -> tuple[bytes, int,
     if k > MAX_SYMBOL_BITS:
         raise ConfigError(f"{CODEC_ID}: {span} quantization levels need more than {MAX_SYMBOL_BITS} bits; "
                           "raise the step / lower the rate")
-    syms = (q - lo).astype(np.uint16)
-    rows = np.ascontiguousarray(syms.transpose(0, 1, 3, 2)).reshape(b * h * d, t)
-    return floatctx.encode_symbols(rows, k, _CTX), k, lo
+    syms = (q - lo).astype(np.uint16).reshape(b * h, t, d)
+    return floatctx.encode_symbols(syms, k, _CTX), k, lo
 
 
 def _encode_channel(x: np.ndarray, steps16: np.ndarray, recon: dict | None = None) -> tuple[list[bytes], int, int]:

@@ -122,16 +122,16 @@ def lanes_encode(syms, ctx, refs, ctx_map, kbits, nclass, freq, cum, scale_bits,
 
 @nb.njit(cache=True, nogil=True)
 def row_stats(syms, kbits, nclass, refs, indptr, col, val):
-    """Encoder statistics of a ``[rows, tokens]`` symbol matrix in one pass per row: ``refs[r]``, the lower
-    median of the row's magnitudes (``sym & (2**(kbits-1) - 1)``), and the counts of histogram row
-    ``r * nclass + class`` (the symbols counted by the class of their previous symbol, the reference before
-    the first) as sparse rows: ``indptr``, then the symbols ``col`` (ascending) and their counts ``val``.
-    Returns the number of entries."""
+    """Encoder statistics of a ``[rows, tokens]`` symbol matrix, row by row: ``refs[r]``, the lower median of the
+    row's magnitudes (``sym & (2**(kbits-1) - 1)``), and the counts of histogram row ``r * nclass + class`` (the
+    symbols counted by the class of their previous symbol, the reference before the first) as sparse rows:
+    ``indptr``, then the symbols ``col`` (ascending) and their counts ``val``.  Returns the number of entries."""
     rows, ntok = syms.shape
     nsym = 1 << kbits
     half = nsym >> 1
-    hist = np.zeros(half, dtype=np.int64)
-    h2 = np.zeros((nclass, nsym), dtype=np.int64)
+    hist = np.zeros(half, dtype=np.int32)
+    h2 = np.zeros(nclass * nsym, dtype=np.int32)
+    key = np.empty(ntok, dtype=np.int32)  # class * nsym + symbol of each token
     need = (ntok + 1) // 2
     pos = 0
     for r in range(rows):
@@ -147,19 +147,26 @@ def row_stats(syms, kbits, nclass, refs, indptr, col, val):
                 break
         refs[r] = ref
         prev = ref
+        lo = nsym
+        hi = 0
         for t in range(ntok):
-            s = syms[r, t]
-            h2[symbol_class(prev, ref, kbits, nclass), s] += 1
+            s = np.int64(syms[r, t])
+            key[t] = symbol_class(prev, ref, kbits, nclass) * nsym + s
             prev = s
+            lo = min(lo, s)
+            hi = max(hi, s)
+        for t in range(ntok):
+            h2[key[t]] += 1
         for k in range(nclass):
             indptr[r * nclass + k] = pos
-            for s in range(nsym):
-                v = h2[k, s]
+            base = k * nsym
+            for s in range(lo, hi + 1):  # the row's symbols lie in [lo, hi]
+                v = h2[base + s]
                 if v:
                     col[pos] = s
                     val[pos] = v
                     pos += 1
-                    h2[k, s] = 0
+                    h2[base + s] = 0
     indptr[rows * nclass] = pos
     return pos
 
@@ -189,6 +196,17 @@ def nearest_tables(indptr, idx, val, logq_t, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def table_sums(indptr, idx, val, assign, nused, q):
+    """``q[assign[r] * nused + idx[k]] += val[k]`` over sparse row r's entries k, from zeros: the symbol counts
+    of each table (integer-valued binary64 sums, exact in any order)."""
+    q[:] = 0.0
+    for r in range(indptr.size - 1):
+        base = assign[r] * nused
+        for k in range(indptr[r], indptr[r + 1]):
+            q[base + idx[k]] += val[k]
+
+
+@nb.njit(cache=True, nogil=True)
 def pack_coding_order(rows_words, width, ways, out):
     """:func:`pack_bits` of the low ``width`` bits of a ``[rows, tokens]`` matrix taken in coding order (groups
     of ``ways`` rows, token-major), without materialising that order."""
@@ -212,6 +230,39 @@ def pack_coding_order(rows_words, width, ways, out):
         out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
     return pos
+
+
+@nb.njit(cache=True, nogil=True)
+def pack_coding_order3(words3, width, ways, out):
+    """:func:`pack_coding_order` of the ``[rows, tokens]`` matrix whose row ``bh * D + d`` is ``words3[bh, :, d]``
+    (``D % ways == 0``), read in place: a lane group's words at one token are adjacent.  ``width <= 32``;
+    ``out`` (uint8) needs ``ceil(n * width / 8)`` bytes rounded up to a multiple of 4.  Returns the bytes
+    written that the packed stream has (the last one zero-padded)."""
+    bh, ntok, dim = words3.shape
+    out32 = out.view(np.uint32)
+    acc = np.uint64(0)
+    nacc = np.uint64(0)
+    pos = 0
+    m = np.uint64((1 << width) - 1)
+    w = np.uint64(width)
+    for b in range(bh):
+        for d0 in range(0, dim, ways):
+            for t in range(ntok):
+                for j in range(ways):
+                    acc |= (np.uint64(words3[b, t, d0 + j]) & m) << nacc
+                    nacc += w
+                    if nacc >= np.uint64(32):
+                        out32[pos] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                        pos += 1
+                        acc >>= np.uint64(32)
+                        nacc -= np.uint64(32)
+    nbytes = 4 * pos
+    while nacc > np.uint64(0):
+        out[nbytes] = np.uint8(acc & np.uint64(0xFF))
+        nbytes += 1
+        acc >>= np.uint64(8)
+        nacc = nacc - np.uint64(8) if nacc > np.uint64(8) else np.uint64(0)
+    return nbytes
 
 
 @nb.njit(cache=True, nogil=True)

@@ -25,7 +25,7 @@ __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
     "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "SparseCounts",
-    "pack_low_bits", "lanes_decode_many", "vector_kernels",
+    "pack_low_bits", "lanes_decode_many", "vector_kernels", "ENCODE_SYMBOLS", "KERNEL_SYMBOLS", "nearest_tables",
 ]
 
 MIN_SCALE_BITS = 8
@@ -109,23 +109,74 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
                  ctx=None) -> np.ndarray:
     """Encode a ``[rows, tokens]`` symbol matrix; returns uint16 words in reading order.
 
-    ``ctx`` (the table id of each symbol) may be passed when the caller already
-    computed it with :func:`contexts`.
+    ``syms`` may also be a ``[BH, tokens, D]`` array whose row ``bh * D + d`` is ``syms[bh, :, d]`` (a cache's
+    own layout): with ``D % ways == 0`` a lane group's symbols at one token are then adjacent and the vector
+    encoder (:mod:`._encode_simd`) reads them in place; the words are the same either way.  ``ctx`` (the table id
+    of each symbol, ``[rows, tokens]``) may be passed when the caller already computed it with :func:`contexts`.
     """
     _check_args(scale_bits, ways)
     syms = np.ascontiguousarray(syms, dtype=np.uint16)
     freq = np.ascontiguousarray(freq, dtype=np.uint32)
+    if syms.ndim == 3:
+        bh, ntok, dim = syms.shape
+        if ctx is None and backend() == "numba" and _vector_encoder(ways, ntok, dim):
+            from . import _encode_simd
+
+            _count_encode(f"vector_w{ways}", syms.size)
+            return _encode_simd.encode(syms, refs, ctx_map, freq, cumulative(freq), scale_bits, ways, kbits, nclass)
+        syms = np.ascontiguousarray(syms.transpose(0, 2, 1)).reshape(bh * dim, ntok)
     if backend() == "python":
         from ._rans_ref import lanes_encode_ref
 
+        _count_encode("python", syms.size)
         return lanes_encode_ref(syms, refs, ctx_map, freq, scale_bits, ways, kbits, nclass)
     from ._rans_numba import lanes_encode as _enc
 
+    _count_encode(f"scalar_w{ways}", syms.size)
     out = np.empty(syms.size + 2 * ways + 1, dtype=np.uint16)
     ctx = np.zeros((0, 0), np.int32) if ctx is None else np.ascontiguousarray(ctx, dtype=np.int32)
     nw = _enc(syms, ctx, np.ascontiguousarray(refs), np.ascontiguousarray(ctx_map), kbits, nclass, freq,
               cumulative(freq), scale_bits, ways, out)
     return out[:nw][::-1].copy()
+
+
+def _vector_encoder(ways: int, ntok: int, dim: int) -> bool:
+    """Whether the vector encoder takes a ``[BH, ntok, dim]`` matrix: 2..32 lanes (LLVM has no one-lane
+    compress), lane groups inside one head, at least one token, and ``KVCODEC_VECTOR`` not 0 (as for the
+    decoders: the scalar Numba encoder writes the same words)."""
+    if not (2 <= ways and ntok >= 1 and dim % ways == 0 and vector_kernels()):
+        return False
+    from . import _encode_simd
+
+    return _encode_simd.available(ways)
+
+
+def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndarray) -> np.ndarray:
+    """For each sparse row (``indptr``, column ``idx``, count ``val``) the table ``t`` of least code length
+    ``-sum_k val[k] * logq[t, idx[k]]``, summed in entry order from 0.0, ties to the lowest ``t``: the vector
+    kernel (:mod:`._encode_simd`, a row's tables as one vector) or the Numba loop, the same sums either way."""
+    g, used = logq.shape
+    if vector_kernels():
+        from . import _encode_simd
+
+        if _encode_simd.available(8):
+            logq_p = np.zeros((used, _encode_simd.padded_tables(g)))
+            logq_p[:, :g] = logq.T
+            return _encode_simd.nearest_tables(indptr, idx, val, logq_p, g)
+    from ._rans_numba import nearest_tables as _near
+
+    out = np.empty(indptr.size - 1, dtype=np.int64)
+    _near(indptr, idx, val, np.ascontiguousarray(logq.T), out)
+    return out
+
+
+#: symbols coded by each encoder kernel in this process: ``kvz bench`` reports which ran
+ENCODE_SYMBOLS: dict[str, int] = {}
+
+
+def _count_encode(kernel: str, n: int) -> None:
+    with _KERNEL_LOCK:
+        ENCODE_SYMBOLS[kernel] = ENCODE_SYMBOLS.get(kernel, 0) + n
 
 
 #: the lane decoders' status codes (the CPU kernels' and the Triton one's) and what they mean
@@ -396,9 +447,22 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
 
 
 def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
-    """``pack_bits(coding_order(rows & mask, ways), width)`` in one pass (the encoder's raw low bits)."""
+    """``pack_bits(coding_order(rows & mask, ways), width)`` in one pass (the encoder's raw low bits).  ``rows``
+    may also be a ``[BH, tokens, D]`` array whose row ``bh * D + d`` is ``rows[bh, :, d]`` (as for
+    :func:`lanes_encode`), read in place when ``D % ways == 0``."""
     if width == 0 or rows.size == 0:
         return b""
+    if rows.ndim == 3:
+        bh, ntok, dim = rows.shape
+        if dim % ways == 0 and width <= 32 and backend() == "numba":
+            from ._rans_numba import pack_coding_order3
+
+            n = packed_size(rows.size, width)
+            out = np.empty((n + 3) // 4 * 4, dtype=np.uint8)
+            got = pack_coding_order3(np.ascontiguousarray(rows), width, ways, out)
+            assert got == n
+            return out[:n].tobytes()
+        rows = np.ascontiguousarray(rows.transpose(0, 2, 1)).reshape(bh * dim, ntok)
     if backend() == "python":
         return pack_bits(coding_order(rows & ((1 << width) - 1), ways), width)
     from ._rans_numba import pack_coding_order
