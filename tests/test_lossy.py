@@ -512,6 +512,37 @@ def test_vector_reconstruction_equals_the_scalar_kernels(d):
         _rotate_simd.rotate(syms, 0, np.float32(1.0), sign, 1.0 / d, norms, got32)  # the whole array: wrong shape
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_vector_forward_rotation_equals_the_numpy_formulation(d, monkeypatch):
+    """The encoder's forward rotation as vector code (``_rotate_simd.forward``: divide by the float16 norm, signs,
+    Walsh-Hadamard butterfly, ``rint(z / step)`` ties to even, in one pass) gives the NumPy formulation's bits:
+    rows of every scale, a zero row, norms that round to float16 subnormals or overflow to infinity, exact ties
+    of ``z / step`` at .5, and steps from tiny to huge."""
+    from kvcodec.codecs import _rotate_simd
+
+    if not _rotate_simd.forward_usable(d):
+        pytest.skip("no vector kernels on this machine")
+    rng = np.random.default_rng(d + 1)
+    x = (rng.standard_normal((300, d)) * 10.0 ** rng.uniform(-9, 5, size=(300, 1))).astype(np.float32)
+    x[0] = 0.0
+    x[1] = 0.0
+    x[1, 3] = 3e-8  # the norm rounds to a float16 subnormal
+    x[2, :] = 1e5  # the norm overflows float16: u = 0
+    x[3] = 0.0
+    x[3, 0] = 7.0  # u = e_0, z = +-1 everywhere: with step 2, z / step = +-0.5, a tie (to even: 0)
+    for step in (np.float32(2.0 ** -12), np.float32(0.0371), np.float32(2.0), np.float32(2.0 / 3.0),
+                 np.float32(3.0e38)):
+        got = quant.directions_q(x, 0x6B767A, step)
+        got_z = quant.directions(x, 0x6B767A)
+        with monkeypatch.context() as mp:
+            mp.setenv("KVCODEC_VECTOR", "0")
+            want = quant.directions_q(x, 0x6B767A, step)
+            want_z = quant.directions(x, 0x6B767A)
+        np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got_z[1].view(np.uint32), want_z[1].view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lossy_decode_is_the_same_with_and_without_vector_kernels(dtype, monkeypatch):
     """A head dimension the vector reconstruction takes (64), with exact head (sink) and tail (window) tokens

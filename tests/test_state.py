@@ -43,7 +43,8 @@ def _state_header(mutate):
     (lambda ls: ls[0]["state"].update(slots=0), kvcodec.FormatError, "slots"),
     (lambda ls: ls[0].update(seq_len=3, cumulative_length=3), kvcodec.FormatError, "linear"),
     (lambda ls: ls[0]["state"].update(extra=1), kvcodec.FormatError, "unknown keys"),
-    (lambda ls: ls[2].pop("state"), kvcodec.OffsetError, ""),  # its state sections are no longer expected
+    # its state sections are no longer expected: the first one found is refused by its type and layer
+    (lambda ls: ls[2].pop("state"), kvcodec.OffsetError, "Section_Type"),
     (lambda ls: ls[3]["state"]["tensors"][0].update(shape=[1, 5, 4]), kvcodec.FormatError, "one row per"),
     (lambda ls: ls[3].update(sliding_window=4, cumulative_length=9), kvcodec.FormatError, "full-attention"),
     (lambda ls: ls[2]["state"]["tensors"][0].update(name="indexer_keys"), kvcodec.FormatError, "indexer_keys"),

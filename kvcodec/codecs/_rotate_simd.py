@@ -21,7 +21,7 @@ import numpy as np
 
 from ..entropy import _lanes_simd, rans
 
-__all__ = ["DIMS", "usable", "rotate"]
+__all__ = ["DIMS", "usable", "rotate", "forward_usable", "forward"]
 
 #: head dimensions compiled here (others take the Numba kernel)
 DIMS = (64, 128)
@@ -162,3 +162,106 @@ def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
     fn = _kernel(d, out.dtype == np.uint16)
     fn(syms.ctypes.data, norms.ctypes.data, sign.ctypes.data, out.ctypes.data, rows, t, out.shape[1],
        out.strides[0], out.strides[1], out.strides[2], int(offset), float(step), float(inv_d))
+
+
+# --- the encoder's forward rotation -----------------------------------------------------------------------------
+
+_FWD_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float]
+
+
+def _forward_ir(d: int) -> str:
+    """``void fwd(float* x, float* norms, float* sign, float* z, float* q, i64 n, float step)``: for each row
+    ``i`` of ``x [n, D]``, ``u = x / (norm if norm > 0 else 1)`` (0 where the norm is 0), ``z = WHT(u * sign)``
+    (unnormalised, the butterfly of :func:`kvcodec.codecs.hadamard.fwht`) and ``q = rint(z / step)`` (ties to
+    even), each a binary32 operation in the NumPy formulation's order (:func:`kvcodec.codecs.vq_rans.directions`,
+    then ``np.rint(z / step)``): the same bits."""
+    F = f"<{d} x float>"
+    splat = f"<{d} x i32> zeroinitializer"
+    a = []
+    w = a.append
+    w(f"declare {F} @llvm.roundeven.v{d}f32({F})")
+    w("define void @fwd(ptr %x, ptr %norms, ptr %sign, ptr %zout, ptr %qout, i64 %n, float %step) {")
+    w("entry:")
+    w(f"  %sg = load {F}, ptr %sign, align 4")
+    w(f"  %stepv.0 = insertelement {F} poison, float %step, i64 0")
+    w(f"  %stepv = shufflevector {F} %stepv.0, {F} poison, {splat}")
+    w("  %empty = icmp eq i64 %n, 0")
+    w("  br i1 %empty, label %done, label %loop")
+    w("loop:")
+    w("  %i = phi i64 [0, %entry], [%i1, %next]")
+    w(f"  %xi = mul i64 %i, {d}")
+    w("  %xp = getelementptr float, ptr %x, i64 %xi")
+    w(f"  %xv = load {F}, ptr %xp, align 4")
+    w("  %np = getelementptr float, ptr %norms, i64 %i")
+    w("  %nr = load float, ptr %np, align 4")
+    w("  %pos = fcmp ogt float %nr, 0.0")
+    w("  %safe = select i1 %pos, float %nr, float 1.0")
+    w(f"  %sv.0 = insertelement {F} poison, float %safe, i64 0")
+    w(f"  %sv = shufflevector {F} %sv.0, {F} poison, {splat}")
+    w(f"  %u0 = fdiv {F} %xv, %sv")
+    w("  %zero = fcmp oeq float %nr, 0.0")
+    w(f"  %u1 = select i1 %zero, {F} zeroinitializer, {F} %u0")
+    w(f"  %z0 = fmul {F} %u1, %sg")
+    h, k = 1, 0
+    while h < d:
+        perm = _vec(d, "i32", [j ^ h for j in range(d)])
+        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
+        w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
+        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
+        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
+        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
+        h, k = 2 * h, k + 1
+    w("  %zp = getelementptr float, ptr %zout, i64 %xi")
+    w(f"  store {F} %z{k}, ptr %zp, align 4")
+    w("  %hasq = icmp ne ptr %qout, null")
+    w("  br i1 %hasq, label %quant, label %next")
+    w("quant:")
+    w(f"  %zs = fdiv {F} %z{k}, %stepv")
+    w(f"  %qr = call {F} @llvm.roundeven.v{d}f32({F} %zs)")
+    w("  %qp = getelementptr float, ptr %qout, i64 %xi")
+    w(f"  store {F} %qr, ptr %qp, align 4")
+    w("  br label %next")
+    w("next:")
+    w("  %i1 = add i64 %i, 1")
+    w("  %more = icmp ult i64 %i1, %n")
+    w("  br i1 %more, label %loop, label %done")
+    w("done:")
+    w("  ret void")
+    w("}")
+    return "\n".join(a) + "\n"
+
+
+def _forward_kernel(d: int):
+    return _lanes_simd.jit(("forward", d), lambda features: _forward_ir(d), "fwd", None, _FWD_ARGS)[0]
+
+
+def forward_usable(d: int) -> bool:
+    """Whether :func:`forward` runs for head dimension ``d`` on this machine (``KVCODEC_VECTOR=0``: never)."""
+    if d not in DIMS or not rans.vector_kernels():
+        return False
+    key = ("forward", d)
+    if key not in _BUILT:
+        try:
+            _forward_kernel(d)
+            _BUILT[key] = True
+        except Exception:  # noqa: BLE001 - any failure to build means: use the NumPy formulation
+            _BUILT[key] = False
+    return _BUILT[key]
+
+
+def forward(x: np.ndarray, n32: np.ndarray, sign: np.ndarray, step=None):
+    """``(z, q)``: the encoder's rotated coordinates of ``x [N, D]`` (float32) with norms ``n32 [N]`` (float32,
+    the float16 norms widened) and, if ``step`` is given, ``q = rint(z / step)`` (float32); ``q`` is None
+    otherwise.  Callers check :func:`forward_usable` first."""
+    n, d = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n32 = np.ascontiguousarray(n32, dtype=np.float32)
+    sign = np.ascontiguousarray(sign, dtype=np.float32)
+    if not forward_usable(d) or n32.shape != (n,) or sign.shape != (d,):
+        raise ValueError(f"forward: vectors {x.shape}, norms {n32.shape}, signs {sign.shape} do not fit the vector "
+                         "kernel (check forward_usable() first)")
+    z = np.empty((n, d), dtype=np.float32)
+    q = None if step is None else np.empty((n, d), dtype=np.float32)
+    _forward_kernel(d)(x.ctypes.data, n32.ctypes.data, sign.ctypes.data, z.ctypes.data,
+                       None if q is None else q.ctypes.data, n, float(np.float32(0.0 if step is None else step)))
+    return z, q

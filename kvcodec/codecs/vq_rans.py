@@ -160,12 +160,31 @@ def lloyd_max_gaussian(levels: int, iters: int = 200) -> np.ndarray:
 # --- encoder ------------------------------------------------------------------------
 def directions(x: np.ndarray, seed: int):
     """(fp16 norms, rotated coordinates z) of float32 vectors ``x [N, D]``."""
+    norms16, z, _ = _rotated(x, seed, None)
+    return norms16, z
+
+
+def directions_q(x: np.ndarray, seed: int, step) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 norms, ``rint(z / step)`` as int64) of float32 vectors ``x [N, D]``: Method 1's indices before the
+    offset (``z`` from :func:`directions`, ``step`` a float32)."""
+    norms16, z, q = _rotated(x, seed, np.float32(step))
+    return norms16, q.astype(np.int64)
+
+
+def _rotated(x: np.ndarray, seed: int, step):
+    """(fp16 norms, z, ``rint(z / step)`` in float32 or None): the vector kernel
+    (:func:`._rotate_simd.forward`, one pass, the same binary32 operations) where it runs, else NumPy."""
     norms16 = np.linalg.norm(x.astype(np.float64), axis=1).astype(np.float16)
     n32 = norms16.astype(np.float32)
+    sg = signs(seed, x.shape[1])
+    if x.shape[0] and _rotate_simd.forward_usable(x.shape[1]):
+        z, q = _rotate_simd.forward(x, n32, sg, step)
+        return norms16, z, q
     safe = np.where(n32 > 0, n32, np.float32(1.0))
     u = (x / safe[:, None]).astype(np.float32)
     u[n32 == 0] = 0
-    return norms16, fwht(u * signs(seed, x.shape[1])[None, :])
+    z = fwht(u * sg[None, :])
+    return norms16, z, None if step is None else np.rint(z / step)
 
 
 def entropy_bits(q: np.ndarray) -> float:
@@ -389,7 +408,8 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
     if tq > 0:
         vecs = np.ascontiguousarray(x[:, :, :tq]).reshape(-1, d).astype(np.float32)
         st = step if step is not None else cfg["step"]
-        if method != METHOD_UNIFORM or st is None or rotq is None:
+        z = None
+        if method != METHOD_UNIFORM or st is None:
             norms16, z = directions(vecs, seed)
         if method == METHOD_UNIFORM:
             st = np.float32(st if st is not None else step_for_rate(z, cfg["bits"]))
@@ -397,8 +417,10 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
                 st = np.float32(st / np.float32(math.sqrt(cfg["key_weight"])))
             if rotq is not None:
                 norms16, q = rotq(st, seed, 0, tq)
-            else:
+            elif z is not None:
                 q = np.rint(z / st).astype(np.int64)
+            else:  # the same, in one pass with the rotation where the vector kernel runs
+                norms16, q = directions_q(vecs, seed, st)
             codebook = b""
         else:
             cb = lloyd_max_gaussian(1 << cfg["lloyd_bits"])
@@ -410,11 +432,16 @@ def encode(x: np.ndarray, cfg: dict, *, exact_tokens: int = 0, dtype: str = "flo
         if recon is not None:
             if method != METHOD_UNIFORM:
                 raise ValueError("recon= is computed for Methods 1 and 5")
-            out = np.empty((b * h * tq, d), dtype=np.float32)
-            _vq_numba.rotate_back((q.reshape(-1, d) - lo).astype(np.uint16), lo, np.float32(st),
-                                  np.zeros(1, np.float32), False, signs(seed, d, SIGN_RULE), np.float32(1.0 / d),
-                                  norms16.astype(np.float32).reshape(-1), out)
-            recon["values"] = out.reshape(b, h, tq, d)
+            out = np.empty((b, h, tq, d), dtype=np.float32)
+            syms = (q.reshape(b * h, tq, d) - lo).astype(np.uint16)
+            n32 = norms16.astype(np.float32).reshape(b * h, tq)
+            if _rotate_simd.usable(syms, lo, out):  # the decoder's own vector reconstruction
+                _rotate_simd.rotate(syms, lo, st, signs(seed, d, SIGN_RULE), 1.0 / d, n32, out)
+            else:
+                _vq_numba.rotate_back(syms.reshape(-1, d), lo, np.float32(st), np.zeros(1, np.float32), False,
+                                      signs(seed, d, SIGN_RULE), np.float32(1.0 / d), n32.reshape(-1),
+                                      out.reshape(-1, d))
+            recon["values"] = out
         nbytes = floatctx.encode(norms16.view(np.uint16).reshape(b, h, tq, 1), "float16", {})
         parts = [_FIXED.pack(1, method, k, SIGN_RULE, exact_tokens, seed, float(st), len(nbytes)),
                  struct.pack("<i", lo), codebook, nbytes, idx]
