@@ -512,10 +512,27 @@ def test_vector_reconstruction_equals_the_scalar_kernels(d):
         _rotate_simd.rotate(syms, 0, np.float32(1.0), sign, 1.0 / d, norms, got32)  # the whole array: wrong shape
 
 
+def test_rate_search_counts_like_numpy(monkeypatch):
+    """The rate search's one-pass index counts (Numba) pick the step the NumPy formulation picks (``python``
+    backend: ``np.rint(sample / step)`` counted by value), on samples of every scale and size, with repeated
+    values and one value only."""
+    rng = np.random.default_rng(5)
+    samples = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
+               for n in (1, 7, 1000, 300_000)]
+    samples += [np.full(50, 0.3, np.float32), np.round(rng.standard_normal(5000), 1).astype(np.float32)]
+    for z in samples:
+        for rate in (0.05, 1.0, 2.5, 7.0):
+            got = quant.step_for_rate(z, rate)
+            with monkeypatch.context() as mp:
+                mp.setenv("KVCODEC_BACKEND", "python")
+                assert quant.step_for_rate(z, rate) == got
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_vector_forward_rotation_equals_the_numpy_formulation(d, monkeypatch):
-    """The encoder's forward rotation as vector code (``_rotate_simd.forward``: divide by the float16 norm, signs,
-    Walsh-Hadamard butterfly, ``rint(z / step)`` ties to even, in one pass) gives the NumPy formulation's bits:
+    """The encoder's forward rotation as vector code (``_rotate_simd.norms``: the binary64 norms in NumPy's
+    pairwise order; ``_rotate_simd.forward``: divide by the float16 norm, signs, Walsh-Hadamard butterfly,
+    ``rint(z / step)`` ties to even, in one pass) gives the NumPy formulation's bits:
     rows of every scale, a zero row, norms that round to float16 subnormals or overflow to infinity, exact ties
     of ``z / step`` at .5, and steps from tiny to huge."""
     from kvcodec.codecs import _rotate_simd
@@ -541,6 +558,9 @@ def test_vector_forward_rotation_equals_the_numpy_formulation(d, monkeypatch):
         np.testing.assert_array_equal(got[0].view(np.uint16), want[0].view(np.uint16))
         np.testing.assert_array_equal(got[1], want[1])
         np.testing.assert_array_equal(got_z[1].view(np.uint32), want_z[1].view(np.uint32))
+    # the float64 norms before their float16 rounding: NumPy's pairwise order, rows of mixed magnitudes
+    y = (rng.standard_normal((4000, d)) * 10.0 ** rng.uniform(-6, 6, size=(4000, d))).astype(np.float32)
+    np.testing.assert_array_equal(_rotate_simd.norms(y), np.linalg.norm(y.astype(np.float64), axis=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

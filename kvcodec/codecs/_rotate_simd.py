@@ -21,7 +21,7 @@ import numpy as np
 
 from ..entropy import _lanes_simd, rans
 
-__all__ = ["DIMS", "usable", "rotate", "forward_usable", "forward"]
+__all__ = ["DIMS", "usable", "rotate", "forward_usable", "forward", "norms"]
 
 #: head dimensions compiled here (others take the Numba kernel)
 DIMS = (64, 128)
@@ -265,3 +265,64 @@ def forward(x: np.ndarray, n32: np.ndarray, sign: np.ndarray, step=None):
     _forward_kernel(d)(x.ctypes.data, n32.ctypes.data, sign.ctypes.data, z.ctypes.data,
                        None if q is None else q.ctypes.data, n, float(np.float32(0.0 if step is None else step)))
     return z, q
+
+
+def _norms_ir(d: int) -> str:
+    """``void norms(float* x, double* out, i64 n)``: ``out[i] = sqrt(sum_j x[i, j]**2)`` in binary64, summed in
+    the order of NumPy's pairwise sum for a row of ``d <= 128`` values (what ``np.linalg.norm(x.astype(np.float64),
+    axis=1)`` computes): eight partial sums ``r[k]`` over ``x[i, 8 m + k]`` for m = 0, 1, ..., then
+    ``((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))``."""
+    F8, D8 = "<8 x float>", "<8 x double>"
+    a = []
+    w = a.append
+    w("declare double @llvm.sqrt.f64(double)")
+    w("define void @norms(ptr %x, ptr %out, i64 %n) {")
+    w("entry:")
+    w("  %empty = icmp eq i64 %n, 0")
+    w("  br i1 %empty, label %done, label %loop")
+    w("loop:")
+    w("  %i = phi i64 [0, %entry], [%i1, %loop]")
+    w(f"  %xi = mul i64 %i, {d}")
+    for m in range(d // 8):
+        w(f"  %p{m} = getelementptr float, ptr %x, i64 %xi")
+        w(f"  %q{m} = getelementptr float, ptr %p{m}, i64 {8 * m}")
+        w(f"  %v{m} = load {F8}, ptr %q{m}, align 4")
+        w(f"  %e{m} = fpext {F8} %v{m} to {D8}")
+        w(f"  %s{m} = fmul {D8} %e{m}, %e{m}")
+    acc = "%s0"
+    for m in range(1, d // 8):
+        w(f"  %r{m} = fadd {D8} {acc}, %s{m}")
+        acc = f"%r{m}"
+    for k in range(8):
+        w(f"  %k{k} = extractelement {D8} {acc}, i64 {k}")
+    w("  %a01 = fadd double %k0, %k1")
+    w("  %a23 = fadd double %k2, %k3")
+    w("  %a45 = fadd double %k4, %k5")
+    w("  %a67 = fadd double %k6, %k7")
+    w("  %a03 = fadd double %a01, %a23")
+    w("  %a47 = fadd double %a45, %a67")
+    w("  %sum = fadd double %a03, %a47")
+    w("  %nr = call double @llvm.sqrt.f64(double %sum)")
+    w("  %op = getelementptr double, ptr %out, i64 %i")
+    w("  store double %nr, ptr %op, align 8")
+    w("  %i1 = add i64 %i, 1")
+    w("  %more = icmp ult i64 %i1, %n")
+    w("  br i1 %more, label %loop, label %done")
+    w("done:")
+    w("  ret void")
+    w("}")
+    return "\n".join(a) + "\n"
+
+
+def norms(x: np.ndarray) -> np.ndarray:
+    """``np.linalg.norm(x.astype(np.float64), axis=1)`` of float32 ``x [N, D]`` (D in :data:`DIMS`) in one pass,
+    the same binary64 operations in NumPy's order (the tests compare with the installed NumPy)."""
+    n, d = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if d not in DIMS:
+        raise ValueError(f"norms: head dimension {d} is not compiled here")
+    out = np.empty(n, dtype=np.float64)
+    fn = _lanes_simd.jit(("norms", d), lambda features: _norms_ir(d), "norms", None,
+                         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64])[0]
+    fn(x.ctypes.data, out.ctypes.data, n)
+    return out

@@ -109,6 +109,15 @@ def channel_dequant_into(syms, offset, steps, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def index_counts(sample, step, lo, counts):
+    """``counts[rint(v / step) - lo] += 1`` for every ``v`` of ``sample`` (float32; ``v / step`` a binary32
+    division, ``rint`` ties to even: NumPy's ``np.rint(sample / step)``), from zeros."""
+    counts[:] = 0
+    for i in range(sample.size):
+        counts[np.int64(np.rint(sample[i] / step)) - lo] += 1
+
+
+@nb.njit(cache=True, nogil=True)
 def fwht_rows(x):
     """In place: the unnormalised Walsh-Hadamard butterfly of every row of ``x [N, D]`` (float32, D a power of
     two), ``(a, b) <- (a + b, a - b)`` for h = 1, 2, 4 ... in the order of :func:`kvcodec.codecs.hadamard.fwht`'s

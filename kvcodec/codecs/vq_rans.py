@@ -174,12 +174,13 @@ def directions_q(x: np.ndarray, seed: int, step) -> tuple[np.ndarray, np.ndarray
 def _rotated(x: np.ndarray, seed: int, step):
     """(fp16 norms, z, ``rint(z / step)`` in float32 or None): the vector kernel
     (:func:`._rotate_simd.forward`, one pass, the same binary32 operations) where it runs, else NumPy."""
-    norms16 = np.linalg.norm(x.astype(np.float64), axis=1).astype(np.float16)
-    n32 = norms16.astype(np.float32)
     sg = signs(seed, x.shape[1])
     if x.shape[0] and _rotate_simd.forward_usable(x.shape[1]):
-        z, q = _rotate_simd.forward(x, n32, sg, step)
+        norms16 = _rotate_simd.norms(x).astype(np.float16)
+        z, q = _rotate_simd.forward(x, norms16.astype(np.float32), sg, step)
         return norms16, z, q
+    norms16 = np.linalg.norm(x.astype(np.float64), axis=1).astype(np.float16)
+    n32 = norms16.astype(np.float32)
     safe = np.where(n32 > 0, n32, np.float32(1.0))
     u = (x / safe[:, None]).astype(np.float32)
     u[n32 == 0] = 0
@@ -204,14 +205,36 @@ def step_for_rate(z: np.ndarray, rate: float) -> float:
     sample = z.ravel()
     if sample.size > 1 << 20:
         sample = sample[:: sample.size // (1 << 20) + 1]
+    fast = sample.dtype == np.float32 and sample.size > 0 and rans.backend() == "numba"
+    if fast:
+        sample = np.ascontiguousarray(sample)
+        smin, smax = sample.min(), sample.max()
     lo, hi = -12.0, 6.0  # log2 step
     for _ in range(40):
         mid = (lo + hi) / 2
-        if entropy_bits(np.rint(sample / 2.0 ** mid)) > rate:
+        if fast:
+            bits = _index_entropy(sample, np.float32(2.0 ** mid), smin, smax)
+        else:
+            bits = entropy_bits(np.rint(sample / 2.0 ** mid))
+        if bits > rate:
             lo = mid
         else:
             hi = mid
     return float(np.float32(2.0 ** hi))
+
+
+def _index_entropy(sample: np.ndarray, st: np.float32, smin: np.float32, smax: np.float32) -> float:
+    """``entropy_bits(np.rint(sample / st))`` for float32 ``sample`` in one Numba pass: ``rint(v / st)`` is
+    monotone in ``v``, so its least and largest values are those of ``smin`` and ``smax``, and the counts come out
+    in ascending order of the index, as ``entropy_bits`` takes them."""
+    lo, hi = np.rint(smin / st), np.rint(smax / st)
+    if not hi - lo < 1 << 24:
+        return entropy_bits(np.rint(sample / st))
+    cnt = np.empty(int(hi - lo) + 1, dtype=np.int64)
+    _vq_numba.index_counts(sample, st, int(lo), cnt)
+    cnt = cnt[cnt > 0]
+    p = cnt / cnt.sum()
+    return float(-(p * np.log2(p)).sum())
 
 
 def _kivi_groups(x: np.ndarray, axis: int, group: int) -> np.ndarray:
