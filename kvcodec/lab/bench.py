@@ -181,7 +181,8 @@ def run_bench(args) -> int:
         return missing_corpus("kvz bench")
     genres = args.genres or DEFAULT_GENRES
     results = {"command": "kvz bench " + " ".join(f"--{k} {v}" for k, v in (("tokens", args.tokens),
-                                                                             ("repeats", args.repeats))),
+                                                                             ("repeats", args.repeats)))
+               + (" --no-zstd19" if args.no_zstd19 else ""),
                **machine_info(), "zstandard": zstandard.__version__, "cases": []}
     for dname, g, _m, ids, kv in corpus_caches(cdir, genres, args.dtypes, args.tokens):
         t = time.perf_counter()
