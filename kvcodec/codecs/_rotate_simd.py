@@ -33,6 +33,30 @@ def _vec(d: int, ty: str, values) -> str:
     return "<" + ", ".join(f"{ty} {v}" for v in values) + ">"
 
 
+def _row_loop_end(a: list) -> str:
+    """Close a kernel's loop over rows ``%i < %n`` (to ``%loop``, else ``%done``: return); the module's text."""
+    a += ["  %i1 = add i64 %i, 1", "  %more = icmp ult i64 %i1, %n", "  br i1 %more, label %loop, label %done",
+          "done:", "  ret void", "}"]
+    return "\n".join(a) + "\n"
+
+
+def _butterfly(w, d: int) -> int:
+    """Emit the unnormalised Walsh-Hadamard butterfly of ``%z0`` (``<d x float>``): stage ``h`` is ``p = z[j ^ h]``
+    then ``z[j] + p`` where bit ``h`` of ``j`` is clear and ``p - z[j]`` where it is set (the pair ``(a + b, a -
+    b)``); the result is ``%z{k}`` for the returned ``k``."""
+    F = f"<{d} x float>"
+    h, k = 1, 0
+    while h < d:
+        perm = _vec(d, "i32", [j ^ h for j in range(d)])
+        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
+        w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
+        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
+        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
+        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
+        h, k = 2 * h, k + 1
+    return k
+
+
 def _ir(d: int, bf16: bool) -> str:
     """``void rot(i16* syms, float* norms, float* sign, out*, rows, T, heads, sB, sH, sT, i32 off, float step,
     float inv_d)``: row ``i = r * T + t`` of ``syms [rows, T, D]`` (and ``norms [rows, T]``) is written at byte
@@ -65,15 +89,7 @@ def _ir(d: int, bf16: bool) -> str:
     w(f"  %q = add {I32} %s32, %offv")
     w(f"  %qf = sitofp {I32} %q to {F}")
     w(f"  %z0 = fmul {F} %qf, %stepv")
-    h, k = 1, 0
-    while h < d:
-        perm = _vec(d, "i32", [j ^ h for j in range(d)])
-        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
-        w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
-        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
-        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
-        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
-        h, k = 2 * h, k + 1
+    k = _butterfly(w, d)
     w("  %np = getelementptr float, ptr %norms, i64 %i")
     w("  %nr = load float, ptr %np, align 4")
     w(f"  %nrv.0 = insertelement {F} poison, float %nr, i64 0")
@@ -104,13 +120,7 @@ def _ir(d: int, bf16: bool) -> str:
         w(f"  store {I16} %bf, ptr %op, align 2")
     else:
         w(f"  store {F} %y3, ptr %op, align 4")
-    w("  %i1 = add i64 %i, 1")
-    w("  %more = icmp ult i64 %i1, %n")
-    w("  br i1 %more, label %loop, label %done")
-    w("done:")
-    w("  ret void")
-    w("}")
-    return "\n".join(a) + "\n"
+    return _row_loop_end(a)
 
 
 def _kernel(d: int, bf16: bool):
@@ -202,15 +212,7 @@ def _forward_ir(d: int) -> str:
     w("  %zero = fcmp oeq float %nr, 0.0")
     w(f"  %u1 = select i1 %zero, {F} zeroinitializer, {F} %u0")
     w(f"  %z0 = fmul {F} %u1, %sg")
-    h, k = 1, 0
-    while h < d:
-        perm = _vec(d, "i32", [j ^ h for j in range(d)])
-        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
-        w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
-        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
-        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
-        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
-        h, k = 2 * h, k + 1
+    k = _butterfly(w, d)
     w("  %zp = getelementptr float, ptr %zout, i64 %xi")
     w(f"  store {F} %z{k}, ptr %zp, align 4")
     w("  %hasq = icmp ne ptr %qout, null")
@@ -222,13 +224,7 @@ def _forward_ir(d: int) -> str:
     w(f"  store {F} %qr, ptr %qp, align 4")
     w("  br label %next")
     w("next:")
-    w("  %i1 = add i64 %i, 1")
-    w("  %more = icmp ult i64 %i1, %n")
-    w("  br i1 %more, label %loop, label %done")
-    w("done:")
-    w("  ret void")
-    w("}")
-    return "\n".join(a) + "\n"
+    return _row_loop_end(a)
 
 
 def _forward_kernel(d: int):
@@ -305,13 +301,7 @@ def _norms_ir(d: int) -> str:
     w("  %nr = call double @llvm.sqrt.f64(double %sum)")
     w("  %op = getelementptr double, ptr %out, i64 %i")
     w("  store double %nr, ptr %op, align 8")
-    w("  %i1 = add i64 %i, 1")
-    w("  %more = icmp ult i64 %i1, %n")
-    w("  br i1 %more, label %loop, label %done")
-    w("done:")
-    w("  ret void")
-    w("}")
-    return "\n".join(a) + "\n"
+    return _row_loop_end(a)
 
 
 def norms(x: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import ctypes
 
 import numpy as np
 
-from ._lanes_simd import jit
+from ._lanes_simd import class_constants, class_table, jit
 from ._rans_numba import RANS_L
 
 
@@ -66,11 +66,7 @@ def _ir(W: int) -> str:
     a("  %onesb.s = shl i32 1, %sb")
     onesbv = splat("onesbv", "i32", "%onesb.s")
     kbv = splat("kbv", "i32", "%kbits")
-    a("  %kb1 = sub i32 %kbits, 1")
-    kb1v = splat("kb1v", "i32", "%kb1")
-    a("  %one.kb1 = shl i32 1, %kb1")
-    a("  %mm.s = sub i32 %one.kb1, 1")
-    mmv = splat("mmv", "i32", "%mm.s")
+    kb1v, mmv = class_constants(a, splat)
     a("  %ncl64 = zext i32 %nclass to i64")
     nclv = splat("nclv", "i32", "%nclass")
     a(f"  %lanencl = mul {V} <{lanes}>, {nclv}")
@@ -132,18 +128,8 @@ def _ir(W: int) -> str:
     a(f"  %p16 = load {V16}, ptr %pptr, align 2")
     a(f"  %pz = zext {V16} %p16 to {V}")
     a(f"  %prev = select i1 %hasp, {V} %pz, {V} %ref")
-    # class of the previous symbol: sign * 3 + (mag >= ref) + (mag > ref)
-    a(f"  %mag = and {V} %prev, {mmv}")
-    a(f"  %sgn.v = lshr {V} %prev, {kb1v}")
-    a(f"  %sgn = icmp ne {V} %sgn.v, zeroinitializer")
-    a(f"  %ge = icmp uge {V} %mag, %rr")
-    a(f"  %gt = icmp ugt {V} %mag, %rr")
-    a(f"  %s01 = select {M} %ge, {V} %c1, {V} %c0")
-    a(f"  %s012 = select {M} %gt, {V} %c2, {V} %s01")
-    a(f"  %s34 = select {M} %ge, {V} %c4, {V} %c3")
-    a(f"  %s345 = select {M} %gt, {V} %c5, {V} %s34")
-    a(f"  %cb = select {M} %sgn, {V} %s345, {V} %s012")
-    a(f"  %idx = or {V} %cb, %s")
+    cb = class_table(a, W, "%prev", "%rr", mmv, kb1v)  # the class of the previous symbol picks the table
+    a(f"  %idx = or {V} {cb}, %s")
     a(f"  %eptr = getelementptr i32, ptr %tab, {V} %idx")
     a(f"  %ent = call {V} {g32}({P} %eptr, i32 4, {ones}, {V} zeroinitializer)")
     a(f"  %f = and {V} %ent, splat (i32 65535)")

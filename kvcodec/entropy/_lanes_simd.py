@@ -94,11 +94,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     sbv = splat("sbv", "i32", "%sb")
     a("  %sb8 = sub i32 %sb, 8")
     sb8v = splat("sb8v", "i32", "%sb8")
-    a("  %kb1 = sub i32 %kbits, 1")
-    kb1v = splat("kb1v", "i32", "%kb1")
-    a("  %one.kb1 = shl i32 1, %kb1")
-    a("  %mm.s = sub i32 %one.kb1, 1")
-    mmv = splat("mmv", "i32", "%mm.s")
+    kb1v, mmv = class_constants(a, splat)
     a("  %one.lb = shl i32 1, %lb")
     a("  %lmask.s = sub i32 %one.lb, 1")
     lmaskv = splat("lmaskv", "i32", "%lmask.s")
@@ -163,17 +159,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     a("step:")
     shorts = []
     for k in range(K):
-        # context class of the previous symbol: sign * 3 + (mag >= ref) + (mag > ref) picks the table
-        a(f"  %mag.{k} = and {V} %p.{k}, {mmv}")
-        a(f"  %sgn.v.{k} = lshr {V} %p.{k}, {kb1v}")
-        a(f"  %sgn.{k} = icmp ne {V} %sgn.v.{k}, zeroinitializer")
-        a(f"  %ge.{k} = icmp uge {V} %mag.{k}, %rr.{k}")
-        a(f"  %gt.{k} = icmp ugt {V} %mag.{k}, %rr.{k}")
-        a(f"  %s01.{k} = select {M} %ge.{k}, {V} %c1.{k}, {V} %c0.{k}")
-        a(f"  %s012.{k} = select {M} %gt.{k}, {V} %c2.{k}, {V} %s01.{k}")
-        a(f"  %s34.{k} = select {M} %ge.{k}, {V} %c4.{k}, {V} %c3.{k}")
-        a(f"  %s345.{k} = select {M} %gt.{k}, {V} %c5.{k}, {V} %s34.{k}")
-        a(f"  %cb.{k} = select {M} %sgn.{k}, {V} %s345.{k}, {V} %s012.{k}")
+        class_table(a, W, f"%p.{k}", f"%rr.{k}", mmv, kb1v, f".{k}")
         a(f"  %slot.{k} = and {V} %x.{k}, {maskv}")
         a(f"  %a.{k} = or {V} %cb.{k}, %slot.{k}")
         a(f"  %xs.{k} = lshr {V} %x.{k}, {sbv}")
@@ -290,6 +276,34 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     a("  ret i32 1")
     a("}")
     return "\n".join(e) + "\n"
+
+
+def class_constants(a, splat) -> tuple[str, str]:
+    """Emit the context-class constants from ``%kbits``: the sign bit's position ``kbits - 1`` and the magnitude
+    mask ``2**(kbits - 1) - 1`` as vectors (``splat(name, type, scalar)`` makes one); their names."""
+    a("  %kb1 = sub i32 %kbits, 1")
+    kb1v = splat("kb1v", "i32", "%kb1")
+    a("  %one.kb1 = shl i32 1, %kb1")
+    a("  %mm.s = sub i32 %one.kb1, 1")
+    return kb1v, splat("mmv", "i32", "%mm.s")
+
+
+def class_table(a, W: int, prev: str, ref_mag: str, mmv: str, kb1v: str, sfx: str = "") -> str:
+    """Emit the selection of each lane's table by the class of its previous symbol ``prev`` (spec "rANS stream":
+    ``3 * sign + (mag >= ref) + (mag > ref)``, ``ref_mag`` the reference's magnitude) among the six vectors
+    ``%c0 .. %c5`` (suffixed ``sfx``); the result is ``%cb`` + ``sfx``."""
+    V, M = f"<{W} x i32>", f"<{W} x i1>"
+    a(f"  %mag{sfx} = and {V} {prev}, {mmv}")
+    a(f"  %sgn.v{sfx} = lshr {V} {prev}, {kb1v}")
+    a(f"  %sgn{sfx} = icmp ne {V} %sgn.v{sfx}, zeroinitializer")
+    a(f"  %ge{sfx} = icmp uge {V} %mag{sfx}, {ref_mag}")
+    a(f"  %gt{sfx} = icmp ugt {V} %mag{sfx}, {ref_mag}")
+    a(f"  %s01{sfx} = select {M} %ge{sfx}, {V} %c1{sfx}, {V} %c0{sfx}")
+    a(f"  %s012{sfx} = select {M} %gt{sfx}, {V} %c2{sfx}, {V} %s01{sfx}")
+    a(f"  %s34{sfx} = select {M} %ge{sfx}, {V} %c4{sfx}, {V} %c3{sfx}")
+    a(f"  %s345{sfx} = select {M} %gt{sfx}, {V} %c5{sfx}, {V} %s34{sfx}")
+    a(f"  %cb{sfx} = select {M} %sgn{sfx}, {V} %s345{sfx}, {V} %s012{sfx}")
+    return f"%cb{sfx}"
 
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
