@@ -157,6 +157,32 @@ def test_lossless_tier_default_scale_bits_and_wide_symbols():
         assert kvcodec.decode(data, output="kvcache").equal(kv)
 
 
+@pytest.mark.parametrize("g", [1, 7, 8, 9, 56, 57, 64, 65, 100, 255])
+def test_table_choice_kernels_agree_at_every_table_count(g, monkeypatch):
+    """The table choice of one k-means step (for each sparse histogram row, the table of least code length, ties
+    to the lowest) is the same from the vector kernel (one vector of G = g rounded up to 8 tables; built for every
+    G up to 256), the Numba loop and the NumPy formulation, including rows tied between duplicate tables."""
+    from kvcodec.entropy import _encode_simd, rans
+
+    rng = np.random.default_rng(g)
+    nrows, used = 300, 40
+    nnz = rng.integers(0, 12, size=nrows)
+    indptr = np.concatenate([[0], np.cumsum(nnz)]).astype(np.int64)
+    idx = np.concatenate([np.sort(rng.choice(used, size=k, replace=False)) for k in nnz]).astype(np.int64)
+    val = rng.integers(1, 50, size=idx.size).astype(np.float64)
+    q = rng.random((g, used)) + 1e-3
+    q[g // 2] = q[0]  # a duplicate table: exact ties
+    logq = np.log2(q / q.sum(axis=1, keepdims=True))
+    if rans.vector_kernels():
+        assert _encode_simd.nearest_usable(g)
+    got = fc._nearest(indptr, idx, val, logq)
+    monkeypatch.setenv("KVCODEC_VECTOR", "0")
+    np.testing.assert_array_equal(fc._nearest(indptr, idx, val, logq), got)
+    monkeypatch.setenv("KVCODEC_BACKEND", "python")
+    np.testing.assert_array_equal(fc._nearest(indptr, idx, val, logq), got)
+    assert got.max() < g
+
+
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 80), nsym=st.sampled_from([4, 64, 1024]),
        density=st.floats(0.0, 1.0), tables=st.integers(1, 32))
 def test_table_clustering_is_backend_independent(seed, rows, nsym, density, tables):

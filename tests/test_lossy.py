@@ -520,12 +520,22 @@ def test_rate_search_counts_like_numpy(monkeypatch):
     samples = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
                for n in (1, 7, 1000, 300_000)]
     samples += [np.full(50, 0.3, np.float32), np.round(rng.standard_normal(5000), 1).astype(np.float32)]
+    def unique_entropy(q):  # the formulation before the one-pass counts
+        _, cnt = np.unique(q, return_counts=True)
+        p = cnt / cnt.sum()
+        return float(-(p * np.log2(p)).sum())
+
     for z in samples:
         for rate in (0.05, 1.0, 2.5, 7.0):
             got = quant.step_for_rate(z, rate)
             with monkeypatch.context() as mp:
                 mp.setenv("KVCODEC_BACKEND", "python")
                 assert quant.step_for_rate(z, rate) == got
+        for st in 2.0 ** np.linspace(-12, 6, 37):  # the entropies themselves, against np.unique's counts
+            st = np.float32(st)
+            want = unique_entropy(np.rint(z / st))
+            assert quant.entropy_bits(np.rint(z / st)) == want
+            assert quant._index_entropy(z, st, z.min(), z.max()) == want
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -56,7 +56,7 @@ def test_numba_matches_reference_and_round_trips(seed, rows, ntok, kbits, nclass
 
 
 @given(seed=st.integers(0, 2**32 - 1), bh=st.integers(1, 3), groups=st.integers(1, 3), ntok=st.integers(1, 40),
-       kbits=st.integers(3, 11), nclass=st.sampled_from([1, 6]), ntables=st.integers(1, 4),
+       kbits=st.integers(3, 12), nclass=st.sampled_from([1, 6]), ntables=st.sampled_from([1, 2, 3, 4, 255]),
        ways=st.sampled_from([2, 3, 4, 5, 8, 16, 32]), skew=st.booleans(), extra_bits=st.integers(0, 5),
        width=st.integers(0, 25))
 def test_vector_encoder_writes_the_scalar_encoders_words(seed, bh, groups, ntok, kbits, nclass, ntables, ways,

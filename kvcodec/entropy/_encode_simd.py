@@ -196,7 +196,7 @@ def available(W: int) -> bool:
     return got
 
 
-_AVAILABLE: dict[int, bool] = {}
+_AVAILABLE: dict = {}
 
 
 def assembly(W: int) -> str:
@@ -260,7 +260,8 @@ def _nearest_ir(G: int) -> str:
         f"  %eq = fcmp oeq {VD} %am, %mv",
         f"  %eqb = bitcast <{G} x i1> %eq to {iG}",
         f"  %first = call {iG} @llvm.cttz.{iG}({iG} %eqb, i1 false)",
-        f"  %first64 = zext {iG} %first to i64",
+        (f"  %first64 = zext {iG} %first to i64" if G < 64 else
+         f"  %first64 = trunc {iG} %first to i64" if G > 64 else "  %first64 = add i64 %first, 0"),
         "  %op = getelementptr i64, ptr %out, i64 %r",
         "  store i64 %first64, ptr %op, align 8",
         "  br label %rloop",
@@ -276,6 +277,19 @@ _NEAR_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_v
 def padded_tables(g: int) -> int:
     """The vector width :func:`nearest_tables` takes ``g`` tables in: ``g`` rounded up to a multiple of 8."""
     return -(-g // 8) * 8
+
+
+def nearest_usable(g: int) -> bool:
+    """Whether the table-choice kernel for ``g`` tables builds on this machine (checked once per width)."""
+    G = padded_tables(g)
+    key = ("nearest", G)
+    if key not in _AVAILABLE:
+        try:
+            jit(("nearest", G), lambda features: _nearest_ir(G), "near", None, _NEAR_ARGS)
+            _AVAILABLE[key] = True
+        except Exception:  # noqa: BLE001 - any failure to build means: use the Numba loop
+            _AVAILABLE[key] = False
+    return _AVAILABLE[key]
 
 
 def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p: np.ndarray, g: int) -> np.ndarray:
@@ -312,6 +326,8 @@ def encode(syms: np.ndarray, refs: np.ndarray, ctx_map: np.ndarray, freq: np.nda
     assert syms3.dtype == np.uint16 and syms3.flags.c_contiguous and ntok >= 1 and dim % ways == 0
     assert nclass in (1, 6) and freq.shape[1] == 1 << kbits
     refs = np.ascontiguousarray(refs, dtype=np.uint16)
+    if ctx_map.size and not 0 <= int(np.min(ctx_map)) <= int(np.max(ctx_map)) < min(256, freq.shape[0]):
+        raise ValueError("ctx_map must name tables of freq (0 .. 255)")
     # the context map with 3 bytes of padding: each lookup is a 32-bit load at a byte offset
     ctx = np.zeros(rows * nclass + 3, dtype=np.uint8)
     ctx[:rows * nclass] = np.asarray(ctx_map, dtype=np.uint8).reshape(-1)

@@ -119,7 +119,7 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
     freq = np.ascontiguousarray(freq, dtype=np.uint32)
     if syms.ndim == 3:
         bh, ntok, dim = syms.shape
-        if ctx is None and backend() == "numba" and _vector_encoder(ways, ntok, dim):
+        if ctx is None and backend() == "numba" and freq.shape[0] <= 256 and _vector_encoder(ways, ntok, dim):
             from . import _encode_simd
 
             _count_encode(f"vector_w{ways}", syms.size)
@@ -159,7 +159,7 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
     if vector_kernels():
         from . import _encode_simd
 
-        if _encode_simd.available(8):
+        if _encode_simd.nearest_usable(g):
             logq_p = np.zeros((used, _encode_simd.padded_tables(g)))
             logq_p[:, :g] = logq.T
             return _encode_simd.nearest_tables(indptr, idx, val, logq_p, g)
