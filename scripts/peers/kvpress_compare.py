@@ -5,10 +5,10 @@ side").
 
 ``--ours``: what ``kvz bench --reduce`` wrote (its ``rows``); ``--kvpress``: what ``scripts/peers/kvpress_reduce.py``
 wrote on the items ``kvz bench --reduce --export-items`` exported from the same run's settings.  Items are matched
-by (file, kind, depth, question order within the file).  Per keep and method: the number of items, the mean change
-of the answer's log2-likelihood against each side's own full cache with a 95 % bootstrap interval (2,000
-resamples, seed 0), needle exact matches, and the entries kept per KV head.  Also the agreement of the two full
-caches' answer log-likelihoods (two transformers versions).  Prints a Markdown table.
+by (file, kind, depth, question order within the file).  Per keep and method: the number of items, the mean
+change of the answer's log2-likelihood against each side's own full cache with a 95 % bootstrap interval (2,000
+resamples, seed 0 in every cell), needle exact matches, and the entries kept per KV head.  Also the agreement of
+the two full caches' answer log-likelihoods (two transformers versions).  Prints a Markdown table.
 """
 
 import argparse
@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--ours", required=True)
     ap.add_argument("--kvpress", required=True)
     ap.add_argument("--methods", nargs="+", default=["cluster", "snapkv", "streaming"])
+    ap.add_argument("--pivot", action="store_true", help="one row per method, one column per keep")
     args = ap.parse_args()
     ours = keyed(json.load(open(args.ours))["rows"])
     kvp = keyed(json.load(open(args.kvpress)))
@@ -54,11 +55,12 @@ def main():
     full_diff = [kvp[i][("full", 1.0)]["answer_bits"] - ours[i][("full", 1.0)]["answer_bits"] for i in common]
     print(f"{len(common)} items in both runs; full-cache answer log2-likelihood, kvpress's run minus ours: mean "
           f"{np.mean(full_diff):+.3f} bits, largest |difference| {np.max(np.abs(full_diff)):.3f}\n")
-    print("| keep | method | items | entries per head | mean Δ bits vs its full cache [95 % CI] | needle EM |")
-    print("|---:|---|---:|---:|---|---:|")
-    rng = np.random.default_rng(0)
+    arms = [("ours", m) for m in args.methods] + [("kvpress", p) for p in presses]
+    cells = {}
+    if not args.pivot:
+        print("| keep | method | items | entries per head | mean Δ bits vs its full cache [95 % CI] | needle EM |")
+        print("|---:|---|---:|---:|---|---:|")
     for keep in keeps:
-        arms = [("ours", m) for m in args.methods] + [("kvpress", p) for p in presses]
         for side, m in arms:
             src = ours if side == "ours" else kvp
             d, ent, em, nn = [], [], 0, 0
@@ -73,10 +75,16 @@ def main():
                     em += bool(row["exact"])
             if not d:
                 continue
-            mean, lo, hi = ci(d, rng)
-            name = m if side == "ours" else m  # kvpress rows are named kvpress-<press>
-            print(f"| {keep} | {name} | {len(d)} | {int(np.median(ent))} | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
-                  f"{em}/{nn} |")
+            mean, lo, hi = ci(d, np.random.default_rng(0))  # each cell's resamples seeded alike
+            cells[(m, keep)] = f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}], {em}/{nn}"
+            if not args.pivot:  # kvpress rows are named kvpress-<press>
+                print(f"| {keep} | {m} | {len(d)} | {int(np.median(ent))} | {mean:+.2f} [{lo:+.2f}, {hi:+.2f}] | "
+                      f"{em}/{nn} |")
+    if args.pivot:
+        print("| method | " + " | ".join(f"keep {k}: Δ bits [95 % CI], needles" for k in keeps) + " |")
+        print("|---|" + "---|" * len(keeps))
+        for _, m in arms:
+            print(f"| {m} | " + " | ".join(cells.get((m, k), "-") for k in keeps) + " |")
 
 
 if __name__ == "__main__":
