@@ -176,7 +176,7 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     the raw low bits."""
     sb, ways = cfg["scale_bits"], cfg["ways"]
     syms = np.ascontiguousarray(syms, dtype=np.uint16)
-    rows2 = syms if syms.ndim == 2 else np.ascontiguousarray(syms.transpose(0, 2, 1)).reshape(-1, syms.shape[1])
+    rows2 = syms if syms.ndim == 2 else rans.rows_of(syms)
     nrows = rows2.shape[0]
     n = syms.size
     nclass = 6 if cfg["context"] == "prev" else 1

@@ -196,6 +196,11 @@ def entropy_bits(q: np.ndarray) -> float:
         cnt = cnt[cnt > 0]
     else:
         _, cnt = np.unique(q, return_counts=True)
+    return _entropy_of(cnt)
+
+
+def _entropy_of(cnt: np.ndarray) -> float:
+    """Bits per index of the positive counts ``cnt`` of the distinct indices, in ascending order of index."""
     p = cnt / cnt.sum()
     return float(-(p * np.log2(p)).sum())
 
@@ -232,9 +237,7 @@ def _index_entropy(sample: np.ndarray, st: np.float32, smin: np.float32, smax: n
         return entropy_bits(np.rint(sample / st))
     cnt = np.empty(int(hi - lo) + 1, dtype=np.int64)
     _vq_numba.index_counts(sample, st, int(lo), cnt)
-    cnt = cnt[cnt > 0]
-    p = cnt / cnt.sum()
-    return float(-(p * np.log2(p)).sum())
+    return _entropy_of(cnt[cnt > 0])
 
 
 def _kivi_groups(x: np.ndarray, axis: int, group: int) -> np.ndarray:

@@ -207,37 +207,13 @@ def table_sums(indptr, idx, val, assign, nused, q):
 
 
 @nb.njit(cache=True, nogil=True)
-def pack_coding_order(rows_words, width, ways, out):
-    """:func:`pack_bits` of the low ``width`` bits of a ``[rows, tokens]`` matrix taken in coding order (groups
-    of ``ways`` rows, token-major), without materialising that order."""
-    rows, ntok = rows_words.shape
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
-    m = np.uint64((1 << width) - 1)
-    for g0 in range(0, rows, ways):
-        lanes = min(ways, rows - g0)
-        for t in range(ntok):
-            for j in range(lanes):
-                acc |= (np.uint64(rows_words[g0 + j, t]) & m) << np.uint64(nacc)
-                nacc += width
-                while nacc >= 8:
-                    out[pos] = np.uint8(acc & np.uint64(0xFF))
-                    pos += 1
-                    acc >>= np.uint64(8)
-                    nacc -= 8
-    if nacc > 0:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-        pos += 1
-    return pos
-
-
-@nb.njit(cache=True, nogil=True)
-def pack_coding_order3(words3, width, ways, out):
-    """:func:`pack_coding_order` of the ``[rows, tokens]`` matrix whose row ``bh * D + d`` is ``words3[bh, :, d]``
-    (``D % ways == 0``), read in place: a lane group's words at one token are adjacent.  ``width <= 32``;
-    ``out`` (uint8) needs ``ceil(n * width / 8)`` bytes rounded up to a multiple of 4.  Returns the bytes
-    written that the packed stream has (the last one zero-padded)."""
+def pack_coding_order(words3, width, ways, out):
+    """:func:`pack_bits` of the low ``width`` bits (``<= 32``) of the ``[rows, tokens]`` matrix whose row
+    ``bh * D + d`` is ``words3[bh, :, d]``, taken in coding order (groups of ``ways`` rows, token-major), read in
+    place (any strides).  Groups are taken within each ``bh``, so ``D % ways`` must be 0 when ``BH > 1`` (a
+    ``[rows, tokens]`` matrix is the view ``[1, tokens, rows]``: its last group may be partial).  ``out`` (uint8)
+    needs ``ceil(n * width / 8)`` bytes rounded up to a multiple of 4 (whole 32-bit words are stored).  Returns
+    the bytes the packed stream has (the last one zero-padded)."""
     bh, ntok, dim = words3.shape
     out32 = out.view(np.uint32)
     acc = np.uint64(0)
@@ -247,8 +223,9 @@ def pack_coding_order3(words3, width, ways, out):
     w = np.uint64(width)
     for b in range(bh):
         for d0 in range(0, dim, ways):
+            lanes = min(ways, dim - d0)
             for t in range(ntok):
-                for j in range(ways):
+                for j in range(lanes):
                     acc |= (np.uint64(words3[b, t, d0 + j]) & m) << nacc
                     nacc += w
                     if nacc >= np.uint64(32):

@@ -25,7 +25,8 @@ __all__ = [
     "MIN_SCALE_BITS", "MAX_SCALE_BITS", "MAX_WAYS", "normalize_counts", "cumulative",
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
     "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "SparseCounts",
-    "pack_low_bits", "lanes_decode_many", "vector_kernels", "ENCODE_SYMBOLS", "KERNEL_SYMBOLS", "nearest_tables",
+    "pack_low_bits", "rows_of", "lanes_decode_many", "vector_kernels", "ENCODE_SYMBOLS", "KERNEL_SYMBOLS",
+    "nearest_tables",
 ]
 
 MIN_SCALE_BITS = 8
@@ -122,17 +123,17 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
         if ctx is None and backend() == "numba" and freq.shape[0] <= 256 and _vector_encoder(ways, ntok, dim):
             from . import _encode_simd
 
-            _count_encode(f"vector_w{ways}", syms.size)
+            _count(f"vector_w{ways}", syms.size, ENCODE_SYMBOLS)
             return _encode_simd.encode(syms, refs, ctx_map, freq, cumulative(freq), scale_bits, ways, kbits, nclass)
-        syms = np.ascontiguousarray(syms.transpose(0, 2, 1)).reshape(bh * dim, ntok)
+        syms = rows_of(syms)
     if backend() == "python":
         from ._rans_ref import lanes_encode_ref
 
-        _count_encode("python", syms.size)
+        _count("python", syms.size, ENCODE_SYMBOLS)
         return lanes_encode_ref(syms, refs, ctx_map, freq, scale_bits, ways, kbits, nclass)
     from ._rans_numba import lanes_encode as _enc
 
-    _count_encode(f"scalar_w{ways}", syms.size)
+    _count(f"scalar_w{ways}", syms.size, ENCODE_SYMBOLS)
     out = np.empty(syms.size + 2 * ways + 1, dtype=np.uint16)
     ctx = np.zeros((0, 0), np.int32) if ctx is None else np.ascontiguousarray(ctx, dtype=np.int32)
     nw = _enc(syms, ctx, np.ascontiguousarray(refs), np.ascontiguousarray(ctx_map), kbits, nclass, freq,
@@ -141,8 +142,8 @@ def lanes_encode(syms, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: i
 
 
 def _vector_encoder(ways: int, ntok: int, dim: int) -> bool:
-    """Whether the vector encoder takes a ``[BH, ntok, dim]`` matrix: 2..32 lanes (LLVM has no one-lane
-    compress), lane groups inside one head, at least one token, and ``KVCODEC_VECTOR`` not 0 (as for the
+    """Whether the vector encoder takes a ``[BH, ntok, dim]`` matrix: 2..32 lanes (one lane has nothing to
+    vectorise), lane groups inside one head, at least one token, and ``KVCODEC_VECTOR`` not 0 (as for the
     decoders: the scalar Numba encoder writes the same words)."""
     if not (2 <= ways and ntok >= 1 and dim % ways == 0 and vector_kernels()):
         return False
@@ -172,11 +173,6 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
 
 #: symbols coded by each encoder kernel in this process: ``kvz bench`` reports which ran
 ENCODE_SYMBOLS: dict[str, int] = {}
-
-
-def _count_encode(kernel: str, n: int) -> None:
-    with _KERNEL_LOCK:
-        ENCODE_SYMBOLS[kernel] = ENCODE_SYMBOLS.get(kernel, 0) + n
 
 
 #: the lane decoders' status codes (the CPU kernels' and the Triton one's) and what they mean
@@ -312,9 +308,11 @@ KERNEL_SYMBOLS: dict[str, int] = {}
 _KERNEL_LOCK = threading.Lock()
 
 
-def _count(kernel: str, n: int) -> None:
+def _count(kernel: str, n: int, table: dict | None = None) -> None:
+    """Add ``n`` symbols to ``kernel``'s count in ``table`` (default :data:`KERNEL_SYMBOLS`)."""
+    table = KERNEL_SYMBOLS if table is None else table
     with _KERNEL_LOCK:
-        KERNEL_SYMBOLS[kernel] = KERNEL_SYMBOLS.get(kernel, 0) + n
+        table[kernel] = table.get(kernel, 0) + n
 
 
 def vector_kernels() -> bool:
@@ -431,7 +429,7 @@ def lanes_decode_many(jobs) -> None:
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
-    """Low ``width`` bits of each value, LSB-first; the last byte is zero-padded."""
+    """Low ``width`` bits (``<= 32``) of each value, LSB-first; the last byte is zero-padded."""
     n = values.shape[0]
     if width == 0 or n == 0:
         return b""
@@ -439,11 +437,7 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
         from ._rans_ref import pack_bits_ref
 
         return pack_bits_ref(values, width)
-    from ._rans_numba import pack_coding_order
-
-    out = np.empty((n * width + 7) // 8, dtype=np.uint8)
-    pack_coding_order(np.ascontiguousarray(values).reshape(1, n), width, 1, out)  # one row: the values in order
-    return out.tobytes()
+    return _pack(np.ascontiguousarray(values).reshape(1, n, 1), width, 1)  # one row: the values in order
 
 
 def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
@@ -452,24 +446,31 @@ def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
     :func:`lanes_encode`), read in place when ``D % ways == 0``."""
     if width == 0 or rows.size == 0:
         return b""
-    if rows.ndim == 3:
-        bh, ntok, dim = rows.shape
-        if dim % ways == 0 and width <= 32 and backend() == "numba":
-            from ._rans_numba import pack_coding_order3
-
-            n = packed_size(rows.size, width)
-            out = np.empty((n + 3) // 4 * 4, dtype=np.uint8)
-            got = pack_coding_order3(np.ascontiguousarray(rows), width, ways, out)
-            assert got == n
-            return out[:n].tobytes()
-        rows = np.ascontiguousarray(rows.transpose(0, 2, 1)).reshape(bh * dim, ntok)
+    if rows.ndim == 3 and (rows.shape[2] % ways or backend() == "python"):  # lane groups straddle heads
+        rows = rows_of(rows)
     if backend() == "python":
         return pack_bits(coding_order(rows & ((1 << width) - 1), ways), width)
+    return _pack(rows if rows.ndim == 3 else rows.T[None], width, ways)  # [rows, T] as a [1, T, rows] view
+
+
+def _pack(words3: np.ndarray, width: int, ways: int) -> bytes:
+    """:func:`._rans_numba.pack_coding_order` into a fresh buffer: the packed bytes."""
     from ._rans_numba import pack_coding_order
 
-    out = np.empty(packed_size(rows.size, width), dtype=np.uint8)
-    pack_coding_order(np.ascontiguousarray(rows), width, ways, out)
-    return out.tobytes()
+    if not 0 < width <= 32:
+        raise ValueError(f"raw bit fields are 1 to 32 bits wide, not {width}")
+    n = packed_size(words3.size, width)
+    out = np.empty((n + 3) // 4 * 4, dtype=np.uint8)
+    got = pack_coding_order(words3, width, ways, out)
+    assert got == n
+    return out[:n].tobytes()
+
+
+def rows_of(a3: np.ndarray) -> np.ndarray:
+    """The ``[BH * D, tokens]`` matrix of a ``[BH, tokens, D]`` array (row ``bh * D + d`` is ``a3[bh, :, d]``),
+    C-contiguous."""
+    bh, ntok, dim = a3.shape
+    return np.ascontiguousarray(a3.transpose(0, 2, 1)).reshape(bh * dim, ntok)
 
 
 class SparseCounts(NamedTuple):
