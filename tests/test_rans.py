@@ -117,9 +117,41 @@ def test_normalize_counts_properties():
         assert ((counts > 0) <= (f > 0)).all()
 
 
-def test_normalize_rejects_too_many_symbols():
+@pytest.mark.parametrize("backend", ["numba", "python"])
+def test_normalize_rejects_too_many_symbols(backend, monkeypatch):
+    monkeypatch.setenv("KVCODEC_BACKEND", backend)
     with pytest.raises(ValueError):
         rans.normalize_counts(np.ones((1, 300), np.int64), 8)
+
+
+@given(seed=st.integers(0, 2**32 - 1), nctx=st.integers(1, 6), nsym=st.integers(1, 300), sb=st.integers(8, 15),
+       kind=st.sampled_from(["small", "heavy", "huge", "one"]))
+def test_tables_from_counts_match_numpy(seed, nctx, nsym, sb, kind):
+    """The compiled frequency normalisation and table packing give the NumPy formulation's (the python backend's)
+    frequencies and bytes: with many rare symbols (mass taken back from the largest), heavy tails, counts near
+    2**31, empty rows and single symbols."""
+    rng = np.random.default_rng(seed)
+    if kind == "small":
+        counts = rng.integers(0, 5, size=(nctx, nsym))
+    elif kind == "heavy":
+        counts = (rng.pareto(1.0, size=(nctx, nsym)) * 10).astype(np.int64) * (rng.random((nctx, nsym)) < 0.3)
+    elif kind == "huge":
+        counts = rng.integers(0, 2**31, size=(nctx, nsym)) * (rng.random((nctx, nsym)) < 0.5)
+    else:
+        counts = np.zeros((nctx, nsym), np.int64)
+        counts[:, rng.integers(0, nsym)] = rng.integers(0, 3, nctx)
+    if ((counts > 0).sum(axis=1) > 1 << sb).any():
+        with pytest.raises(ValueError):
+            rans.normalize_counts(counts, sb)
+        return
+    got = rans.normalize_counts(counts, sb)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCODEC_BACKEND", "python")
+        want = rans.normalize_counts(counts, sb)
+        want_bytes = rans.pack_tables(want)
+    assert got.dtype == want.dtype == np.uint32
+    np.testing.assert_array_equal(got, want)
+    assert rans.pack_tables(got) == want_bytes
 
 
 @pytest.mark.parametrize("backend", ["numba", "python"])

@@ -82,6 +82,11 @@ def check_config(cfg: dict, dtype: str) -> dict:
 
 def table_counts(assign: np.ndarray, counts: rans.SparseCounts, g: int) -> np.ndarray:
     """``out[t]``: the sum of the histogram rows assigned to table ``t`` (int64, exact)."""
+    if rans.backend() == "numba":
+        from ..entropy._rans_numba import table_counts as _table_counts
+
+        return _table_counts(counts.indptr, counts.col, counts.val, np.ascontiguousarray(assign, dtype=np.int64),
+                             g, counts.nsym)
     flat = assign[counts.rows()] * counts.nsym + counts.col
     return np.bincount(flat, weights=counts.val, minlength=g * counts.nsym).reshape(g, counts.nsym).astype(np.int64)
 
@@ -111,21 +116,28 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
     row's non-zero counts).  Rows with no counts go to table 0.  Returns int array.
     """
     assign = np.zeros(counts.nrows, dtype=np.int64)
-    nnz = np.diff(counts.indptr)
-    live = np.nonzero(nnz)[0]
-    if live.size == 0:
-        return assign
-    present = np.bincount(counts.col, minlength=counts.nsym) > 0
-    used = np.nonzero(present)[0]
-    colmap = np.cumsum(present) - 1
-    idx = colmap[counts.col]
-    row = np.repeat(np.arange(live.size), nnz[live])  # live row of every entry
-    indptr = np.append(counts.indptr[live], counts.indptr[-1])
-    val = counts.val.astype(np.float64)
+    if rans.backend() == "numba":  # the same arrays in one compiled pass each
+        from ..entropy._rans_numba import cluster_prep
+
+        live, indptr, idx, val, mean, used = cluster_prep(counts.indptr, counts.col, counts.val, counts.nsym)
+        if live.size == 0:
+            return assign
+    else:
+        nnz = np.diff(counts.indptr)
+        live = np.nonzero(nnz)[0]
+        if live.size == 0:
+            return assign
+        present = np.bincount(counts.col, minlength=counts.nsym) > 0
+        used = np.nonzero(present)[0]
+        colmap = np.cumsum(present) - 1
+        idx = colmap[counts.col]
+        row = np.repeat(np.arange(live.size), nnz[live])  # live row of every entry
+        indptr = np.append(counts.indptr[live], counts.indptr[-1])
+        val = counts.val.astype(np.float64)
+        # integer sums: exact in binary64 whatever the order
+        tot = np.bincount(row, weights=val, minlength=live.size)
+        mean = np.bincount(row, weights=val * idx, minlength=live.size) / tot
     g = min(n_tables, live.size)
-    # integer sums: exact in binary64 whatever the order
-    tot = np.bincount(row, weights=val, minlength=live.size)
-    mean = np.bincount(row, weights=val * idx, minlength=live.size) / tot
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
     qs = np.empty(g * used.size)
@@ -176,12 +188,11 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     the raw low bits."""
     sb, ways = cfg["scale_bits"], cfg["ways"]
     syms = np.ascontiguousarray(syms, dtype=np.uint16)
-    rows2 = syms if syms.ndim == 2 else rans.rows_of(syms)
-    nrows = rows2.shape[0]
+    nrows = syms.shape[0] if syms.ndim == 2 else syms.shape[0] * syms.shape[2]
     n = syms.size
     nclass = 6 if cfg["context"] == "prev" else 1
     # reference symbol of each row (sign 0, the lower median magnitude) and histograms per (row, class)
-    refs, counts = rans.row_stats(rows2, k, nclass)
+    refs, counts = rans.row_stats(syms, k, nclass)
     n_tables = max(1, min(cfg["max_tables"], n // 4096, (1 << sb) // 2))
     assign = _cluster(counts, n_tables)
     g = int(assign.max()) + 1

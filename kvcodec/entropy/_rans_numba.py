@@ -132,41 +132,47 @@ def row_stats(syms, kbits, nclass, refs, indptr, col, val):
     hist = np.zeros(half, dtype=np.int32)
     h2 = np.zeros(nclass * nsym, dtype=np.int32)
     key = np.empty(ntok, dtype=np.int32)  # class * nsym + symbol of each token
+    mags = np.empty(half, dtype=np.int64)  # the magnitudes present in the row, ascending
     need = (ntok + 1) // 2
     pos = 0
     for r in range(rows):
-        hist[:] = 0
         for t in range(ntok):
             hist[syms[r, t] & (half - 1)] += 1
         c = 0
         ref = 0
+        found = need == 0
+        nm = 0
         for m in range(half):
-            c += hist[m]
-            if c >= need:
-                ref = m
-                break
+            v = hist[m]
+            if v:
+                mags[nm] = m
+                nm += 1
+                c += v
+                hist[m] = 0
+                if not found and c >= need:
+                    ref = m
+                    found = True
         refs[r] = ref
         prev = ref
-        lo = nsym
-        hi = 0
         for t in range(ntok):
             s = np.int64(syms[r, t])
             key[t] = symbol_class(prev, ref, kbits, nclass) * nsym + s
             prev = s
-            lo = min(lo, s)
-            hi = max(hi, s)
         for t in range(ntok):
             h2[key[t]] += 1
+        # a present symbol is a present magnitude with either sign: only those are scanned, in ascending order
         for k in range(nclass):
             indptr[r * nclass + k] = pos
-            base = k * nsym
-            for s in range(lo, hi + 1):  # the row's symbols lie in [lo, hi]
-                v = h2[base + s]
-                if v:
-                    col[pos] = s
-                    val[pos] = v
-                    pos += 1
-                    h2[base + s] = 0
+            for sg in range(2):
+                base = k * nsym + sg * half
+                for i in range(nm):
+                    s = base + mags[i]
+                    v = h2[s]
+                    if v:
+                        col[pos] = s - k * nsym
+                        val[pos] = v
+                        pos += 1
+                        h2[s] = 0
     indptr[rows * nclass] = pos
     return pos
 
@@ -193,6 +199,145 @@ def nearest_tables(indptr, idx, val, logq_t, out):
                 best = t
                 bv = c
         out[r] = best
+
+
+@nb.njit(cache=True, nogil=True)
+def normalize_counts(counts, m):
+    """``rans.normalize_counts`` of int64 ``counts [nctx, nsym]`` to rows summing to ``m``, operation for operation
+    (the NumPy formulation is the reference of the python backend): uint32 frequencies, or an empty array if
+    a row has more than ``m`` distinct symbols."""
+    nctx, nsym = counts.shape
+    f = np.zeros((nctx, nsym), dtype=np.int64)
+    for r in range(nctx):
+        total = 0
+        distinct = 0
+        for s in range(nsym):
+            total += counts[r, s]
+            distinct += counts[r, s] > 0
+        if distinct > m:
+            return np.zeros(0, dtype=np.uint32).reshape(0, nsym)
+        if total == 0:
+            f[r, 0] = m
+            continue
+        fs = 0
+        for s in range(nsym):
+            c = counts[r, s]
+            if c == 0:  # most symbols: no division
+                continue
+            v = (c * m) // total
+            if v == 0:
+                v = 1
+            f[r, s] = v
+            fs += v
+        d = m - fs
+        if d > 0:
+            best = 0
+            for s in range(1, nsym):
+                if counts[r, s] > counts[r, best]:
+                    best = s
+            f[r, best] += d
+        elif d < 0:
+            # take mass from the largest frequencies first (a stable sort of -f), never below 1
+            order = np.argsort(-f[r], kind="mergesort")
+            while d < 0:
+                for i in range(nsym):
+                    if d == 0:
+                        break
+                    s = order[i]
+                    if f[r, s] > 1:
+                        take = min(-d, max(1, f[r, s] // 64), f[r, s] - 1)
+                        f[r, s] -= take
+                        d += take
+    return f.astype(np.uint32)
+
+
+@nb.njit(cache=True, nogil=True)
+def cluster_prep(indptr, col, val, nsym):
+    """The table clustering's inputs from sparse histogram rows, in one pass each (what
+    ``float_ctx_rans._cluster`` computed with NumPy): ``(live, lindptr, idx, valf, mean, used)`` with ``live``
+    the rows with counts, ``lindptr`` their entry offsets (and the end), ``idx`` each entry's column among the
+    ``used`` symbols (those with a count anywhere, ascending), ``valf`` the counts as binary64 and ``mean`` each
+    live row's count-weighted mean column (integer sums, exact in any order, then one division)."""
+    nrows = indptr.size - 1
+    present = np.zeros(nsym, dtype=np.bool_)
+    for e in range(col.size):
+        present[col[e]] = True
+    colmap = np.empty(nsym, dtype=np.int64)
+    nu = 0
+    for s in range(nsym):
+        colmap[s] = nu
+        if present[s]:
+            nu += 1
+    used = np.empty(nu, dtype=np.int64)
+    for s in range(nsym):
+        if present[s]:
+            used[colmap[s]] = s
+    idx = np.empty(col.size, dtype=np.int64)
+    valf = np.empty(col.size, dtype=np.float64)
+    for e in range(col.size):
+        idx[e] = colmap[col[e]]
+        valf[e] = np.float64(val[e])
+    nlive = 0
+    for r in range(nrows):
+        if indptr[r + 1] > indptr[r]:
+            nlive += 1
+    live = np.empty(nlive, dtype=np.int64)
+    lindptr = np.empty(nlive + 1, dtype=np.int64)
+    mean = np.empty(nlive, dtype=np.float64)
+    i = 0
+    for r in range(nrows):
+        if indptr[r + 1] > indptr[r]:
+            live[i] = r
+            lindptr[i] = indptr[r]
+            tot = 0.0
+            ws = 0.0
+            for e in range(indptr[r], indptr[r + 1]):
+                tot += valf[e]
+                ws += valf[e] * np.float64(idx[e])
+            mean[i] = ws / tot
+            i += 1
+    lindptr[nlive] = indptr[nrows]
+    return live, lindptr, idx, valf, mean, used
+
+
+@nb.njit(cache=True, nogil=True)
+def table_counts(indptr, col, val, assign, g, nsym):
+    """``out[assign[r], col[k]] += val[k]`` over sparse row r's entries k: each table's symbol counts (int64)."""
+    out = np.zeros((g, nsym), dtype=np.int64)
+    for r in range(indptr.size - 1):
+        t = assign[r]
+        for k in range(indptr[r], indptr[r + 1]):
+            out[t, col[k]] += val[k]
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def pack_tables(freq, out):
+    """The tables on the wire (``rans.pack_tables``) into ``out`` (uint8, large enough); returns the bytes
+    written, or -1 if a row has no non-zero frequency."""
+    pos = 0
+    for c in range(freq.shape[0]):
+        lo = -1
+        hi = -1
+        for s in range(freq.shape[1]):
+            if freq[c, s]:
+                if lo < 0:
+                    lo = s
+                hi = s
+        if lo < 0:
+            return -1
+        n = hi - lo
+        out[pos] = lo & 0xFF
+        out[pos + 1] = lo >> 8
+        out[pos + 2] = n & 0xFF
+        out[pos + 3] = n >> 8
+        pos += 4
+        for s in range(lo, hi + 1):
+            f = freq[c, s]
+            out[pos] = f & 0xFF
+            out[pos + 1] = (f >> 8) & 0xFF
+            pos += 2
+    return pos
 
 
 @nb.njit(cache=True, nogil=True)

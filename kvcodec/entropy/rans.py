@@ -53,6 +53,12 @@ def normalize_counts(counts: np.ndarray, scale_bits: int) -> np.ndarray:
     counts = np.asarray(counts, dtype=np.int64)
     m = 1 << scale_bits
     nsym = counts.shape[1]
+    if backend() == "numba":  # the same operations, compiled
+        from ._rans_numba import normalize_counts as _normalize
+
+        f = _normalize(np.ascontiguousarray(counts), m)
+        if f.shape[0] == counts.shape[0]:
+            return f
     total = counts.sum(axis=1, keepdims=True)
     if np.any((counts > 0).sum(axis=1) > m):
         raise ValueError(f"more distinct symbols than 2**{scale_bits} in one context")
@@ -503,7 +509,10 @@ class SparseCounts(NamedTuple):
 def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, SparseCounts]:
     """(refs, counts): each row's reference (the lower median magnitude) and the symbol counts per (row,
     class of the previous symbol), ``rows * nclass`` histogram rows over ``2**kbits`` symbols, sparse (encoder
-    side)."""
+    side).  ``syms`` is a ``[rows, tokens]`` matrix or a ``[BH, tokens, D]`` array whose row ``bh * D + d`` is
+    ``syms[bh, :, d]``."""
+    if syms.ndim == 3:  # the kernel reads rows along memory: a transposed copy is faster than strided reads
+        syms = rows_of(syms)
     rows, ntok = syms.shape
     refs = np.empty(rows, dtype=np.uint16)
     if backend() == "python":  # the same statistics in NumPy
@@ -541,6 +550,14 @@ def packed_size(n: int, width: int) -> int:
 
 def pack_tables(freq: np.ndarray) -> bytes:
     freq = np.asarray(freq, dtype=np.uint32)
+    if backend() == "numba" and freq.size:
+        from ._rans_numba import pack_tables as _pack_tables
+
+        out = np.empty(freq.shape[0] * (4 + 2 * freq.shape[1]), dtype=np.uint8)
+        n = _pack_tables(np.ascontiguousarray(freq), out)
+        if n < 0:
+            raise ValueError("a frequency table has no non-zero entry")
+        return out[:n].tobytes()
     parts = []
     for row in freq:
         nz = np.nonzero(row)[0]
