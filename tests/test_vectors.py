@@ -292,3 +292,18 @@ def test_a_lossy_file_from_before_scale_bits_10_decodes(monkeypatch):
     assert [sha(t) for t in kv.keys] == meta["keys_sha256"] and [sha(t) for t in kv.values] == meta["values_sha256"]
     assert _index_scale_bits(data, monkeypatch) == {12}
     assert _index_scale_bits((VECTORS / "lossy_uniform_window.kvz").read_bytes(), monkeypatch) == {10}
+
+
+def test_a_lossless_file_from_before_side_level_3_decodes():
+    """Until spec revision 1.6.3 the reference encoder compressed side information with zstd level 19 (now 3;
+    the format did not change): bf16_basic as it was then is another file that still decodes to the tensors the
+    current vector decodes to."""
+    legacy = Path(__file__).resolve().parent / "data" / "legacy"
+    meta = json.loads((legacy / "bf16_basic_side19.json").read_text())
+    data = (legacy / "bf16_basic_side19.kvz").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
+    now = json.loads((VECTORS / "bf16_basic.json").read_text())
+    assert now["file_sha256"] != meta["file_sha256"]
+    kv = kvcodec.decode(data, output="kvcache")
+    assert [sha(t) for t in kv.keys] == meta["keys_sha256"] == now["keys_sha256"]
+    assert [sha(t) for t in kv.values] == meta["values_sha256"] == now["values_sha256"]
