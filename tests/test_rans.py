@@ -118,10 +118,20 @@ def test_normalize_counts_properties():
 
 
 @pytest.mark.parametrize("backend", ["numba", "python"])
-def test_normalize_rejects_too_many_symbols(backend, monkeypatch):
+def test_encoder_statistics_reject_what_they_cannot_code(backend, monkeypatch):
+    """Both backends refuse the same inputs with ValueError: more distinct symbols than 2**scale_bits, negative
+    counts, no symbols, a table with no frequency, a symbol wider than kbits."""
     monkeypatch.setenv("KVCODEC_BACKEND", backend)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="distinct"):
         rans.normalize_counts(np.ones((1, 300), np.int64), 8)
+    with pytest.raises(ValueError, match="non-negative"):
+        rans.normalize_counts(np.array([[1, -1]]), 8)
+    with pytest.raises(ValueError, match="non-negative"):
+        rans.normalize_counts(np.zeros((3, 0), np.int64), 8)
+    with pytest.raises(ValueError, match="no non-zero"):
+        rans.pack_tables(np.array([[0, 3, 0], [0, 0, 0]]))
+    with pytest.raises(ValueError, match="exceeds 3 bits"):
+        rans.row_stats(np.array([[0, 9, 9, 1]], np.uint16), 3, 1)
 
 
 @given(seed=st.integers(0, 2**32 - 1), nctx=st.integers(1, 6), nsym=st.integers(1, 300), sb=st.integers(8, 15),

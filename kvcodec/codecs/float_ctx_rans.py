@@ -81,7 +81,8 @@ def check_config(cfg: dict, dtype: str) -> dict:
 # --- encoder ---------------------------------------------------------------
 
 def table_counts(assign: np.ndarray, counts: rans.SparseCounts, g: int) -> np.ndarray:
-    """``out[t]``: the sum of the histogram rows assigned to table ``t`` (int64, exact)."""
+    """``out[t]``: the sum of the histogram rows assigned to table ``t`` (int64; exact, counts being far below
+    2**53)."""
     if rans.backend() == "numba":
         from ..entropy._rans_numba import table_counts as _table_counts
 
@@ -116,7 +117,8 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
     row's non-zero counts).  Rows with no counts go to table 0.  Returns int array.
     """
     assign = np.zeros(counts.nrows, dtype=np.int64)
-    if rans.backend() == "numba":  # the same arrays in one compiled pass each
+    python = rans.backend() == "python"
+    if not python:  # the same arrays in one compiled pass each
         from ..entropy._rans_numba import cluster_prep
 
         live, indptr, idx, val, mean, used = cluster_prep(counts.indptr, counts.col, counts.val, counts.nsym)
@@ -142,7 +144,7 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
     qs = np.empty(g * used.size)
     for _ in range(iters):
-        if rans.backend() == "python":
+        if python:
             qs = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size)
         else:  # the same exact integer sums in one pass
             from ..entropy._rans_numba import table_sums
@@ -221,10 +223,10 @@ SIDE_LEVEL = 3
 def _side_compressor():
     """This thread's zstd compressor for side information, made once per thread rather than per payload (the
     bytes are the same)."""
-    c = getattr(_LOCAL, "side", None)
-    if c is None:
-        c = _LOCAL.side = zstandard.ZstdCompressor(level=SIDE_LEVEL, write_content_size=True)
-    return c
+    got = getattr(_LOCAL, "side", None)
+    if got is None or got[0] != SIDE_LEVEL:
+        got = _LOCAL.side = (SIDE_LEVEL, zstandard.ZstdCompressor(level=SIDE_LEVEL, write_content_size=True))
+    return got[1]
 
 
 # --- decoder ---------------------------------------------------------------

@@ -203,9 +203,9 @@ def nearest_tables(indptr, idx, val, logq_t, out):
 
 @nb.njit(cache=True, nogil=True)
 def normalize_counts(counts, m):
-    """``rans.normalize_counts`` of int64 ``counts [nctx, nsym]`` to rows summing to ``m``, operation for operation
-    (the NumPy formulation is the reference of the python backend): uint32 frequencies, or an empty array if
-    a row has more than ``m`` distinct symbols."""
+    """``rans.normalize_counts`` of non-negative int64 ``counts [nctx, nsym >= 1]`` to rows summing to ``m``: the
+    NumPy formulation's frequencies (it is the python backend's reference; zero counts skip its division, whose
+    result is 0), as uint32, or an empty array if a row has more than ``m`` distinct symbols."""
     nctx, nsym = counts.shape
     f = np.zeros((nctx, nsym), dtype=np.int64)
     for r in range(nctx):

@@ -53,7 +53,9 @@ def normalize_counts(counts: np.ndarray, scale_bits: int) -> np.ndarray:
     counts = np.asarray(counts, dtype=np.int64)
     m = 1 << scale_bits
     nsym = counts.shape[1]
-    if backend() == "numba":  # the same operations, compiled
+    if counts.size and int(counts.min()) < 0 or nsym == 0 and counts.shape[0]:
+        raise ValueError("counts must be non-negative, over at least one symbol")
+    if backend() == "numba":  # the same frequencies, compiled
         from ._rans_numba import normalize_counts as _normalize
 
         f = _normalize(np.ascontiguousarray(counts), m)
@@ -514,6 +516,8 @@ def row_stats(syms: np.ndarray, kbits: int, nclass: int) -> tuple[np.ndarray, Sp
     if syms.ndim == 3:  # the kernel reads rows along memory: a transposed copy is faster than strided reads
         syms = rows_of(syms)
     rows, ntok = syms.shape
+    if syms.size and int(syms.max()) >> kbits:
+        raise ValueError(f"a symbol exceeds {kbits} bits")
     refs = np.empty(rows, dtype=np.uint16)
     if backend() == "python":  # the same statistics in NumPy
         counts = np.zeros((rows * nclass, 1 << kbits), dtype=np.int64)
@@ -561,6 +565,8 @@ def pack_tables(freq: np.ndarray) -> bytes:
     parts = []
     for row in freq:
         nz = np.nonzero(row)[0]
+        if nz.size == 0:
+            raise ValueError("a frequency table has no non-zero entry")
         lo, hi = int(nz[0]), int(nz[-1]) + 1
         parts.append(struct.pack("<HH", lo, hi - lo - 1))
         parts.append(row[lo:hi].astype("<u2").tobytes())
