@@ -83,11 +83,12 @@ def check_config(cfg: dict, dtype: str) -> dict:
 def table_counts(assign: np.ndarray, counts: rans.SparseCounts, g: int) -> np.ndarray:
     """``out[t]``: the sum of the histogram rows assigned to table ``t`` (int64; exact, counts being far below
     2**53)."""
-    if rans.backend() == "numba":
-        from ..entropy._rans_numba import table_counts as _table_counts
+    if rans.backend() == "numba":  # the clustering's table sums, over all the symbols
+        from ..entropy._rans_numba import table_sums
 
-        return _table_counts(counts.indptr, counts.col, counts.val, np.ascontiguousarray(assign, dtype=np.int64),
-                             g, counts.nsym)
+        q = np.empty(g * counts.nsym)
+        table_sums(counts.indptr, counts.col, counts.val, np.ascontiguousarray(assign, dtype=np.int64), counts.nsym, q)
+        return q.reshape(g, counts.nsym).astype(np.int64)
     flat = assign[counts.rows()] * counts.nsym + counts.col
     return np.bincount(flat, weights=counts.val, minlength=g * counts.nsym).reshape(g, counts.nsym).astype(np.int64)
 

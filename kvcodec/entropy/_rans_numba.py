@@ -301,17 +301,6 @@ def cluster_prep(indptr, col, val, nsym):
 
 
 @nb.njit(cache=True, nogil=True)
-def table_counts(indptr, col, val, assign, g, nsym):
-    """``out[assign[r], col[k]] += val[k]`` over sparse row r's entries k: each table's symbol counts (int64)."""
-    out = np.zeros((g, nsym), dtype=np.int64)
-    for r in range(indptr.size - 1):
-        t = assign[r]
-        for k in range(indptr[r], indptr[r + 1]):
-            out[t, col[k]] += val[k]
-    return out
-
-
-@nb.njit(cache=True, nogil=True)
 def pack_tables(freq, out):
     """The tables on the wire (``rans.pack_tables``) into ``out`` (uint8, large enough); returns the bytes
     written, or -1 if a row has no non-zero frequency."""
