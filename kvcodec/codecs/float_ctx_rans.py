@@ -123,13 +123,9 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
         from ..entropy._rans_numba import cluster_prep
 
         live, indptr, idx, val, mean, used = cluster_prep(counts.indptr, counts.col, counts.val, counts.nsym)
-        if live.size == 0:
-            return assign
     else:
         nnz = np.diff(counts.indptr)
         live = np.nonzero(nnz)[0]
-        if live.size == 0:
-            return assign
         present = np.bincount(counts.col, minlength=counts.nsym) > 0
         used = np.nonzero(present)[0]
         colmap = np.cumsum(present) - 1
@@ -140,6 +136,8 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
         # integer sums: exact in binary64 whatever the order
         tot = np.bincount(row, weights=val, minlength=live.size)
         mean = np.bincount(row, weights=val * idx, minlength=live.size) / tot
+    if live.size == 0:
+        return assign
     g = min(n_tables, live.size)
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
@@ -191,7 +189,6 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     the raw low bits."""
     sb, ways = cfg["scale_bits"], cfg["ways"]
     syms = np.ascontiguousarray(syms, dtype=np.uint16)
-    nrows = syms.shape[0] if syms.ndim == 2 else syms.shape[0] * syms.shape[2]
     n = syms.size
     nclass = 6 if cfg["context"] == "prev" else 1
     # reference symbol of each row (sign 0, the lower median magnitude) and histograms per (row, class)
@@ -203,7 +200,7 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     if (tcounts > 0).sum(axis=1).max() > (1 << sb):
         raise ConfigError(f"{CODEC_ID}: a table has more distinct symbols than 2**scale_bits; raise scale_bits")
     freq = rans.normalize_counts(tcounts, sb)
-    ctx_map = assign.reshape(nrows, nclass).astype(np.uint8)
+    ctx_map = assign.reshape(refs.size, nclass).astype(np.uint8)
     words_out = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, k, nclass)
     side = refs.astype("<u2").tobytes() + ctx_map.tobytes() + rans.pack_tables(freq)
     side_z = _side_compressor().compress(side)
