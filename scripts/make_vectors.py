@@ -103,6 +103,8 @@ def cases():
                                             states=states), {}
     # 8 (1.4): a reduced cache (merge-reduce summaries with log-weights and anchors, a raw sliding layer)
     yield "lossless_reduced", reduced_cache(rng, torch.bfloat16), {}
+    # 9 (1.7): a one-shot selection (method tova): kept tokens in `fixed`, then tokens appended raw (sinks, buffer)
+    yield "lossless_selected", selected_cache(rng, torch.float16), {}
 
 
 def reduced_cache(rng, dtype, n=46, form="query"):
@@ -123,6 +125,25 @@ def reduced_cache(rng, dtype, n=46, form="query"):
     win.lazy_initialization(keys[0][:, :, :6], values[0][:, :, :6])
     win.keys, win.values, win.cumulative_length = keys[0][:, :, -6:].clone(), values[0][:, :, -6:].clone(), n
     return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers + [win], method="cluster"))
+
+
+def selected_cache(rng, dtype, n=30, kept=9, appended=5):
+    """(1.7) a cache reduced by a one-shot selection, method ``tova``: two full-attention layers of ``n``
+    tokens of which ``kept`` (each layer its own, the last token among them) are held in ``fixed``; then
+    ``appended`` tokens decoded after the reduction, kept raw: the first 2 in ``sinks``, the rest in
+    ``buffer``."""
+    from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer
+
+    plan = Plan(k=4, block=4, sinks=2, method=None, seed=0, window=0, form="dot")
+    layers = []
+    for i in range(2):
+        keys, values = structured(rng, (1, 2, n, 8), dtype), structured(rng, (1, 2, n, 8), dtype)
+        idx = torch.from_numpy(np.sort(np.append(rng.choice(n - 1, kept - 1, replace=False), n - 1)))
+        layer = ReducedLayer(plan, i, 8 ** -0.5)
+        layer.set_fixed(keys[:, :, idx], values[:, :, idx], n)
+        layer.update(structured(rng, (1, 2, appended, 8), dtype), structured(rng, (1, 2, appended, 8), dtype))
+        layers.append(layer)
+    return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="tova"))
 
 
 def lossy_cases():

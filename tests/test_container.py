@@ -71,6 +71,10 @@ def test_unsupported_version(small):
     with pytest.raises(UnsupportedVersion) as ei:
         KvzReader(patch(small, 8, struct.pack("<H", 2)))
     assert ei.value.field == "Version_Major" and ei.value.offset == 8
+    newer = L.FORMAT_VERSION_MINOR + 1  # a later revision may give a known field a new meaning: refused
+    with pytest.raises(UnsupportedVersion, match=f"1.{newer}.*newer kvcodec") as ei:
+        KvzReader(patch(small, 10, struct.pack("<H", newer)))
+    assert ei.value.field == "Version_Minor" and ei.value.offset == 10
 
 
 def test_truncated_file(small):

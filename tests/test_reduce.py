@@ -20,7 +20,7 @@ from kvcodec.reduction import (
 )
 from kvcodec.reduction import attention as att
 
-from .common import model_cache, tiny_model
+from .common import check_rejects, fuzz_tools, model_cache, tiny_model
 
 KINDS = ["llama", "qwen2", "gpt2"]
 
@@ -253,6 +253,59 @@ def test_baselines_keep_the_documented_tokens():
     assert torch.equal(h2o.layers[0].keys[:, :, -(e - e // 2):], k[:, :, 100 - (e - e // 2):])
 
 
+def _kept_positions(reduced_keys, keys):
+    """The positions ``[b, h, entries]`` of the original ``keys`` each kept entry is (every entry must be one)."""
+    hit = (reduced_keys[:, :, :, None, :] == keys[:, :, None, :, :]).all(-1)
+    assert hit.any(-1).all()
+    return hit.float().argmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tova_keeps_what_the_last_token_attends_to_most(kind):
+    """TOVA: per layer, the last token and the tokens the last token's attention weights (the eager model's
+    own, output_attentions, averaged over every query head of the layer) rank highest; the same tokens in every
+    KV head.  Checked against float64 scores: each kept token within float32 error of the last one kept."""
+    m = _model(kind)
+    ids = _ids(90)
+    out = m(ids, use_cache=True, output_attentions=True)
+    cache = out.past_key_values
+    red = kvcodec.reduce(cache, m, budget=17, method="tova", tokens=ids)
+    e = plan_for(90, budget=17)[2]  # as many entries as a merge-reduce summary of that budget holds
+    assert red.entries() == e and red.method == "tova"
+    for li, layer in enumerate(cache.layers):
+        score = out.attentions[li][0, :, -1].double().mean(0)  # [90], the last query, all query heads
+        kept = _kept_positions(red.layers[li].keys, layer.keys)
+        assert (kept == kept[:, :1]).all()  # every KV head keeps the same tokens
+        kept = kept[0, 0]
+        assert kept[-1] == 89 and (kept.diff() > 0).all()
+        last = score[:89].topk(e - 1).values[-1]
+        assert (score[kept[:-1]] >= last - 1e-7).all()
+        assert torch.equal(red.layers[li].values, layer.values[:, :, kept])
+    a = kvcodec.reduce(cache, m, budget=17, method="tova")  # tokens recovered from the cache
+    assert torch.equal(a.layers[1].keys, red.layers[1].keys)
+    out2 = m.generate(torch.cat([ids, _ids(3, 1)], 1), past_key_values=red, max_new_tokens=4, do_sample=False,
+                      pad_token_id=0)
+    assert out2.shape == (1, 97)
+
+
+def test_tova_knowing_the_question_ranks_every_token_by_the_questions_last_query():
+    m = _model("llama")
+    ids, q = _ids(100), _ids(7, 5)
+    cache = model_cache(m, ids)
+    red = kvcodec.reduce(cache, m, budget=20, method="tova", question=q)
+    e = plan_for(100, budget=20)[2]
+    assert cache.get_seq_length() == 100 and red.entries() == e
+    obs = _question_queries(m, cache, q)
+    for li, layer in enumerate(cache.layers):
+        keys = layer.keys.double()
+        qs = obs.queries[li][:, :, -1:].double()  # [1, hq, 1, d]
+        g = qs.shape[1] // keys.shape[1]
+        score = torch.softmax(obs.scaling[li] * qs @ keys.repeat_interleave(g, 1).transpose(-1, -2), -1)
+        score = score[0, :, 0].mean(0)  # [100]: the cache's keys only, no raw last token
+        kept = _kept_positions(red.layers[li].keys, layer.keys)[0, 0]
+        assert (score[kept] >= score.topk(e).values[-1] - 1e-7).all()
+
+
 def test_snapkv_recovers_tokens_from_the_cache():
     m = _model("llama")
     ids = _ids(90)
@@ -362,7 +415,7 @@ def test_unknown_method_and_bad_keep():
 
 # --- the .kvz form of a reduced cache (spec/kvz.md section 14) ----------------------------------------------
 
-@pytest.mark.parametrize("method", ["cluster", "sample", "snapkv", "streaming"])
+@pytest.mark.parametrize("method", ["cluster", "sample", "snapkv", "streaming", "tova"])
 def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     """Lossless: the decoded ReducedCache holds the same entries, log-weights, anchor and parts, gives the same
     logits and keeps reducing identically as tokens are appended."""
@@ -371,7 +424,8 @@ def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     red = kvcodec.reduce(model_cache(m, ids), m, keep=0.2, method=method, tokens=ids)
     data = kvcodec.encode(red)
     info = kvcodec.inspect(data)
-    assert info["format_version"] == "1.4" and info["reduce"]["method"] == method
+    # the lowest version with everything the file uses: reduced caches came with 1.4, method tova with 1.7
+    assert info["format_version"] == ("1.7" if method == "tova" else "1.4") and info["reduce"]["method"] == method
     assert info["reduce"]["entries"] == red.entries() and info["reduce"]["tokens"] == 150
     back = kvcodec.decode(data, m)
     assert isinstance(back, ReducedCache) and back.describe() == red.describe()
@@ -384,6 +438,22 @@ def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     assert back.describe() == red.describe()
     # re-encoding the decoded cache gives the same bytes
     assert kvcodec.encode(kvcodec.decode(data, m)) == data
+
+
+def test_a_tova_file_needs_1_7():
+    """Method tova came with format 1.7: a file saying it is older is refused before any work, by field, and
+    every method has the version that introduced it."""
+    from kvcodec.container.header import REDUCE_METHOD_MINOR
+    from kvcodec.state import REDUCE_METHODS
+
+    assert set(REDUCE_METHOD_MINOR) == set(REDUCE_METHODS)
+    m = _model("llama")
+    ids = _ids(60)
+    data = bytearray(kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method="tova", tokens=ids)))
+    assert data[10] == 7
+    data[10] = 6
+    err = check_rejects(kvcodec.FormatError, fuzz_tools().reseal(bytes(data)), match="1\\.7")
+    assert err.field == "Version_Minor"
 
 
 def test_reduced_cache_composes_with_the_lossy_tier():

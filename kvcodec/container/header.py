@@ -31,6 +31,15 @@ STATE_MINOR = 3
 REDUCE_MINOR = 4
 #: the format minor version that introduced predicted lossy slices (the ``predict`` object, spec section 13.1)
 PREDICT_MINOR = 6
+#: the format minor version that introduced each ``reduce.method`` (spec section 14.1; ``tova`` came with 1.7)
+REDUCE_METHOD_MINOR = {"cluster": REDUCE_MINOR, "sample": REDUCE_MINOR, "streaming": REDUCE_MINOR,
+                       "snapkv": REDUCE_MINOR, "h2o": REDUCE_MINOR, "tova": 7}
+
+
+def reduce_minor(reduce: dict) -> int:
+    """The lowest minor version that has a ``reduce`` object with this ``method`` (an unknown method is the
+    parser's to refuse: it counts as the latest)."""
+    return REDUCE_METHOD_MINOR.get(reduce.get("method"), L.FORMAT_VERSION_MINOR)
 
 
 def is_hex64(text: str) -> bool:
@@ -142,7 +151,7 @@ class Header:
     @property
     def min_minor(self) -> int:
         """The lowest format minor version that can express this file (the tier's; 3 with layer states, 4 for a
-        reduced cache)."""
+        reduced cache, 7 for one reduced by ``tova``)."""
         return max(registry.tier(self.tier).min_minor, self._feature_minor())
 
     @property
@@ -154,7 +163,9 @@ class Header:
     def _feature_minor(self) -> int:
         if self.predict is not None:
             return PREDICT_MINOR
-        return REDUCE_MINOR if self.reduce is not None else STATE_MINOR if self.has_state else 0
+        if self.reduce is not None:
+            return reduce_minor(self.reduce)
+        return STATE_MINOR if self.has_state else 0
 
     def output_bytes(self) -> int:
         """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors, the layer states and 4

@@ -134,8 +134,9 @@ class KvzReader:
                                    field="Header_Checksum", offset=hend)
         self.header: Header = parse(body, offset=L.PREAMBLE.size, limits=self.limits)
         if minor < self.header.read_minor:
-            raise FormatError(f"tier {self.header.tier!r} needs format 1.{self.header.read_minor} or later, "
-                              f"the file says 1.{minor}", field="Version_Minor", offset=10)
+            raise FormatError(f"tier {self.header.tier!r} with what this header uses needs format "
+                              f"1.{self.header.read_minor} or later, the file says 1.{minor}",
+                              field="Version_Minor", offset=10)
         self.data_start = hend + 8
         self._read_footer_and_index()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import PREDICT_MINOR, REDUCE_MINOR, STATE_MINOR, dumps
+from .header import PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
 
 
 class KvzWriter:
@@ -46,7 +46,7 @@ class KvzWriter:
         if any("state" in lay for lay in header["cache"]["layers"]):
             minor = max(minor, STATE_MINOR)
         if "reduce" in header:
-            minor = max(minor, REDUCE_MINOR)
+            minor = max(minor, reduce_minor(header["reduce"]))
         if "predict" in header:
             minor = max(minor, PREDICT_MINOR)
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))

@@ -37,7 +37,7 @@ from .common import missing_corpus, selected_files, write_report
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
-METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming"]
+METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming", "tova"]
 
 
 def _lines_at(text: str, frac: float) -> int:
@@ -170,7 +170,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
             ids = _ids(tok, text + "\n\n")
             n = ids.shape[1]
             t0 = time.perf_counter()
-            with observe(model, window=64, received="h2o" in methods) as obs:
+            with observe(model, window=64, received=any(_base(m) == "h2o" for m in methods)) as obs:
                 full = model(ids, **{ka: None}, use_cache=True)
             full = full["cache"] if "cache" in full else full["past_key_values"]
             t_prefill = time.perf_counter() - t0
@@ -295,10 +295,12 @@ def summarise(rows, keeps, methods):
                         "needle_exact": acc, "needle_exact_full": acc_f,
                         "kl_bits_mean": float(np.mean(kls)) if kls else None,
                         "reduce_s_median": float(np.median([r["reduce_s"] for r in sel]))})
-    # each merge-reduce method vs each baseline, and each variant ("cluster,sinks=0") vs its method, per item
+    # each merge-reduce method and TOVA vs each other baseline, and each variant ("cluster,sinks=0") vs its
+    # method, per item
     present = {r["method"] for r in rows}
-    pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample") and "-" not in a
-             for b in ("snapkv", "streaming", "h2o") + (("snapkv,question",) if _asks(a) else ())]
+    pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample", "tova") and "-" not in a
+             for b in ("snapkv", "streaming", "h2o") + (("tova",) if _base(a) != "tova" else ())
+             + (("snapkv,question",) if _asks(a) else ())]
     pairs += [(a, a.split(",")[0]) for a in methods if "," in a]
     vs = []
     for keep in keeps:

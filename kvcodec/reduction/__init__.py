@@ -15,9 +15,11 @@ keeps reducing as decoding appends to it.  Methods:
   ``"dot"`` the token counts (no forward pass), ``"kernel"`` the papers' Gaussian-kernel mass (measured
   much worse on SmolLM2: BENCHMARKS.md).
 - ``"streaming"`` (StreamingLLM: sinks + recent window), ``"snapkv"`` (window 64, pool 5, GQA mean),
-  ``"h2o"`` (half heavy hitters by normalised received attention, half recent): one-shot selections of
-  original tokens, the baselines; later tokens are appended raw.  ``snapkv`` and ``h2o`` re-run the prefill
-  on the cache's tokens (given, or recovered from the cache) to see the queries.
+  ``"h2o"`` (half heavy hitters by normalised received attention, half recent), ``"tova"`` (TOVA: the
+  tokens the last token attends to most, averaged over all query heads of the layer, and the last token):
+  one-shot selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``,
+  ``h2o`` and ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see
+  the queries.
 
 Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
 :func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
@@ -39,7 +41,7 @@ from .scan import prefill
 __all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable"]
 
 MERGE_REDUCE = tuple(REDUCERS)
-BASELINES = ("streaming", "snapkv", "h2o")
+BASELINES = ("streaming", "snapkv", "h2o", "tova")
 METHODS = MERGE_REDUCE + BASELINES
 
 
@@ -157,6 +159,16 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
         top = score.topk(budget - w, dim=-1).indices
         win = torch.arange(n - w, n).expand(b, h, w)
         return torch.cat([top, win], -1).sort(-1).values
+    if method == "tova":  # Oren et al., "Transformers are multi-state RNNs": the last query's attention
+        queries, scaling = obs_layer["queries"], obs_layer["scaling"]
+        hq = queries.shape[1]
+        kq = keys.float().repeat_interleave(hq // h, dim=1)
+        att = torch.softmax(scaling * queries[:, :, -1:].float() @ kq.transpose(-1, -2), -1)[:, :, 0]  # [b, hq, n]
+        score = att.mean(1, keepdim=True).expand(b, h, n)  # one score per token: every KV head keeps the same
+        if obs_layer.get("after"):  # the question's last query: every token of the cache is a candidate
+            return score.topk(budget, dim=-1).indices.sort(-1).values
+        top = score[..., : n - 1].topk(budget - 1, dim=-1).indices  # the last token is always kept
+        return torch.cat([top, torch.full((b, h, 1), n - 1)], -1).sort(-1).values
     if method == "h2o":
         score = obs_layer["received"] / obs_layer["seen"]
         recent = budget - budget // 2
@@ -175,14 +187,15 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
     caches it computes exactly what it computed before.  ``observation``: what
-    :func:`kvcodec.reduction.attention.observe` recorded during the prefill that made the cache (``snapkv`` and
-    ``h2o`` then skip their own re-run).  ``window``: the fraction of the budget kept as raw recent tokens
-    (merge-reduce methods; default 0); ``form``: the mass the reducers preserve (``"query"``, ``"dot"``,
-    ``"kernel"``).  ``question``: token ids of what the reduced cache will be asked, when that is known at
-    reduction time (query-aware compression, SnapKV's setting): the question is run once after the full cache
-    and its queries, not the prefill's last 64, are what ``snapkv`` scores keys with (no raw window: the
-    question is not part of the cache) and what the ``query`` form's anchor is; the methods that look at no
-    query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) refuse it."""
+    :func:`kvcodec.reduction.attention.observe` recorded during the prefill that made the cache (``snapkv``,
+    ``h2o`` and ``tova`` then skip their own re-run).  ``window``: the fraction of the budget kept as raw
+    recent tokens (merge-reduce methods; default 0); ``form``: the mass the reducers preserve (``"query"``,
+    ``"dot"``, ``"kernel"``).  ``question``: token ids of what the reduced cache will be asked, when that is
+    known at reduction time (query-aware compression, SnapKV's setting): the question is run once after the
+    full cache, and its queries replace the prefill's last 64: ``snapkv`` scores keys with them (no raw
+    window: the question is not part of the cache), ``tova`` with the question's last one (the cache's last
+    token then has to earn its place), and the ``query`` form anchors its masses at their mean; the methods
+    that look at no query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) refuse it."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -199,7 +212,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     enable(model)
     scale = scalings(model)
     obs = observation
-    need_q = method in ("snapkv", "h2o") or (method in MERGE_REDUCE and form == "query")
+    need_q = method in ("snapkv", "h2o", "tova") or (method in MERGE_REDUCE and form == "query")
     if question is not None:
         if not need_q or method == "h2o":
             what = f"form {form!r}" if method in MERGE_REDUCE else f"method {method!r}"
