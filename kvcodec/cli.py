@@ -541,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")
     s.add_argument("--documents", type=int, default=6, help="reduce, theory: documents (corpus files long enough)")
     s.add_argument("--seed", type=int, default=0, help="reduce: seed of the items and of the random reducers")
+    s.add_argument("--merge", nargs="*", metavar="JSON",
+                   help="reduce: add the methods of earlier runs (their bench_reduce.json) that this run did not "
+                        "run, paired item by item; refused unless the settings and the full cache's answers match")
     s.add_argument("--export-items", metavar="FILE",
                    help="reduce: write the documents and questions as JSON (the input of scripts/peers/"
                         "kvpress_reduce.py) and stop")

@@ -40,9 +40,9 @@ NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
 #: the parts of a reduced layer's entries, in storage order (``levels``: highest level first)
 REDUCED_PARTS = ("fixed", "sinks", "levels", "buffer")
 MAX_LEVELS = 64
-#: the header's ``reduce`` object (1.4): what reduced the cache (``tova``: 1.7), the merge-reduce reducers, the
-#: mass forms
-REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova")
+#: the header's ``reduce`` object (1.4): what reduced the cache (``tova``, ``kvzip``: 1.7), the merge-reduce
+#: reducers, the mass forms
+REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova", "kvzip")
 REDUCERS = ("cluster", "sample")
 REDUCE_FORMS = ("query", "dot", "kernel")
 MAX_SLOTS = 256

@@ -306,6 +306,39 @@ def test_tova_knowing_the_question_ranks_every_token_by_the_questions_last_query
         assert (score[kept] >= score.topk(e).values[-1] - 1e-7).all()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kvzip_keeps_the_sinks_and_what_the_replay_attends_to_most(kind):
+    """KVzip: per KV head, the sinks and the tokens with the highest peak attention (the eager model's own
+    weights, output_attentions, over every replayed query and every query head of the group) while the model
+    reads the prompt and the cache's tokens again after the cache."""
+    import copy
+
+    m = _model(kind)
+    ids, prompt = _ids(80), _ids(3, 9)
+    cache = model_cache(m, ids)
+    red = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids, prompt=prompt)
+    e = plan_for(80, budget=24)[2]
+    assert red.entries() == e and cache.get_seq_length() == 80
+    att_out = m(torch.cat([prompt, ids], 1), past_key_values=copy.deepcopy(cache), output_attentions=True).attentions
+    differ = False
+    for li, layer in enumerate(cache.layers):
+        h = layer.keys.shape[1]
+        w = att_out[li][0, :, :, :80].double()  # [hq, 83, 80]: the replay's weights on the cached keys
+        score = w.amax(1).view(h, -1, 80).amax(1)  # [h, 80]
+        kept = _kept_positions(red.layers[li].keys, layer.keys)[0]  # [h, e]
+        assert (kept[:, :4] == torch.arange(4)).all()  # the sinks
+        last = score[:, 4:].topk(e - 4, -1).values[:, -1:]
+        assert (score.gather(1, kept[:, 4:]) >= last - 1e-7).all()
+        differ |= h > 1 and not (kept == kept[:1]).all()
+    assert differ or kind == "qwen2"  # each KV head keeps its own tokens
+    plain = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids)  # no prompt: the replay follows at once
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(plain.layers, red.layers))
+    with pytest.raises(ValueError, match="reads no prompt"):
+        kvcodec.reduce(cache, m, budget=24, method="tova", tokens=ids, prompt=prompt)
+    with pytest.raises(ValueError, match="no question is needed"):
+        kvcodec.reduce(cache, m, budget=24, method="kvzip", question=prompt)
+
+
 def test_snapkv_recovers_tokens_from_the_cache():
     m = _model("llama")
     ids = _ids(90)
@@ -415,7 +448,7 @@ def test_unknown_method_and_bad_keep():
 
 # --- the .kvz form of a reduced cache (spec/kvz.md section 14) ----------------------------------------------
 
-@pytest.mark.parametrize("method", ["cluster", "sample", "snapkv", "streaming", "tova"])
+@pytest.mark.parametrize("method", ["cluster", "sample", "snapkv", "streaming", "tova", "kvzip"])
 def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     """Lossless: the decoded ReducedCache holds the same entries, log-weights, anchor and parts, gives the same
     logits and keeps reducing identically as tokens are appended."""
@@ -424,8 +457,9 @@ def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     red = kvcodec.reduce(model_cache(m, ids), m, keep=0.2, method=method, tokens=ids)
     data = kvcodec.encode(red)
     info = kvcodec.inspect(data)
-    # the lowest version with everything the file uses: reduced caches came with 1.4, method tova with 1.7
-    assert info["format_version"] == ("1.7" if method == "tova" else "1.4") and info["reduce"]["method"] == method
+    # the lowest version with everything the file uses: reduced caches came with 1.4, methods tova, kvzip with 1.7
+    new = method in ("tova", "kvzip")
+    assert info["format_version"] == ("1.7" if new else "1.4") and info["reduce"]["method"] == method
     assert info["reduce"]["entries"] == red.entries() and info["reduce"]["tokens"] == 150
     back = kvcodec.decode(data, m)
     assert isinstance(back, ReducedCache) and back.describe() == red.describe()
@@ -623,6 +657,31 @@ def test_bench_method_options_and_variant_pairs():
     assert pair[("cluster,sinks=0", "cluster")]["b_better"] == 2
     assert pair[("cluster", "streaming")]["delta_bits_mean"] == -1.0
     assert {s["method"] for s in summary} == {"cluster", "cluster,sinks=0", "streaming"}
+
+
+def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_path):
+    import json
+
+    from kvcodec.lab import bench_reduce as br
+
+    def row(method, keep, bits, depth=0.1):
+        return {"file": "f", "kind": "needle", "depth": depth, "method": method, "keep": keep, "answer_bits": bits,
+                "exact": False, "entries": 9, "reduce_s": 0.0}
+
+    settings = {"context": 64, "documents": 1, "files": ["f"], "depths": [0.1], "seed": 0}
+    old = {**settings, "methods": ["full", "cluster", "tova"],
+           "rows": [row("full", 1.0, -1.0), row("cluster", 0.1, -4.0), row("cluster", 0.5, -2.0),
+                    row("tova", 0.1, -3.0)]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    rows = [row("full", 1.0, -1.0), row("tova", 0.1, -2.5)]
+    got, methods = br.merge_earlier(rows, ["full", "tova"], [0.1], settings, path)
+    assert methods == ["full", "tova", "cluster"]  # this run's tova rows, not the earlier run's
+    assert got == rows + [row("cluster", 0.1, -4.0)]  # at this run's budgets only
+    with pytest.raises(ValueError, match="seed"):
+        br.merge_earlier(rows, ["full", "tova"], [0.1], {**settings, "seed": 1}, path)
+    with pytest.raises(ValueError, match="other answers"):
+        br.merge_earlier([row("full", 1.0, -1.1)], ["full"], [0.1], settings, path)
 
 
 def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):

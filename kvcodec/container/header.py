@@ -31,9 +31,10 @@ STATE_MINOR = 3
 REDUCE_MINOR = 4
 #: the format minor version that introduced predicted lossy slices (the ``predict`` object, spec section 13.1)
 PREDICT_MINOR = 6
-#: the format minor version that introduced each ``reduce.method`` (spec section 14.1; ``tova`` came with 1.7)
+#: the format minor version that introduced each ``reduce.method`` (spec section 14.1; ``tova`` and ``kvzip``
+#: came with 1.7)
 REDUCE_METHOD_MINOR = {"cluster": REDUCE_MINOR, "sample": REDUCE_MINOR, "streaming": REDUCE_MINOR,
-                       "snapkv": REDUCE_MINOR, "h2o": REDUCE_MINOR, "tova": 7}
+                       "snapkv": REDUCE_MINOR, "h2o": REDUCE_MINOR, "tova": 7, "kvzip": 7}
 
 
 def reduce_minor(reduce: dict) -> int:
@@ -151,7 +152,7 @@ class Header:
     @property
     def min_minor(self) -> int:
         """The lowest format minor version that can express this file (the tier's; 3 with layer states, 4 for a
-        reduced cache, 7 for one reduced by ``tova``)."""
+        reduced cache, 7 for one reduced by ``tova`` or ``kvzip``)."""
         return max(registry.tier(self.tier).min_minor, self._feature_minor())
 
     @property

@@ -23,7 +23,7 @@ FORMAT_VERSION_MINOR = 7  # the highest minor version this code reads and writes
 # lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier), 3
 # when a layer carries recurrent / conv state, 4 for a reduced cache (a ``reduce`` object), 5 for the lossy
 # tier's quantizer ``weighted`` (``vq_rans`` Method 5), 6 for predicted slices (``predict``), 7 for a cache
-# reduced by ``tova``.
+# reduced by ``tova`` or ``kvzip``.
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")

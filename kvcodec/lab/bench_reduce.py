@@ -22,6 +22,8 @@ merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates t
 (:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N`` and ``,window=F`` pass
 :func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
 budget a raw recent window); ``+lossyN`` stores the reduced cache in the lossy tier at N bits and decodes it.
+``kvzip`` replays each document once after its cache (after the repeat instruction :data:`REPEAT`), for every
+budget; its reduce time includes that replay.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ from .common import missing_corpus, selected_files, write_report
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
-METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming", "tova"]
+METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming", "tova",
+           "kvzip"]
+#: KVzip's repeat instruction read between the cache and its replay (kvpress's text, for models without a chat
+#: template)
+REPEAT = "\n\nRepeat the previous context exactly.\n"
 
 
 def _lines_at(text: str, frac: float) -> int:
@@ -154,7 +160,7 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
 
 @torch.no_grad()
 def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
-    from ..reduction import plan_for
+    from ..reduction import _observe_replay, plan_for
     from ..reduction.attention import enable, observe
     from ..tokens.plan import cache_kwarg
 
@@ -174,6 +180,11 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                 full = model(ids, **{ka: None}, use_cache=True)
             full = full["cache"] if "cache" in full else full["past_key_values"]
             t_prefill = time.perf_counter() - t0
+            t_replay = 0.0
+            if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
+                t0 = time.perf_counter()
+                obs.peak = _observe_replay(full, model, ids, _ids(tok, REPEAT)).peak
+                t_replay = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:
                 cont = torch.tensor([doc["continuation"]])
@@ -188,7 +199,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     if not asks:
                         t1 = time.perf_counter()
                         red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
-                        t_red = time.perf_counter() - t1
+                        t_red = time.perf_counter() - t1 + (t_replay if _base(m) == "kvzip" else 0.0)
                         got = red.entries() if hasattr(red, "entries") else n
                     for it in items:
                         q = _ids(tok, f"Question: {it['question']}\nAnswer:{it.get('lead', '')}")
@@ -295,12 +306,12 @@ def summarise(rows, keeps, methods):
                         "needle_exact": acc, "needle_exact_full": acc_f,
                         "kl_bits_mean": float(np.mean(kls)) if kls else None,
                         "reduce_s_median": float(np.median([r["reduce_s"] for r in sel]))})
-    # each merge-reduce method and TOVA vs each other baseline, and each variant ("cluster,sinks=0") vs its
-    # method, per item
+    # each merge-reduce method, TOVA and KVzip vs each other baseline, and each variant ("cluster,sinks=0") vs
+    # its method, per item
     present = {r["method"] for r in rows}
-    pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample", "tova") and "-" not in a
-             for b in ("snapkv", "streaming", "h2o") + (("tova",) if _base(a) != "tova" else ())
-             + (("snapkv,question",) if _asks(a) else ())]
+    pairs = [(a, b) for a in methods if _base(a) in ("cluster", "sample", "tova", "kvzip") and "-" not in a
+             for b in ("snapkv", "streaming", "h2o", "tova") + (("snapkv,question",) if _asks(a) else ())
+             if b != _base(a)]
     pairs += [(a, a.split(",")[0]) for a in methods if "," in a]
     vs = []
     for keep in keeps:
@@ -374,7 +385,10 @@ def to_markdown(res) -> str:
              "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
              "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
              "KL: mean bits/token over the 64-token continuation (none for methods reduced knowing the "
-             "question: a continuation has no question).", "",
+             "question: a continuation has no question)." + (
+                 f" Methods {', '.join(m for m in res['methods'] if m not in res['merged']['ran'])} from an earlier "
+                 f"run with the same settings ({', '.join(res['merged']['from'])}; its full cache gave the same "
+                 "answers), paired item by item." if res.get("merged") else ""), "",
              "| keep | method | entries | answer NLL ratio | Δ bits [95 % CI] | p | needle EM (full) | KL bits/tok | "
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
@@ -398,6 +412,29 @@ def to_markdown(res) -> str:
         for r in sz["rows"]:
             lines.append(f"| {r['what']} | {r['entries']} | {r['bytes']:,} | {r['ratio_vs_raw']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list]:
+    """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
+    this run did not run, at this run's budgets.  Refused unless both runs had the same settings and their full
+    caches gave the same answers (the same items and model, to 1e-6 bits)."""
+    import json
+    from pathlib import Path
+
+    old = json.loads(Path(path).read_text())
+    for key, value in settings.items():
+        if old.get(key) != value:
+            raise ValueError(f"--merge {path}: {key} {old.get(key)!r}, this run {value!r}")
+
+    def full(rs):
+        return {(r["file"], r["kind"], r["depth"]): r["answer_bits"] for r in rs
+                if r["method"] == "full" and "answer_bits" in r}
+
+    a, b = full(rows), full(old["rows"])
+    if a.keys() != b.keys() or any(abs(a[x] - b[x]) > 1e-6 for x in a):
+        raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model)")
+    extra = [m for m in old["methods"] if m not in methods]
+    return rows + [r for r in old["rows"] if r["method"] in extra and r["keep"] in keeps], methods + extra
 
 
 def run_reduce_bench(args) -> int:
@@ -424,11 +461,18 @@ def run_reduce_bench(args) -> int:
         return 0
     t0 = time.perf_counter()
     rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
+    seconds = round(time.perf_counter() - t0, 1)
+    settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
+                "depths": args.depths, "seed": args.seed}
+    ran = list(methods)
+    for path in getattr(args, "merge", None) or []:
+        rows, methods = merge_earlier(rows, methods, keeps, settings, path)
     summary, versus = summarise(rows, keeps, methods)
-    res = {"model": "smollm2 fp32", "context": args.context, "documents": len(docs),
-           "files": [d["file"] for d in docs], "questions": sum(len(d["items"]) for d in docs),
-           "depths": args.depths, "keeps": keeps, "methods": methods, "seed": args.seed,
-           "seconds": round(time.perf_counter() - t0, 1), "summary": summary, "versus": versus, "rows": rows}
+    res = {"model": "smollm2 fp32", **settings, "questions": sum(len(d["items"]) for d in docs),
+           "keeps": keeps, "methods": methods, "seconds": seconds, "summary": summary, "versus": versus,
+           "rows": rows}
+    if methods != ran:
+        res["merged"] = {"ran": ran, "from": [str(p) for p in args.merge]}
     if getattr(args, "sizes", False):
         res["sizes"] = sizes(model, tok, docs[0], keeps)
     out = write_report(args.out, "bench_reduce", res, to_markdown(res))

@@ -17,9 +17,11 @@ keeps reducing as decoding appends to it.  Methods:
 - ``"streaming"`` (StreamingLLM: sinks + recent window), ``"snapkv"`` (window 64, pool 5, GQA mean),
   ``"h2o"`` (half heavy hitters by normalised received attention, half recent), ``"tova"`` (TOVA: the
   tokens the last token attends to most, averaged over all query heads of the layer, and the last token):
-  one-shot selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``,
-  ``h2o`` and ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see
-  the queries.
+  ``"kvzip"`` (KVzip: the sinks and, per KV head, the tokens that receive the most attention when the model
+  replays the cache's own tokens after it, optionally after a repeat instruction ``prompt``): one-shot
+  selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``, ``h2o`` and
+  ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see the queries;
+  ``kvzip`` runs the replay after a copy of the cache.
 
 Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
 :func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
@@ -41,7 +43,7 @@ from .scan import prefill
 __all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable"]
 
 MERGE_REDUCE = tuple(REDUCERS)
-BASELINES = ("streaming", "snapkv", "h2o", "tova")
+BASELINES = ("streaming", "snapkv", "h2o", "tova", "kvzip")
 METHODS = MERGE_REDUCE + BASELINES
 
 
@@ -131,6 +133,23 @@ def _observe_question(cache, model, question, batch: int):
     return obs
 
 
+def _observe_replay(cache, model, ids, prompt):
+    """What KVzip scores with: the peak attention each cached key receives while the model reads ``prompt``
+    (token ids, or None) and then the cache's own tokens ``ids`` again, after a copy of ``cache``."""
+    from ..tokens.plan import cache_kwarg
+
+    replay = ids
+    if prompt is not None:
+        p = torch.as_tensor(prompt).long()
+        p = p[None] if p.dim() == 1 else p
+        if p.dim() != 2 or p.shape[0] not in (1, ids.shape[0]):
+            raise ValueError(f"prompt must be one sequence of token ids (or one per row), got shape {tuple(p.shape)}")
+        replay = torch.cat([p.expand(ids.shape[0], -1), ids], -1)
+    with observe(model, window=1, received=False, peak=True) as obs:
+        model(replay, **{cache_kwarg(model): copy.deepcopy(cache)})
+    return obs
+
+
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
     """Indices ``[b, h, budget]`` (ascending) of the tokens a baseline keeps."""
     b, h, n, _ = keys.shape
@@ -169,6 +188,10 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
             return score.topk(budget, dim=-1).indices.sort(-1).values
         top = score[..., : n - 1].topk(budget - 1, dim=-1).indices  # the last token is always kept
         return torch.cat([top, torch.full((b, h, 1), n - 1)], -1).sort(-1).values
+    if method == "kvzip":  # Kim et al., "KVzip: query-agnostic KV cache compression with context reconstruction"
+        score = obs_layer["peak"].clone()
+        score[..., : min(sinks, budget)] = float("inf")  # the sinks are never evicted
+        return score.topk(budget, dim=-1).indices.sort(-1).values
     if method == "h2o":
         score = obs_layer["received"] / obs_layer["seen"]
         recent = budget - budget // 2
@@ -182,7 +205,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 @torch.no_grad()
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
-           form: str = "query", question=None) -> ReducedCache:
+           form: str = "query", question=None, prompt=None) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -195,7 +218,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     full cache, and its queries replace the prefill's last 64: ``snapkv`` scores keys with them (no raw
     window: the question is not part of the cache), ``tova`` with the question's last one (the cache's last
     token then has to earn its place), and the ``query`` form anchors its masses at their mean; the methods
-    that look at no query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) refuse it."""
+    that look at no query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) and ``kvzip`` (whose
+    point is not to need one) refuse it.  ``prompt``: ``kvzip`` only, token ids read between the cache and its
+    replay (KVzip's repeat instruction, e.g. the model's tokens of "\n\nRepeat the previous context
+    exactly.\n"); without it the replay follows the cache directly.  ``observation`` for ``kvzip`` is what
+    :func:`~kvcodec.reduction.attention.observe` recorded with ``peak=True`` during that replay."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -213,11 +240,22 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     scale = scalings(model)
     obs = observation
     need_q = method in ("snapkv", "h2o", "tova") or (method in MERGE_REDUCE and form == "query")
-    if question is not None:
+    if prompt is not None and method != "kvzip":
+        raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
+    if method == "kvzip":
+        if question is not None:
+            raise ValueError("kvzip scores the cache by replaying it, so that no question is needed; a known "
+                             "question is snapkv's or tova's setting")
+        if obs is None or not obs.peak:
+            ids = _tokens(cache, model, tokens)
+            if ids.shape[-1] != n:
+                raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
+            obs = _observe_replay(cache, model, ids, prompt)
+    elif question is not None:
         if not need_q or method == "h2o":
             what = f"form {form!r}" if method in MERGE_REDUCE else f"method {method!r}"
             raise ValueError(f"{what} looks at no query, so a question would change nothing; "
-                             "question= needs snapkv or a merge-reduce method in the query form")
+                             "question= needs snapkv, tova or a merge-reduce method in the query form")
         if observation is not None:
             raise ValueError("pass question= or observation=, not both")
         obs = _observe_question(cache, model, question, int(cache.layers[full[0]].keys.shape[0]))
@@ -244,6 +282,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             keys, values = layer.keys, layer.values
             o = None if obs is None else {"queries": obs.queries.get(i), "scaling": obs.scaling.get(i),
                                           "received": obs.received.get(i), "seen": obs.seen.get(i),
+                                          "peak": obs.peak.get(i),
                                           "after": question is not None}
             idx = _select(method, keys, o, entries, sinks)
             gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))

@@ -178,11 +178,13 @@ class Observation:
     """What :func:`observe` recorded per layer: ``queries[l]`` ``[b, q_heads, window, d]`` (post-RoPE, the
     last ``window`` positions), ``received[l]`` ``[b, kv_heads, n]`` (attention each key received, summed over
     the queries that could see it and averaged over a KV head's query heads), ``seen[l]`` ``[n]`` (how many
-    queries could see each key) and ``scaling[l]``."""
+    queries could see each key), ``scaling[l]`` and, with ``peak``, ``peak[l]`` ``[b, kv_heads, past]``: the
+    largest attention weight any query of the call gave each key that was already in the cache, over the
+    query heads of the KV head's group (KVzip's score when the call replays the cache's own tokens)."""
 
-    def __init__(self, window: int, received: bool = True, chunk: int = 256):
-        self.window, self.chunk, self.want_received = window, chunk, received
-        self.queries, self.received, self.seen, self.scaling = {}, {}, {}, {}
+    def __init__(self, window: int, received: bool = True, chunk: int = 256, peak: bool = False):
+        self.window, self.chunk, self.want_received, self.want_peak = window, chunk, received, peak
+        self.queries, self.received, self.seen, self.scaling, self.peak = {}, {}, {}, {}, {}
 
     @torch.no_grad()
     def record(self, module, query, key, scaling):
@@ -196,6 +198,8 @@ class Observation:
         g = hq // hk
         self.scaling[li] = float(scaling)
         self.queries[li] = query[:, :, -self.window:].detach().float().clone()
+        if self.want_peak:
+            self._record_peak(li, query, key, float(scaling))
         if not self.want_received:
             return
         kf = key.detach().float().repeat_interleave(g, dim=1)
@@ -211,6 +215,22 @@ class Observation:
         self.seen[li] = (s - torch.clamp(torch.arange(n) - offset, min=0)).clamp(min=1).float()
 
 
+    @torch.no_grad()
+    def _record_peak(self, li, query, key, scaling):
+        b, hq, s, _ = query.shape
+        hk, n = key.shape[1], key.shape[-2]
+        g, past = hq // hk, n - s
+        kf = key.detach().float().repeat_interleave(g, dim=1)
+        peak = torch.zeros(b, hq, past)
+        for a in range(0, s, self.chunk):
+            qa = query[:, :, a:a + self.chunk].float()
+            logits = scaling * qa @ kf.transpose(-1, -2)  # [b, hq, c, n]: the past, then the call's own keys
+            qi = torch.arange(a, a + qa.shape[2])[:, None] + past
+            logits = logits.masked_fill(torch.arange(n)[None, :] > qi, float("-inf"))
+            peak = torch.maximum(peak, torch.softmax(logits, -1)[..., :past].amax(2))
+        self.peak[li] = peak.view(b, hk, g, past).amax(2)
+
+
 @contextmanager
 def prefill_mode(plan, handler):
     """Inside the block, a fresh prefill (queries and keys of the same positions) is computed by
@@ -224,11 +244,11 @@ def prefill_mode(plan, handler):
 
 
 @contextmanager
-def observe(model, window: int = 64, received: bool = True):
-    """Record queries (and, with ``received``, the attention each key received) of every layer while
-    ``model`` runs inside the block."""
+def observe(model, window: int = 64, received: bool = True, peak: bool = False):
+    """Record queries (and, with ``received``, the attention each key received; with ``peak``, the largest
+    attention each key already in the cache receives) of every layer while ``model`` runs inside the block."""
     enable(model)
-    obs = Observation(window, received)
+    obs = Observation(window, received, peak=peak)
     prev = getattr(_state, "observer", None)
     _state.observer = obs
     try:

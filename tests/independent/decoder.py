@@ -51,8 +51,8 @@ STATE_NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
 # (1.4) log_weights / anchor in `reduced` only (§4.2 "its tensors are log_weights and anchor", registry.md)
 STATE_KIND_NAMES = {"linear": ("conv", "recurrent"), "hybrid": ("conv", "recurrent"),
                     "indexed": ("indexer_keys",), "reduced": ("log_weights", "anchor")}
-# (1.4) reduced caches (§14.1, registry.md); (1.7) method tova
-REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova")
+# (1.4) reduced caches (§14.1, registry.md); (1.7) methods tova and kvzip
+REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova", "kvzip")
 REDUCERS = ("cluster", "sample")  # the merge-reduce methods
 REDUCE_FORMS = ("query", "dot", "kernel")
 ZSTD_MAGIC = 0xFD2FB528
@@ -236,8 +236,8 @@ def validate_header(h, minor):
         if not isinstance(h["reduce"], dict):
             raise FormatError("header.reduce is not an object (null is invalid, §14.1)")
         reduce = validate_reduce(h["reduce"])
-        if reduce["method"] == "tova" and minor < 7:  # (1.7, §3) method tova
-            raise FormatError(f"header.reduce.method tova in a file stamped 1.{minor} (needs 1.7)")
+        if reduce["method"] in ("tova", "kvzip") and minor < 7:  # (1.7, §3) methods tova and kvzip
+            raise FormatError(f"header.reduce.method {reduce['method']} in a file stamped 1.{minor} (needs 1.7)")
     cache = h["cache"]
     _keys(cache, ["dtype", "batch", "chunk_tokens", "start_position", "num_tokens", "layers"], (), "cache")
     if not isinstance(cache["dtype"], str):
