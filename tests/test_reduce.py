@@ -732,8 +732,7 @@ def test_snapkv_knowing_the_question_keeps_the_keys_the_question_attends_to():
         # the kept keys are original keys, in order, each scoring within float32 error of the 20th best
         # (a near-tie at the boundary may go either way between float32 and this float64 reference)
         got = red.layers[li].keys
-        kept = (got[:, :, :, None, :] == layer.keys[:, :, None, :, :]).all(-1).float().argmax(-1)  # [1, h, 20]
-        assert torch.equal(layer.keys.gather(2, kept[..., None].expand(-1, -1, -1, k.shape[-1])), got)
+        kept = _kept_positions(got, layer.keys)  # [1, h, 20]
         assert (kept.diff(dim=-1) > 0).all()
         twentieth = score.topk(20, -1).values[..., -1:]
         assert (score.gather(-1, kept) >= twentieth - 1e-8).all()  # scores ~0.01: float32 error ~1e-9
