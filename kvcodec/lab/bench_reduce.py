@@ -160,7 +160,7 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
 
 @torch.no_grad()
 def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
-    from ..reduction import _observe_replay, plan_for
+    from ..reduction import plan_for, replay_observation
     from ..reduction.attention import enable, observe
     from ..tokens.plan import cache_kwarg
 
@@ -183,7 +183,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
             t_replay = 0.0
             if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
                 t0 = time.perf_counter()
-                obs.peak = _observe_replay(full, model, ids, _ids(tok, REPEAT)).peak
+                obs.peak = replay_observation(full, model, ids, _ids(tok, REPEAT)).peak
                 t_replay = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:
@@ -387,8 +387,8 @@ def to_markdown(res) -> str:
              "KL: mean bits/token over the 64-token continuation (none for methods reduced knowing the "
              "question: a continuation has no question)." + (
                  f" Methods {', '.join(m for m in res['methods'] if m not in res['merged']['ran'])} from an earlier "
-                 f"run with the same settings ({', '.join(res['merged']['from'])}; its full cache gave the same "
-                 "answers), paired item by item." if res.get("merged") else ""), "",
+                 f"run with the same settings ({', '.join(x['path'] for x in res['merged']['from'])}; its full "
+                 "cache gave the same answers), paired item by item." if res.get("merged") else ""), "",
              "| keep | method | entries | answer NLL ratio | Δ bits [95 % CI] | p | needle EM (full) | KL bits/tok | "
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
@@ -414,27 +414,39 @@ def to_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list]:
+def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list, dict]:
     """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
-    this run did not run, at this run's budgets.  Refused unless both runs had the same settings and their full
-    caches gave the same answers (the same items and model, to 1e-6 bits)."""
+    this run did not run, at this run's budgets, and where they came from (path, SHA-256, kvcodec version).
+    Refused unless both runs had the same settings, their full caches gave the same answers (the same items
+    and model, to 1e-6 bits), and the earlier run has every added method at every budget for every item."""
+    import hashlib
     import json
     from pathlib import Path
 
-    old = json.loads(Path(path).read_text())
+    raw = Path(path).read_bytes()
+    old = json.loads(raw)
     for key, value in settings.items():
         if old.get(key) != value:
             raise ValueError(f"--merge {path}: {key} {old.get(key)!r}, this run {value!r}")
 
-    def full(rs):
-        return {(r["file"], r["kind"], r["depth"]): r["answer_bits"] for r in rs
-                if r["method"] == "full" and "answer_bits" in r}
+    def answers(rs, method, keep=None):
+        got = [((r["file"], r["kind"], r["depth"]), r["answer_bits"]) for r in rs
+               if r["method"] == method and "answer_bits" in r and (keep is None or r["keep"] == keep)]
+        out = dict(got)
+        if len(out) != len(got):
+            raise ValueError(f"--merge {path}: two {method} items share a file, kind and depth")
+        return out
 
-    a, b = full(rows), full(old["rows"])
+    a, b = answers(rows, "full"), answers(old["rows"], "full")
     if a.keys() != b.keys() or any(abs(a[x] - b[x]) > 1e-6 for x in a):
         raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model)")
     extra = [m for m in old["methods"] if m not in methods]
-    return rows + [r for r in old["rows"] if r["method"] in extra and r["keep"] in keeps], methods + extra
+    for m in extra:
+        for keep in keeps:
+            if answers(old["rows"], m, keep).keys() != a.keys():
+                raise ValueError(f"--merge {path}: {m} at keep {keep} does not have every item")
+    source = {"path": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "kvcodec": old.get("kvcodec")}
+    return rows + [r for r in old["rows"] if r["method"] in extra and r["keep"] in keeps], methods + extra, source
 
 
 def run_reduce_bench(args) -> int:
@@ -464,15 +476,18 @@ def run_reduce_bench(args) -> int:
     seconds = round(time.perf_counter() - t0, 1)
     settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
                 "depths": args.depths, "seed": args.seed}
-    ran = list(methods)
+    ran, sources = list(methods), []
     for path in getattr(args, "merge", None) or []:
-        rows, methods = merge_earlier(rows, methods, keeps, settings, path)
+        rows, methods, source = merge_earlier(rows, methods, keeps, settings, path)
+        sources.append(source)
     summary, versus = summarise(rows, keeps, methods)
-    res = {"model": "smollm2 fp32", **settings, "questions": sum(len(d["items"]) for d in docs),
-           "keeps": keeps, "methods": methods, "seconds": seconds, "summary": summary, "versus": versus,
-           "rows": rows}
+    from .. import __version__
+
+    res = {"model": "smollm2 fp32", "kvcodec": __version__, **settings,
+           "questions": sum(len(d["items"]) for d in docs), "keeps": keeps, "methods": methods, "seconds": seconds,
+           "summary": summary, "versus": versus, "rows": rows}
     if methods != ran:
-        res["merged"] = {"ran": ran, "from": [str(p) for p in args.merge]}
+        res["merged"] = {"ran": ran, "from": sources}
     if getattr(args, "sizes", False):
         res["sizes"] = sizes(model, tok, docs[0], keeps)
     out = write_report(args.out, "bench_reduce", res, to_markdown(res))

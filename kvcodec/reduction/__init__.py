@@ -40,7 +40,8 @@ from .cache import FORMS, Plan, ReducedCache, ReducedLayer, ingest
 from .reducers import REDUCERS
 from .scan import prefill
 
-__all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable"]
+__all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable",
+           "replay_observation"]
 
 MERGE_REDUCE = tuple(REDUCERS)
 BASELINES = ("streaming", "snapkv", "h2o", "tova", "kvzip")
@@ -115,6 +116,33 @@ def _tokens(cache, model, tokens):
     return rec.tokens.long()
 
 
+def _copy_layer(layer):
+    """A deep copy of a cache layer without the autograd history its tensors may carry (``copy.deepcopy``
+    refuses tensors that are not graph leaves)."""
+    c = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            setattr(c, name, value.detach())
+    return copy.deepcopy(c)
+
+
+def _copy(cache):
+    """A deep copy of ``cache`` to run the model after (its layers copied by :func:`_copy_layer`)."""
+    shallow = copy.copy(cache)
+    shallow.layers = []
+    out = copy.deepcopy(shallow)
+    out.layers = [_copy_layer(layer) for layer in cache.layers]
+    return out
+
+
+def _cache_tokens(cache, model, tokens, batch: int, n: int):
+    """The cache's token ids ``[batch, n]`` (given, or recovered from the cache), checked against its shape."""
+    ids = _tokens(cache, model, tokens)
+    if tuple(ids.shape) != (batch, n):
+        raise ValueError(f"tokens of shape {tuple(ids.shape)} for a cache of batch {batch} and {n} tokens")
+    return ids
+
+
 def _observe_question(cache, model, question, batch: int):
     """The queries of ``question`` (token ids) run after ``cache`` (of ``batch`` rows, left untouched), recorded
     per layer."""
@@ -129,25 +157,56 @@ def _observe_question(cache, model, question, batch: int):
             raise ValueError(f"{q.shape[0]} questions for a cache of batch {batch} (give one, or one per row)")
         q = q.expand(batch, -1)
     with observe(model, window=q.shape[-1], received=False) as obs:
-        model(q, **{cache_kwarg(model): copy.deepcopy(cache)})
+        model(q, **{cache_kwarg(model): _copy(cache)})
     return obs
 
 
-def _observe_replay(cache, model, ids, prompt):
-    """What KVzip scores with: the peak attention each cached key receives while the model reads ``prompt``
-    (token ids, or None) and then the cache's own tokens ``ids`` again, after a copy of ``cache``."""
+#: context tokens per replay pass of ``kvzip`` (KVzip replays long contexts in chunks: the positions of a pass
+#: stay below n + prompt + chunk, and its attention scores take (chunk + prompt) x (n + chunk + prompt) floats)
+REPLAY_CHUNK = 4096
+#: tokens of the previous chunk read again after the prompt, before the next chunk (KVzip's lead-in)
+REPLAY_LEAD = 8
+
+
+def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK):
+    """What ``kvzip`` scores with: an :class:`~kvcodec.reduction.attention.Observation` whose ``peak[l]``
+    ``[b, kv_heads, n]`` holds the largest attention weight each cached key receives while the model, after a
+    copy of ``cache``, reads ``prompt`` (token ids, or None) and then the cache's own tokens ``ids`` ``[b, n]``
+    again, ``chunk`` tokens per pass (a pass after the first reads the previous chunk's last 8 tokens after the
+    prompt; each key is scored by the pass that replays it, over everything that pass's queries see)."""
     from ..tokens.plan import cache_kwarg
 
-    replay = ids
+    b, n = ids.shape
+    p = torch.zeros(b, 0, dtype=torch.long)
     if prompt is not None:
         p = torch.as_tensor(prompt).long()
         p = p[None] if p.dim() == 1 else p
-        if p.dim() != 2 or p.shape[0] not in (1, ids.shape[0]):
+        if p.dim() != 2 or p.shape[0] not in (1, b):
             raise ValueError(f"prompt must be one sequence of token ids (or one per row), got shape {tuple(p.shape)}")
-        replay = torch.cat([p.expand(ids.shape[0], -1), ids], -1)
-    with observe(model, window=1, received=False, peak=True) as obs:
-        model(replay, **{cache_kwarg(model): copy.deepcopy(cache)})
-    return obs
+        p = p.expand(b, -1)
+    if chunk < 1:
+        raise ValueError(f"replay_chunk must be >= 1, got {chunk}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = n + p.shape[1] + min(chunk, n) + (REPLAY_LEAD if n > chunk else 0)
+    if isinstance(limit, int) and longest > limit:
+        room = limit - n - p.shape[1] - REPLAY_LEAD
+        raise ValueError(f"kvzip's replay would reach position {longest - 1} of a model made for {limit} "
+                         + (f"positions; pass replay_chunk <= {room}" if room >= 1 else
+                            "positions, with any replay_chunk: the cache is too long to replay after itself"))
+    out = None
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        lead = torch.cat([p, ids[:, max(0, start - REPLAY_LEAD):start]], -1)
+        with observe(model, window=1, received=False, peak=True) as obs:
+            obs.peak_keys = (start, end)
+            model(torch.cat([lead, ids[:, start:end]], -1), **{cache_kwarg(model): _copy(cache)})
+        got = obs.peak
+        if out is None:
+            out = obs
+            out.peak = {li: torch.zeros(*v.shape[:2], n, device=v.device) for li, v in got.items()}
+        for li, v in got.items():
+            out.peak[li][..., start:end] = v
+    return out
 
 
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
@@ -179,10 +238,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
         win = torch.arange(n - w, n).expand(b, h, w)
         return torch.cat([top, win], -1).sort(-1).values
     if method == "tova":  # Oren et al., "Transformers are multi-state RNNs": the last query's attention
-        queries, scaling = obs_layer["queries"], obs_layer["scaling"]
-        hq = queries.shape[1]
-        kq = keys.float().repeat_interleave(hq // h, dim=1)
-        att = torch.softmax(scaling * queries[:, :, -1:].float() @ kq.transpose(-1, -2), -1)[:, :, 0]  # [b, hq, n]
+        att = obs_layer["last"][..., :n]  # [b, hq, n]: its weights on the cache (a question's own keys after)
         score = att.mean(1, keepdim=True).expand(b, h, n)  # one score per token: every KV head keeps the same
         if obs_layer.get("after"):  # the question's last query: every token of the cache is a candidate
             return score.topk(budget, dim=-1).indices.sort(-1).values
@@ -205,7 +261,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 @torch.no_grad()
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
-           form: str = "query", question=None, prompt=None) -> ReducedCache:
+           form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -220,9 +276,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     token then has to earn its place), and the ``query`` form anchors its masses at their mean; the methods
     that look at no query (``streaming``, ``h2o``, the ``dot`` and ``kernel`` forms) and ``kvzip`` (whose
     point is not to need one) refuse it.  ``prompt``: ``kvzip`` only, token ids read between the cache and its
-    replay (KVzip's repeat instruction, e.g. the model's tokens of "\n\nRepeat the previous context
-    exactly.\n"); without it the replay follows the cache directly.  ``observation`` for ``kvzip`` is what
-    :func:`~kvcodec.reduction.attention.observe` recorded with ``peak=True`` during that replay."""
+    replay (KVzip's repeat instruction, e.g. the model's tokens of "\\n\\nRepeat the previous context
+    exactly.\\n"); without it the replay follows the cache directly; ``replay_chunk``: context tokens per
+    replay pass (:func:`replay_observation`).  ``observation`` for ``kvzip`` is what
+    :func:`replay_observation` returned for this cache.  Each KV head keeps the same number of entries (KVzip's
+    own default spends the budget unevenly across heads and layers)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -240,17 +298,21 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     scale = scalings(model)
     obs = observation
     need_q = method in ("snapkv", "h2o", "tova") or (method in MERGE_REDUCE and form == "query")
+    batch = int(cache.layers[full[0]].keys.shape[0])
     if prompt is not None and method != "kvzip":
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
     if method == "kvzip":
         if question is not None:
             raise ValueError("kvzip scores the cache by replaying it, so that no question is needed; a known "
                              "question is snapkv's or tova's setting")
-        if obs is None or not obs.peak:
-            ids = _tokens(cache, model, tokens)
-            if ids.shape[-1] != n:
-                raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
-            obs = _observe_replay(cache, model, ids, prompt)
+        if obs is None:
+            obs = replay_observation(cache, model, _cache_tokens(cache, model, tokens, batch, n), prompt,
+                                     replay_chunk)
+        elif prompt is not None:
+            raise ValueError("pass prompt= or observation=, not both (the observation's replay had its prompt)")
+        elif any(obs.peak.get(i) is None or tuple(obs.peak[i].shape) != (batch, cache.layers[i].keys.shape[1], n)
+                 for i in full):
+            raise ValueError("kvzip's observation= must be what replay_observation() returned for this cache")
     elif question is not None:
         if not need_q or method == "h2o":
             what = f"form {form!r}" if method in MERGE_REDUCE else f"method {method!r}"
@@ -258,11 +320,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                              "question= needs snapkv, tova or a merge-reduce method in the query form")
         if observation is not None:
             raise ValueError("pass question= or observation=, not both")
-        obs = _observe_question(cache, model, question, int(cache.layers[full[0]].keys.shape[0]))
+        obs = _observe_question(cache, model, question, batch)
     elif need_q and (obs is None or (method == "h2o" and not obs.received)):
-        ids = _tokens(cache, model, tokens)
-        if ids.shape[-1] != n:
-            raise ValueError(f"{ids.shape[-1]} tokens given for a cache of {n}")
+        ids = _cache_tokens(cache, model, tokens, batch, n)
         with observe(model, window=64, received=method == "h2o") as obs:
             model(ids, use_cache=False)
     # the one-shot baselines keep tokens with no masses to weigh: their plan says "dot" (counts)
@@ -271,7 +331,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     layers, pending = [], {}
     for i, layer in enumerate(cache.layers):
         if i not in full:
-            layers.append(copy.deepcopy(layer))
+            layers.append(_copy_layer(layer))
             continue
         if int(layer.keys.shape[2]) != n:
             raise ValueError(f"layer {i} holds {layer.keys.shape[2]} tokens, layer {full[0]} {n}")
@@ -282,7 +342,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             keys, values = layer.keys, layer.values
             o = None if obs is None else {"queries": obs.queries.get(i), "scaling": obs.scaling.get(i),
                                           "received": obs.received.get(i), "seen": obs.seen.get(i),
-                                          "peak": obs.peak.get(i),
+                                          "peak": obs.peak.get(i), "last": obs.last.get(i),
                                           "after": question is not None}
             idx = _select(method, keys, o, entries, sinks)
             gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))

@@ -176,15 +176,19 @@ def kernel_attention(q, keys, values, logmass, scaling):
 
 class Observation:
     """What :func:`observe` recorded per layer: ``queries[l]`` ``[b, q_heads, window, d]`` (post-RoPE, the
-    last ``window`` positions), ``received[l]`` ``[b, kv_heads, n]`` (attention each key received, summed over
-    the queries that could see it and averaged over a KV head's query heads), ``seen[l]`` ``[n]`` (how many
-    queries could see each key), ``scaling[l]`` and, with ``peak``, ``peak[l]`` ``[b, kv_heads, past]``: the
-    largest attention weight any query of the call gave each key that was already in the cache, over the
-    query heads of the KV head's group (KVzip's score when the call replays the cache's own tokens)."""
+    last ``window`` positions), ``last[l]`` ``[b, q_heads, keys]`` (the attention weights of the call's last
+    query over every key it saw, the call's own included), ``received[l]`` ``[b, kv_heads, n]`` (attention
+    each key received, summed over the queries that could see it and averaged over a KV head's query heads),
+    ``seen[l]`` ``[n]`` (how many queries could see each key), ``scaling[l]`` and, with ``peak``,
+    ``peak[l]`` ``[b, kv_heads, end - start]``: the largest attention weight any query of the call gave each
+    key ``start .. end - 1`` of those already in the cache (``peak_keys``; default all of them), over the query
+    heads of the KV head's group (KVzip's score when the call replays the cache's own tokens); layers that do
+    not hold those keys (sliding windows) are skipped."""
 
     def __init__(self, window: int, received: bool = True, chunk: int = 256, peak: bool = False):
         self.window, self.chunk, self.want_received, self.want_peak = window, chunk, received, peak
-        self.queries, self.received, self.seen, self.scaling, self.peak = {}, {}, {}, {}, {}
+        self.queries, self.received, self.seen, self.scaling, self.peak, self.last = {}, {}, {}, {}, {}, {}
+        self.peak_keys: tuple[int, int] | None = None
 
     @torch.no_grad()
     def record(self, module, query, key, scaling):
@@ -198,6 +202,9 @@ class Observation:
         g = hq // hk
         self.scaling[li] = float(scaling)
         self.queries[li] = query[:, :, -self.window:].detach().float().clone()
+        q_last = query[:, :, -1:].detach().float().view(b, hk, g, 1, d)
+        logits = float(scaling) * q_last @ key.detach().float()[:, :, None].transpose(-1, -2)
+        self.last[li] = torch.softmax(logits, -1).reshape(b, hq, n)  # the last query sees every key
         if self.want_peak:
             self._record_peak(li, query, key, float(scaling))
         if not self.want_received:
@@ -217,18 +224,23 @@ class Observation:
 
     @torch.no_grad()
     def _record_peak(self, li, query, key, scaling):
-        b, hq, s, _ = query.shape
+        b, hq, s, d = query.shape
         hk, n = key.shape[1], key.shape[-2]
         g, past = hq // hk, n - s
-        kf = key.detach().float().repeat_interleave(g, dim=1)
-        peak = torch.zeros(b, hq, past)
+        start, end = self.peak_keys or (0, past)
+        if end > past:  # a layer that does not hold the keys scored (a sliding window)
+            return
+        dev = query.device
+        kf = key.detach().float()[:, :, None]  # [b, hk, 1, n, d]: each query head of a group against its keys
+        peak = torch.zeros(b, hk, g, end - start, device=dev)
         for a in range(0, s, self.chunk):
-            qa = query[:, :, a:a + self.chunk].float()
-            logits = scaling * qa @ kf.transpose(-1, -2)  # [b, hq, c, n]: the past, then the call's own keys
-            qi = torch.arange(a, a + qa.shape[2])[:, None] + past
-            logits = logits.masked_fill(torch.arange(n)[None, :] > qi, float("-inf"))
-            peak = torch.maximum(peak, torch.softmax(logits, -1)[..., :past].amax(2))
-        self.peak[li] = peak.view(b, hk, g, past).amax(2)
+            qa = query[:, :, a:a + self.chunk].detach().float()
+            qa = qa.view(b, hk, g, qa.shape[2], d)
+            logits = scaling * qa @ kf.transpose(-1, -2)  # [b, hk, g, c, n]: the past, then the call's own keys
+            qi = torch.arange(a, a + qa.shape[3], device=dev)[:, None] + past
+            logits = logits.masked_fill(torch.arange(n, device=dev)[None, :] > qi, float("-inf"))
+            peak = torch.maximum(peak, torch.softmax(logits, -1)[..., start:end].amax(3))
+        self.peak[li] = peak.amax(2)
 
 
 @contextmanager
