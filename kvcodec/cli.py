@@ -117,9 +117,12 @@ def cmd_encode(args) -> int:
         ids = tokenize(model[1], text, args.max_tokens)
         cache = prefill(model[0], ids)
         if args.reduce is not None:
-            from .reduction import reduce
+            from .reduction import REPEAT_PROMPT, reduce
 
-            cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids)
+            kw = {}
+            if args.reduce_method == "kvzip":  # its repeat instruction, in the model's tokens
+                kw["prompt"] = model[1](REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+            cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids, **kw)
             ids = None  # entries, not tokens: a reduced file stores no token ids
         kv = to_canonical(cache)
     if needs_model:

@@ -179,6 +179,30 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
     assert nxt.shape[1] == 404
 
 
+def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, smollm2):
+    """`kvz encode --reduce-method kvzip`: a 1.7 file holding what kvcodec.reduce keeps with KVzip's repeat
+    instruction in SmolLM2's tokens (not what it keeps without it)."""
+    from kvcodec.cli import main
+    from kvcodec.reduction import REPEAT_PROMPT
+
+    text = tmp_path / "t.txt"
+    text.write_text(demo_text())
+    out = tmp_path / "t.kvz"
+    assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
+                 "kvzip", "--tier", "lossless", "--dtype", "fp32", "-o", str(out), "--json"]) == 0
+    info = kvcodec.inspect(out)
+    assert info["format_version"] == "1.7" and info["reduce"]["method"] == "kvzip"
+    model, tok = smollm2
+    ids = tokenize(tok, demo_text(), 300)
+    cache = prefill(model, ids)
+    prompt = tok(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+    want = kvcodec.reduce(cache, model, 0.25, "kvzip", tokens=ids, prompt=prompt)
+    plain = kvcodec.reduce(cache, model, 0.25, "kvzip", tokens=ids)
+    got = kvcodec.load(out, model)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, want.layers))
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, plain.layers))
+
+
 def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smollm2):
     """The predicted lossy tier from the command line on the real model: `kvz calibrate` writes a profile and
     predictors (2,048 tokens of the embedded text), `kvz encode --predictors` a 1.6 file that

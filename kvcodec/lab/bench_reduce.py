@@ -22,7 +22,8 @@ merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates t
 (:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N`` and ``,window=F`` pass
 :func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
 budget a raw recent window); ``+lossyN`` stores the reduced cache in the lossy tier at N bits and decodes it.
-``kvzip`` replays each document once after its cache (after the repeat instruction :data:`REPEAT`), for every
+``kvzip`` replays each document once after its cache (after the repeat instruction
+:data:`kvcodec.reduction.REPEAT_PROMPT`), for every
 budget; its reduce time includes that replay.
 """
 
@@ -41,9 +42,7 @@ COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "gold
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
 METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming", "tova",
            "kvzip"]
-#: KVzip's repeat instruction read between the cache and its replay (kvpress's text, for models without a chat
-#: template)
-REPEAT = "\n\nRepeat the previous context exactly.\n"
+
 
 
 def _lines_at(text: str, frac: float) -> int:
@@ -160,7 +159,7 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
 
 @torch.no_grad()
 def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
-    from ..reduction import plan_for, replay_observation
+    from ..reduction import REPEAT_PROMPT, plan_for, replay_observation
     from ..reduction.attention import enable, observe
     from ..tokens.plan import cache_kwarg
 
@@ -183,7 +182,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
             t_replay = 0.0
             if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
                 t0 = time.perf_counter()
-                obs.peak = replay_observation(full, model, ids, _ids(tok, REPEAT)).peak
+                obs.peak = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT)).peak
                 t_replay = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:

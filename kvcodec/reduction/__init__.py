@@ -41,7 +41,7 @@ from .reducers import REDUCERS
 from .scan import prefill
 
 __all__ = ["reduce", "prefill", "plan_for", "entries_for", "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable",
-           "replay_observation"]
+           "replay_observation", "REPEAT_PROMPT"]
 
 MERGE_REDUCE = tuple(REDUCERS)
 BASELINES = ("streaming", "snapkv", "h2o", "tova", "kvzip")
@@ -166,6 +166,9 @@ def _observe_question(cache, model, question, batch: int):
 REPLAY_CHUNK = 4096
 #: tokens of the previous chunk read again after the prompt, before the next chunk (KVzip's lead-in)
 REPLAY_LEAD = 8
+#: KVzip's repeat instruction, for ``prompt=`` once tokenized with the model's tokenizer (kvpress's text for
+#: models without a chat template; ``kvz encode --reduce-method kvzip`` and ``kvz bench --reduce`` use it)
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 
 def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK):
