@@ -529,15 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restore: also the exact tier with the model-coded token channel (one model step per token)")
     s.add_argument("--reduce", action="store_true",
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
-                        "the full cache and SnapKV / H2O / StreamingLLM / TOVA at equal entries (bench_reduce.md, .svg)")
+                        "the full cache and SnapKV / H2O / StreamingLLM / TOVA / KVzip at equal entries "
+                        "(bench_reduce.md, .svg)")
     s.add_argument("--theory", action="store_true",
                    help="the reduce tier's theory per head: tr Sigma / K and tail_{K/3} / K against the measured risk "
                         "of each reducer, span(Phi) capture, risk over merge-reduce levels (bench_theory.md)")
     s.add_argument("--keeps", type=float, nargs="*", default=[0.05, 0.1, 0.25, 0.5],
                    help="reduce, theory: fractions kept")
     s.add_argument("--methods", nargs="*",
-                   default=["cluster", "sample", "cluster-kernel", "snapkv", "h2o", "streaming"],
-                   help="reduce: methods besides the full cache (also: tova; cluster+scan, the merge-reduce prefill; "
+                   default=["cluster", "sample", "cluster-kernel", "snapkv", "h2o", "streaming", "kvzip", "tova"],
+                   help="reduce: methods besides the full cache (also: cluster+scan, the merge-reduce prefill; "
                         "<reducer>-<form> such as sample-dot; <method>+lossyN; options ,sinks=N ,window=F as in "
                         "cluster,sinks=0)")
     s.add_argument("--context", type=int, default=2048, help="reduce, theory: tokens of each document's cache")

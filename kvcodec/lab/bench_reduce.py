@@ -23,8 +23,7 @@ merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates t
 :func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
 budget a raw recent window); ``+lossyN`` stores the reduced cache in the lossy tier at N bits and decodes it.
 ``kvzip`` replays each document once after its cache (after the repeat instruction
-:data:`kvcodec.reduction.REPEAT_PROMPT`), for every
-budget; its reduce time includes that replay.
+:data:`kvcodec.reduction.REPEAT_PROMPT`), for every budget; its reduce time includes that replay.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "gold
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
 METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapkv", "h2o", "streaming", "tova",
            "kvzip"]
-
 
 
 def _lines_at(text: str, frac: float) -> int:

@@ -16,7 +16,7 @@ keeps reducing as decoding appends to it.  Methods:
   much worse on SmolLM2: BENCHMARKS.md).
 - ``"streaming"`` (StreamingLLM: sinks + recent window), ``"snapkv"`` (window 64, pool 5, GQA mean),
   ``"h2o"`` (half heavy hitters by normalised received attention, half recent), ``"tova"`` (TOVA: the
-  tokens the last token attends to most, averaged over all query heads of the layer, and the last token):
+  tokens the last token attends to most, averaged over all query heads of the layer, and the last token),
   ``"kvzip"`` (KVzip: the sinks and, per KV head, the tokens that receive the most attention when the model
   replays the cache's own tokens after it, optionally after a repeat instruction ``prompt``): one-shot
   selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``, ``h2o`` and

@@ -221,7 +221,6 @@ class Observation:
         self.received[li] = acc.view(b, hk, g, n).mean(2)
         self.seen[li] = (s - torch.clamp(torch.arange(n) - offset, min=0)).clamp(min=1).float()
 
-
     @torch.no_grad()
     def _record_peak(self, li, query, key, scaling):
         b, hq, s, d = query.shape
