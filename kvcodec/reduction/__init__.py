@@ -143,19 +143,27 @@ def _cache_tokens(cache, model, tokens, batch: int, n: int):
     return ids
 
 
+def _per_row(ids, batch: int, what: str, empty: bool = True):
+    """Token ids ``what`` (``question``, ``prompt``) read after a cache of ``batch`` rows, as ``[batch, L]``: one
+    sequence for every row, or one per row (``empty``: whether L may be 0)."""
+    t = torch.as_tensor(ids)
+    t = (t[None] if t.dim() == 1 else t).long()
+    if t.dim() != 2 or (t.shape[-1] == 0 and not empty):
+        raise ValueError(f"{what} must be a {'' if empty else 'non-empty '}sequence of token ids, got shape "
+                         f"{tuple(t.shape)}")
+    if t.shape[0] != batch:
+        if t.shape[0] != 1:
+            raise ValueError(f"{t.shape[0]} {what}s for a cache of batch {batch} (give one, or one per row)")
+        t = t.expand(batch, -1)
+    return t
+
+
 def _observe_question(cache, model, question, batch: int):
     """The queries of ``question`` (token ids) run after ``cache`` (of ``batch`` rows, left untouched), recorded
     per layer."""
     from ..tokens.plan import cache_kwarg
 
-    q = torch.as_tensor(question)
-    q = (q[None] if q.dim() == 1 else q).long()
-    if q.dim() != 2 or q.shape[-1] == 0:
-        raise ValueError(f"question must be a non-empty sequence of token ids, got shape {tuple(q.shape)}")
-    if q.shape[0] != batch:
-        if q.shape[0] != 1:
-            raise ValueError(f"{q.shape[0]} questions for a cache of batch {batch} (give one, or one per row)")
-        q = q.expand(batch, -1)
+    q = _per_row(question, batch, "question", empty=False)
     with observe(model, window=q.shape[-1], received=False) as obs:
         model(q, **{cache_kwarg(model): _copy(cache)})
     return obs
@@ -180,13 +188,7 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
     from ..tokens.plan import cache_kwarg
 
     b, n = ids.shape
-    p = torch.zeros(b, 0, dtype=torch.long)
-    if prompt is not None:
-        p = torch.as_tensor(prompt).long()
-        p = p[None] if p.dim() == 1 else p
-        if p.dim() != 2 or p.shape[0] not in (1, b):
-            raise ValueError(f"prompt must be one sequence of token ids (or one per row), got shape {tuple(p.shape)}")
-        p = p.expand(b, -1)
+    p = _per_row([] if prompt is None else prompt, b, "prompt")
     if chunk < 1:
         raise ValueError(f"replay_chunk must be >= 1, got {chunk}")
     limit = getattr(model.config, "max_position_embeddings", None)

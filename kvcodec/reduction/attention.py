@@ -209,36 +209,38 @@ class Observation:
             self._record_peak(li, query, key, float(scaling))
         if not self.want_received:
             return
-        kf = key.detach().float().repeat_interleave(g, dim=1)
-        acc = torch.zeros(b, hq, n)
-        offset = n - s
+        acc = torch.zeros(b, hk, g, n, device=query.device)
+        for w in self._weights(query, key, float(scaling)):
+            acc += w.sum(3)
+        self.received[li] = acc.mean(2)
+        self.seen[li] = (s - torch.clamp(torch.arange(n) - (n - s), min=0)).clamp(min=1).float()
+
+    def _weights(self, query, key, scaling):
+        """The causal attention weights of ``query``'s positions (the last of ``key``'s) over ``key``,
+        ``self.chunk`` queries at a time: yields ``[b, kv_heads, group, chunk, n]``, each query head of a group
+        against its KV head's keys (float32)."""
+        b, hq, s, d = query.shape
+        hk, n = key.shape[1], key.shape[-2]
+        dev = query.device
+        kf = key.detach().float()[:, :, None]  # [b, hk, 1, n, d]
         for a in range(0, s, self.chunk):
-            qa = query[:, :, a:a + self.chunk].float()
-            logits = scaling * qa @ kf.transpose(-1, -2)
-            qi = torch.arange(a, a + qa.shape[2])[:, None] + offset
-            logits = logits.masked_fill(torch.arange(n)[None, :] > qi, float("-inf"))
-            acc += torch.softmax(logits, -1).sum(2)
-        self.received[li] = acc.view(b, hk, g, n).mean(2)
-        self.seen[li] = (s - torch.clamp(torch.arange(n) - offset, min=0)).clamp(min=1).float()
+            qa = query[:, :, a:a + self.chunk].detach().float()
+            qa = qa.view(b, hk, hq // hk, qa.shape[2], d)
+            logits = scaling * qa @ kf.transpose(-1, -2)  # [b, hk, g, c, n]
+            qi = torch.arange(a, a + qa.shape[3], device=dev)[:, None] + n - s
+            yield torch.softmax(logits.masked_fill(torch.arange(n, device=dev)[None, :] > qi, float("-inf")), -1)
 
     @torch.no_grad()
     def _record_peak(self, li, query, key, scaling):
-        b, hq, s, d = query.shape
+        b, hq, s, _ = query.shape
         hk, n = key.shape[1], key.shape[-2]
-        g, past = hq // hk, n - s
+        past = n - s
         start, end = self.peak_keys or (0, past)
         if end > past:  # a layer that does not hold the keys scored (a sliding window)
             return
-        dev = query.device
-        kf = key.detach().float()[:, :, None]  # [b, hk, 1, n, d]: each query head of a group against its keys
-        peak = torch.zeros(b, hk, g, end - start, device=dev)
-        for a in range(0, s, self.chunk):
-            qa = query[:, :, a:a + self.chunk].detach().float()
-            qa = qa.view(b, hk, g, qa.shape[2], d)
-            logits = scaling * qa @ kf.transpose(-1, -2)  # [b, hk, g, c, n]: the past, then the call's own keys
-            qi = torch.arange(a, a + qa.shape[3], device=dev)[:, None] + past
-            logits = logits.masked_fill(torch.arange(n, device=dev)[None, :] > qi, float("-inf"))
-            peak = torch.maximum(peak, torch.softmax(logits, -1)[..., start:end].amax(3))
+        peak = torch.zeros(b, hk, hq // hk, end - start, device=query.device)
+        for w in self._weights(query, key, scaling):  # the past keys, then the call's own
+            peak = torch.maximum(peak, w[..., start:end].amax(3))
         self.peak[li] = peak.amax(2)
 
 
