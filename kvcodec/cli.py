@@ -122,6 +122,8 @@ def cmd_encode(args) -> int:
             kw = {}
             if args.reduce_method == "kvzip":  # its repeat instruction, in the model's tokens
                 kw["prompt"] = model[1](REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+            if args.reduce_allocation is not None:
+                kw["allocation"] = args.reduce_allocation
             cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids, **kw)
             ids = None  # entries, not tokens: a reduced file stores no token ids
         kv = to_canonical(cache)
@@ -459,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "lossless and lossy)")
     s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
                    help="--reduce: the reducer or baseline (default cluster)")
+    s.add_argument("--reduce-allocation", default=None, choices=["uniform", "layers"],
+                   help="--reduce: entries per layer: the same in every layer (uniform) or spread over the layers by "
+                        "kvzip's replay scores (layers; kvzip only, its default)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)
 

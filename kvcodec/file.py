@@ -190,9 +190,13 @@ class KvzFile:
         h = self.header
         red = [lay for lay in h.layers if lay.state is not None and lay.state.kind == "reduced"]
         first = red[0]
-        return {**h.reduce, "layers": len(red), "entries": first.seq_len, "tokens": first.cumulative_length,
-                "keep": round(first.seq_len / first.cumulative_length, 4) if first.cumulative_length else None,
-                "parts": first.state.parts}
+        sizes = [lay.seq_len for lay in red]
+        stood = sum(lay.cumulative_length for lay in red)
+        # entries per KV head: their mean over the reduced layers (they differ where the budget was spread
+        # over the layers: "entries_range"); the first reduced layer's parts
+        return {**h.reduce, "layers": len(red), "entries": round(sum(sizes) / len(sizes)),
+                "entries_range": [min(sizes), max(sizes)], "tokens": first.cumulative_length,
+                "keep": round(sum(sizes) / stood, 4) if stood else None, "parts": first.state.parts}
 
     def close(self):
         if getattr(self, "reader", None) is not None:

@@ -49,8 +49,10 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
     if rd:
         levels = [x for x in rd["parts"]["levels"] if x is not None]
         keep = "-" if rd["keep"] is None else format(rd["keep"], ".3g")
-        out(f"  reduce       : {rd['method']} ({rd['form']} masses), {rd['entries']} entries for {rd['tokens']} tokens "
-            f"= keep {keep} in {rd['layers']} reduced layers; K {rd['k']}, B {rd['block']}, "
+        lo, hi = rd.get("entries_range") or (rd["entries"], rd["entries"])
+        spread = "" if lo == hi else f" (per layer {lo} to {hi}, mean {rd['entries']})"
+        out(f"  reduce       : {rd['method']} ({rd['form']} masses), {rd['entries']} entries{spread} for "
+            f"{rd['tokens']} tokens = keep {keep} in {rd['layers']} reduced layers; K {rd['k']}, B {rd['block']}, "
             f"{rd['sinks']} sinks, window {rd['window']}, seed {rd['seed']}; parts: {rd['parts']['fixed']} fixed, "
             f"{rd['parts']['sinks']} sinks, {len(levels)} summaries ({sum(levels)} atoms), "
             f"{rd['parts']['buffer']} raw recent; appended tokens "

@@ -317,7 +317,7 @@ def test_kvzip_keeps_the_sinks_and_what_the_replay_attends_to_most(kind):
     m = _model(kind)
     ids, prompt = _ids(80), _ids(3, 9)
     cache = model_cache(m, ids)
-    red = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids, prompt=prompt)
+    red = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids, prompt=prompt, allocation="uniform")
     e = plan_for(80, budget=24)[2]
     assert red.entries() == e and cache.get_seq_length() == 80
     att_out = m(torch.cat([prompt, ids], 1), past_key_values=copy.deepcopy(cache), output_attentions=True).attentions
@@ -333,12 +333,112 @@ def test_kvzip_keeps_the_sinks_and_what_the_replay_attends_to_most(kind):
         differ |= not (kept == kept[:1]).all()
     if kind == "llama":  # 2 KV heads: each keeps its own tokens
         assert differ
-    plain = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids)  # no prompt: the replay follows at once
+    # no prompt: the replay follows at once
+    plain = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids, allocation="uniform")
     assert not all(torch.equal(a.keys, b.keys) for a, b in zip(plain.layers, red.layers))
     with pytest.raises(ValueError, match="reads no prompt"):
         kvcodec.reduce(cache, m, budget=24, method="tova", tokens=ids, prompt=prompt)
     with pytest.raises(ValueError, match="no question is needed"):
         kvcodec.reduce(cache, m, budget=24, method="kvzip", question=prompt)
+
+
+def test_layer_budgets_rank_every_layer_and_head_together():
+    """layer_budgets: one ranking of every non-sink score of every layer, head and row; a layer gets its sinks
+    plus its heads' mean share of the top places; the total is exact; a layer never gets more than it holds."""
+    from kvcodec.reduction import layer_budgets
+
+    g = torch.Generator().manual_seed(3)
+    n, s, e = 40, 4, 12
+    hi = torch.rand(2, 3, n, generator=g) + 10  # every score above layer 1's: layer 0 takes all it can
+    lo = torch.rand(2, 3, n, generator=g)
+    mid = torch.rand(2, 3, n, generator=g) + 5
+    # 3 layers x 3 heads x 8 places per row: all to layer 0's 3 x 36 candidates, 8 per head
+    assert layer_budgets({0: hi, 1: lo, 2: mid}, e, s) == {0: s + 3 * (e - s), 1: s, 2: s}
+    # 3 x 3 x 16 places: layer 0 takes every token (36 per head), the middle layer the 36 left
+    assert layer_budgets({0: hi, 1: lo, 2: mid}, 20, s) == {0: n, 1: s, 2: s + 12}
+    # one head's scores high: it takes its 36 tokens, the layer's other heads the 12 places left (the other
+    # layer scores lower), so the layer gets the mean, 16 places
+    one = lo.clone()
+    one[:, 0] += 10
+    assert layer_budgets({0: one, 1: lo - 1}, e, s) == {0: s + 16, 1: s}
+    # brute force on random scores: the counts of the global top places, averaged, rounded by largest remainder
+    sc = {li: torch.rand(1, 2, n, generator=g) * (li + 1) for li in range(4)}
+    got = layer_budgets(sc, e, s)
+    allv = torch.cat([sc[li][..., s:].flatten() for li in range(4)])
+    cut = allv.sort(descending=True).values[4 * 2 * (e - s) - 1]
+    share = [float((sc[li][..., s:] >= cut).sum()) / 2 for li in range(4)]
+    assert sum(got.values()) == 4 * e
+    assert all(abs(got[li] - s - share[li]) < 1 for li in range(4))
+    assert layer_budgets(sc, n + 5, s) == {li: n for li in range(4)}  # the budget holds every token
+
+
+def _padded(red, model):
+    """The same entries as ``red`` with every reduced layer padded to the longest with entries whose log-weight
+    is -1e30 (attention 0): equal sizes, so the mask transformers builds fits every layer."""
+    top = max(la.entries() for la in red.reduced_layers())
+    scale = att.scalings(model)
+    layers = []
+    for i, la in enumerate(red.layers):
+        b, h, e, d = la.keys.shape
+        pad = top - e
+        beta = torch.cat([torch.zeros(b, h, e), torch.full((b, h, pad), -1e30)], 2)
+        out = ReducedLayer(Plan(k=1, block=1, method=None), i, scale[i])
+        out.set_fixed(torch.cat([la.keys, torch.zeros(b, h, pad, d)], 2),
+                      torch.cat([la.values, torch.zeros(b, h, pad, la.values.shape[3])], 2),
+                      la.cumulative_length, beta=beta)
+        layers.append(out)
+    return ReducedCache(model, Plan(k=1, block=1, method=None), layers=layers, method="kvzip")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl):
+    """allocation="layers": per layer the replay's top tokens by the shared ranking; layers of different sizes
+    attend like the same entries padded to one size with masked entries (several new tokens: the causal part of
+    the mask follows each layer), generate() runs, and the file round-trips."""
+    import copy
+
+    from kvcodec.reduction import layer_budgets, replay_observation
+
+    m = _model(kind, impl)
+    ids = _ids(120)
+    cache = model_cache(m, ids)
+    obs = replay_observation(cache, m, ids)
+    red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs)  # allocation "layers": the default
+    e = plan_for(120, budget=30)[2]
+    want = layer_budgets({i: obs.peak[i] for i in range(len(cache.layers))}, e, 4)
+    sizes = [la.entries() for la in red.layers]
+    assert sizes == [want[i] for i in range(len(sizes))] and sum(sizes) == e * len(sizes)
+    assert red.entries() == e
+    for li, layer in enumerate(cache.layers):  # each head: the sinks and its own top tokens
+        kept = _kept_positions(red.layers[li].keys, layer.keys)[0]
+        assert (kept[:, :4] == torch.arange(4)).all()
+        sc = obs.peak[li][0]
+        last = sc[:, 4:].topk(sizes[li] - 4, -1).values[:, -1:]
+        assert (sc.gather(1, kept[:, 4:]) >= last).all()
+    nxt = _ids(6, 7)
+    got = m(nxt, past_key_values=copy.deepcopy(red)).logits
+    ref = m(nxt, past_key_values=_padded(red, m)).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    uni = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="uniform")
+    if len(set(sizes)) > 1:
+        assert not torch.allclose(got, m(nxt, past_key_values=copy.deepcopy(uni)).logits)
+    out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(red), max_new_tokens=8,
+                     do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 134)
+    data = kvcodec.encode(red)
+    info = kvcodec.inspect(data)["reduce"]
+    assert info["entries"] == e and info["entries_range"] == [min(sizes), max(sizes)]
+    assert info["keep"] == round(e / 120, 4)
+    back = kvcodec.decode(data, m)
+    assert [la.entries() for la in back.layers] == sizes and back.describe() == red.describe()
+    assert torch.equal(m(nxt, past_key_values=back).logits, got)
+    lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
+    assert [la.entries() for la in lossy.layers] == sizes
+    with pytest.raises(ValueError, match="allocation 'layers' ranks kvzip"):
+        kvcodec.reduce(cache, m, budget=30, method="snapkv", tokens=ids, allocation="layers")
+    with pytest.raises(ValueError, match="unknown allocation"):
+        kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="heads")
 
 
 def test_kvzip_replays_long_caches_in_chunks_within_the_models_positions():

@@ -143,9 +143,9 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
                 raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
             kw["question"] = question
             continue
-        if key not in ("sinks", "window"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, question)")
-        kw[key] = int(value) if key == "sinks" else float(value)
+        if key not in ("sinks", "window", "allocation"):
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question)")
+        kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None
     red = reduce(full, model, keep, name, tokens=ids, observation=obs, seed=seed, form=form or "query", **kw)

@@ -41,12 +41,10 @@ def _pending() -> dict:
 
 
 def set_bias(layer_idx: int, keys: torch.Tensor, beta: torch.Tensor | None) -> None:
-    """Attach ``beta`` ``[batch, kv_heads, entries]`` to the key tensor layer ``layer_idx`` is about to return
-    (one pending bias per layer: a bias nobody took is replaced, never accumulated)."""
-    if beta is None:
-        _pending().pop(layer_idx, None)
-    else:
-        _pending()[layer_idx] = (keys, beta)
+    """Attach ``beta`` ``[batch, kv_heads, entries]`` (None: all 0) to the key tensor layer ``layer_idx`` is about
+    to return, marking it as a reduced layer's entries (one pending bias per layer: a bias nobody took is
+    replaced, never accumulated)."""
+    _pending()[layer_idx] = (keys, beta)
 
 
 def clear_bias(layer_idx: int) -> None:
@@ -54,11 +52,13 @@ def clear_bias(layer_idx: int) -> None:
 
 
 def _take_bias(layer_idx, keys: torch.Tensor):
+    """``(reduced, beta)``: whether ``keys`` are the entries a reduced layer returned for this call, and their
+    log-weights (None: all 0)."""
     hit = _pending().get(layer_idx)
     if hit is None or hit[0] is not keys:
-        return None
+        return False, None
     del _pending()[layer_idx]
-    return hit[1]
+    return True, hit[1]
 
 
 def float_mask(mask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
@@ -90,19 +90,24 @@ def _wrapper(original: str):
         obs = getattr(_state, "observer", None)
         if obs is not None:
             obs.record(module, query, key, kwargs.get("scaling"))
-        beta = _take_bias(getattr(module, "layer_idx", None), key)
+        reduced, beta = _take_bias(getattr(module, "layer_idx", None), key)
         mode = getattr(_state, "prefill", None)
         if mode is not None and beta is None and query.shape[2] == key.shape[2] > mode[0].sinks + mode[0].block:
             plan, handler = mode
             return handler(fn, plan, module, query, key, value, attention_mask, args, kwargs)
-        if beta is not None:
-            b, hq, q_len, _ = query.shape
-            kv_len = key.shape[-2]
+        b, hq, q_len, _ = query.shape
+        kv_len = key.shape[-2]
+        if beta is not None or (reduced and attention_mask is not None and attention_mask.shape[-1] != kv_len):
             mask = float_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
-            mask = mask[..., :kv_len]
-            groups = hq // beta.shape[1]
-            bias = beta.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]  # [b, hq, 1, kv]
-            attention_mask = mask + bias
+            if mask.shape[-1] != kv_len:  # built for another layer's entries (budgets spread over the layers):
+                # every stored entry is visible to every new query (spec section 14); the new tokens' columns
+                # are the mask's last q_len
+                past = torch.zeros(*mask.shape[:-1], kv_len - q_len, dtype=mask.dtype, device=mask.device)
+                mask = torch.cat([past, mask[..., -q_len:]], -1)
+            if beta is not None:
+                groups = hq // beta.shape[1]
+                mask = mask + beta.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]  # [b, hq, 1, kv]
+            attention_mask = mask
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention.kvcodec_original = original

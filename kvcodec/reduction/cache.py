@@ -375,9 +375,10 @@ class ReducedCache(DynamicCache):
         return [layer for layer in self.layers if isinstance(layer, ReducedLayer)]
 
     def entries(self) -> int:
-        """Entries (atoms + raw tokens) per KV head of the first reduced layer."""
+        """Entries (atoms + raw tokens) per KV head of a reduced layer: their mean over the reduced layers,
+        rounded (every layer holds as many unless the budget was spread over the layers)."""
         red = self.reduced_layers()
-        return red[0].entries() if red else 0
+        return round(sum(la.entries() for la in red) / len(red)) if red else 0
 
     def kvcodec_reduce(self) -> dict:
         """The header's ``reduce`` object (spec/kvz.md section 14): how the cache was reduced and how it keeps
@@ -405,6 +406,8 @@ class ReducedCache(DynamicCache):
     def describe(self) -> dict:
         red = self.reduced_layers()
         d = red[0].describe() if red else {}
+        if red:  # entries per KV head: the mean over the layers (they differ where the budget was spread)
+            d["entries"] = self.entries()
         return {"k": self.plan.k, "block": self.plan.block, "sinks": self.plan.sinks, "method": self.plan.method,
                 "seed": self.plan.seed, **d,
-                "keep": (d.get("entries", 0) / d["tokens"]) if d.get("tokens") else None}
+                "keep": (sum(la.entries() for la in red) / (len(red) * d["tokens"])) if d.get("tokens") else None}
