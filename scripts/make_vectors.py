@@ -105,6 +105,9 @@ def cases():
     yield "lossless_reduced", reduced_cache(rng, torch.bfloat16), {}
     # 9 (1.7): a one-shot selection (method tova): kept tokens in `fixed`, then tokens appended raw (sinks, buffer)
     yield "lossless_selected", selected_cache(rng, torch.float16), {}
+    # 10 (1.7, spec revision 1.7.1): a one-shot selection (method kvzip) whose reduced layers hold different
+    # numbers of entries (kvzip's budget spread over the layers)
+    yield "lossless_spread", spread_cache(rng, torch.bfloat16), {}
 
 
 def reduced_cache(rng, dtype, n=46, form="query"):
@@ -144,6 +147,23 @@ def selected_cache(rng, dtype, n=30, kept=9, appended=5):
         layer.update(structured(rng, (1, 2, appended, 8), dtype), structured(rng, (1, 2, appended, 8), dtype))
         layers.append(layer)
     return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="tova"))
+
+
+def spread_cache(rng, dtype, n=24, kept=(5, 11, 8)):
+    """(1.7.1) a cache reduced by method ``kvzip`` with its budget spread over the layers: three full-attention
+    layers of ``n`` tokens holding ``kept`` of them in ``fixed`` (the first 2 among them: the sinks a kvzip
+    selection always keeps), nothing appended."""
+    from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer
+
+    plan = Plan(k=8, block=8, sinks=2, method=None, seed=0, window=0, form="dot")
+    layers = []
+    for i, e in enumerate(kept):
+        keys, values = structured(rng, (1, 2, n, 8), dtype), structured(rng, (1, 2, n, 8), dtype)
+        idx = torch.from_numpy(np.sort(np.append(rng.choice(np.arange(2, n), e - 2, replace=False), [0, 1])))
+        layer = ReducedLayer(plan, i, 8 ** -0.5)
+        layer.set_fixed(keys[:, :, idx], values[:, :, idx], n)
+        layers.append(layer)
+    return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
 
 
 def lossy_cases():
