@@ -828,6 +828,11 @@ def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_pat
         br.merge_earlier(rows, ["full", "tova"], [0.1], {**settings, "seed": 1}, path)
     with pytest.raises(ValueError, match="other answers"):
         br.merge_earlier([row("full", 1.0, -1.1)], ["full"], [0.1], settings, path)
+    # another machine's rounding (1e-4 bits) merges; another greedy answer does not
+    assert br.merge_earlier([row("full", 1.0, -1.0001)], ["full"], [0.1], settings, path)[1] == ["full", "cluster",
+                                                                                                "tova"]
+    with pytest.raises(ValueError, match="other answers"):
+        br.merge_earlier([{**row("full", 1.0, -1.0), "exact": True}], ["full"], [0.1], settings, path)
 
 
 def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):

@@ -411,11 +411,17 @@ def to_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: bits by which the full cache's answers of two merged runs may differ (float rounding of two machines)
+MERGE_TOLERANCE = 1e-3
+
+
 def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list, dict]:
     """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
     this run did not run, at this run's budgets, and where they came from (path, SHA-256, kvcodec version).
     Refused unless both runs had the same settings, their full caches gave the same answers (the same items
-    and model, to 1e-6 bits), and the earlier run has every added method at every budget for every item."""
+    and model: the same greedy answers, the same likelihoods to :data:`MERGE_TOLERANCE` bits - another
+    machine's float rounding moves them by ~1e-4), and the earlier run has every added method at every budget
+    for every item."""
     import hashlib
     import json
     from pathlib import Path
@@ -435,8 +441,13 @@ def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, lis
         return out
 
     a, b = answers(rows, "full"), answers(old["rows"], "full")
-    if a.keys() != b.keys() or any(abs(a[x] - b[x]) > 1e-6 for x in a):
-        raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model)")
+    exact = {(r["file"], r["kind"], r["depth"]): r.get("exact") for r in rows if r["method"] == "full"}
+    if (a.keys() != b.keys() or any(abs(a[x] - b[x]) > MERGE_TOLERANCE for x in a)
+            or any(exact.get((r["file"], r["kind"], r["depth"])) != r.get("exact")
+                   for r in old["rows"] if r["method"] == "full")):
+        worst = max((abs(a[x] - b[x]) for x in a if x in b), default=float("nan"))
+        raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model; "
+                         f"largest difference {worst:.2g} bits)")
     extra = [m for m in old["methods"] if m not in methods]
     for m in extra:
         for keep in keeps:
@@ -468,15 +479,33 @@ def run_reduce_bench(args) -> int:
             [{**d, "continuation": [int(t) for t in d["continuation"]]} for d in docs]))
         print(f"wrote {len(docs)} documents' items to {args.export_items}")
         return 0
+    settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
+                "depths": args.depths, "seed": args.seed}
+    for path in getattr(args, "merge", None) or []:  # the settings before the run (the answers after it)
+        import json
+
+        old = json.loads(Path(path).read_text())
+        for key, value in settings.items():
+            if old.get(key) != value:
+                raise ValueError(f"--merge {path}: {key} {old.get(key)!r}, this run {value!r}")
     t0 = time.perf_counter()
     rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
     seconds = round(time.perf_counter() - t0, 1)
-    settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
-                "depths": args.depths, "seed": args.seed}
     ran, sources = list(methods), []
-    for path in getattr(args, "merge", None) or []:
-        rows, methods, source = merge_earlier(rows, methods, keeps, settings, path)
-        sources.append(source)
+    try:
+        for path in getattr(args, "merge", None) or []:
+            rows, methods, source = merge_earlier(rows, methods, keeps, settings, path)
+            sources.append(source)
+    except ValueError:  # this run's own rows are not lost: its report is written unmerged, then the error
+        _report(args, keeps, ran, rows, settings, seconds, docs, model, tok, [])
+        raise
+    return _report(args, keeps, methods, rows, settings, seconds, docs, model, tok, sources, ran)
+
+
+def _report(args, keeps, methods, rows, settings, seconds, docs, model, tok, sources, ran=None) -> int:
+    from pathlib import Path
+
+    ran = ran or methods
     summary, versus = summarise(rows, keeps, methods)
     from .. import __version__
 
