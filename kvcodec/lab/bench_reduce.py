@@ -16,7 +16,8 @@ question comes after the reduction, as in an agent memory: the question is not k
 compressed), then the question and the reference answer are teacher-forced.  Metrics, paired by item against
 the full cache: the answer's log-likelihood (bits; primary), greedy exact match of the answer, and the mean KL
 (bits/token) of the next-token distributions over the continuation.  Every method keeps the same number of
-entries per KV head (:func:`kvcodec.reduction.plan_for`).  ``cluster+scan`` computes the prefill itself under
+entries per KV head (:func:`kvcodec.reduction.plan_for`; ``kvzip`` on average over the layers, its budget
+spread over them by default, ``kvzip,allocation=uniform`` in every layer).  ``cluster+scan`` computes the prefill itself under
 merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too;
 ``<reducer>-<form>`` (``cluster-kernel``, ``sample-dot``) runs a reducer with another mass form
 (:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N`` and ``,window=F`` pass
@@ -377,7 +378,7 @@ def to_markdown(res) -> str:
     lines = ["# Reduce tier (`kvz bench --reduce`)", "",
              f"Model {res['model']}; {res['documents']} documents of {res['context']} tokens "
              f"({', '.join(res['files'])}); {res['questions']} questions (needle + cloze) per method and budget; "
-             "every method keeps the same entries per KV head; seed "
+             "every method keeps the same entries per KV head (kvzip: on average over the layers); seed "
              f"{res['seed']}. Answer NLL ratio = total answer NLL under the method / under the full cache "
              "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
              "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
