@@ -544,8 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--methods", nargs="*",
                    default=["cluster", "sample", "cluster-kernel", "snapkv", "h2o", "streaming", "kvzip", "tova"],
                    help="reduce: methods besides the full cache (also: cluster+scan, the merge-reduce prefill; "
-                        "<reducer>-<form> such as sample-dot; <method>+lossyN; options ,sinks=N ,window=F as in "
-                        "cluster,sinks=0)")
+                        "<reducer>-<form> such as sample-dot; <method>+lossyN; options ,sinks=N ,window=F "
+                        ",allocation=A as in cluster,sinks=0)")
     s.add_argument("--context", type=int, default=2048, help="reduce, theory: tokens of each document's cache")
     s.add_argument("--depths", type=float, nargs="*", default=[0.1, 0.5, 0.9], help="reduce: needle/question depths")
     s.add_argument("--documents", type=int, default=6, help="reduce, theory: documents (corpus files long enough)")

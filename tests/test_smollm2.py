@@ -201,6 +201,13 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
     got = kvcodec.load(out, model)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, want.layers))
     assert not all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, plain.layers))
+    sizes = [la.entries() for la in got.reduced_layers()]  # the budget spread over the layers (the default)
+    assert len(set(sizes)) > 1 and info["reduce"]["entries_range"] == [min(sizes), max(sizes)]
+    same = tmp_path / "u.kvz"
+    assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
+                 "kvzip", "--reduce-allocation", "uniform", "--tier", "lossless", "--dtype", "fp32", "-o", str(same),
+                 "--json"]) == 0
+    assert kvcodec.inspect(same)["reduce"]["entries_range"] == [info["reduce"]["entries"]] * 2
 
 
 def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smollm2):

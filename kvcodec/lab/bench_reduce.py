@@ -17,11 +17,11 @@ compressed), then the question and the reference answer are teacher-forced.  Met
 the full cache: the answer's log-likelihood (bits; primary), greedy exact match of the answer, and the mean KL
 (bits/token) of the next-token distributions over the continuation.  Every method keeps the same number of
 entries per KV head (:func:`kvcodec.reduction.plan_for`; ``kvzip`` on average over the layers, its budget
-spread over them by default, ``kvzip,allocation=uniform`` in every layer).  ``cluster+scan`` computes the prefill itself under
-merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the document's cache too;
-``<reducer>-<form>`` (``cluster-kernel``, ``sample-dot``) runs a reducer with another mass form
-(:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N`` and ``,window=F`` pass
-:func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
+spread over them by default, ``kvzip,allocation=uniform`` in every layer).  ``cluster+scan`` computes the
+prefill itself under merge-reduce attention (:func:`kvcodec.reduction.prefill`) and so approximates the
+document's cache too; ``<reducer>-<form>`` (``cluster-kernel``, ``sample-dot``) runs a reducer with another mass form
+(:data:`kvcodec.reduction.cache.FORMS`; the default is ``query``); ``,sinks=N``, ``,window=F`` and ``,allocation=A``
+pass :func:`kvcodec.reduce`'s options (``cluster,sinks=0``: the sinks ablation; ``cluster,window=0.5``: half the
 budget a raw recent window); ``+lossyN`` stores the reduced cache in the lossy tier at N bits and decodes it.
 ``kvzip`` replays each document once after its cache (after the repeat instruction
 :data:`kvcodec.reduction.REPEAT_PROMPT`), for every budget; its reduce time includes that replay.
