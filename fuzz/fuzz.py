@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import kvcodec  # noqa: E402
 from kvcodec.container import layout as L  # noqa: E402
-from kvcodec.errors import KvzError  # noqa: E402
+from kvcodec.errors import KvzError, NumericsMismatch  # noqa: E402
 
 LIMITS = {"max_output_bytes": 1 << 24}
 INTERESTING32 = [0, 1, 2, 0x7F, 0x80, 0xFF, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
@@ -341,7 +341,10 @@ def main() -> int:
     counts = {}
     per = args.seconds / len(targets)
     for data in pool:  # JIT warm-up outside the clock: every kernel variant the seeds use compiles here
-        kvcodec.decode(data, vector_model(data), output="kvcache", threads=1, predictors=vector_predictors())
+        try:
+            kvcodec.decode(data, vector_model(data), output="kvcache", threads=1, predictors=vector_predictors())
+        except NumericsMismatch:  # a model-coded token vector written on a CPU with other float results: this
+            pass  # machine refuses it by design (spec section 11.4); its mutants are still fuzzed
     for target in targets:
         end = time.perf_counter() + per
         n = 0
