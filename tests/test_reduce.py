@@ -370,6 +370,7 @@ def test_layer_budgets_rank_every_layer_and_head_together():
     assert sum(got.values()) == 4 * e
     assert all(abs(got[li] - s - share[li]) < 1 for li in range(4))
     assert layer_budgets(sc, n + 5, s) == {li: n for li in range(4)}  # the budget holds every token
+    assert layer_budgets({}, e, s) == {}
 
 
 def _padded(red, model):

@@ -416,14 +416,8 @@ def to_markdown(res) -> str:
 MERGE_TOLERANCE = 1e-3
 
 
-def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list, dict]:
-    """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
-    this run did not run, at this run's budgets, and where they came from (path, SHA-256, kvcodec version).
-    Refused unless both runs had the same settings, their full caches gave the same answers (the same items
-    and model: the same greedy answers, the same likelihoods to :data:`MERGE_TOLERANCE` bits - another
-    machine's float rounding moves them by ~1e-4), and the earlier run has every added method at every budget
-    for every item."""
-    import hashlib
+def _earlier_run(path, settings: dict) -> tuple[bytes, dict]:
+    """The bytes and the JSON of an earlier run's ``bench_reduce.json``, refused unless it had ``settings``."""
     import json
     from pathlib import Path
 
@@ -432,6 +426,19 @@ def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, lis
     for key, value in settings.items():
         if old.get(key) != value:
             raise ValueError(f"--merge {path}: {key} {old.get(key)!r}, this run {value!r}")
+    return raw, old
+
+
+def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list, dict]:
+    """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
+    this run did not run, at this run's budgets, and where they came from (path, SHA-256, kvcodec version).
+    Refused unless both runs had the same settings, their full caches gave the same answers (the same items
+    and model: the same greedy answers, the same likelihoods to :data:`MERGE_TOLERANCE` bits - another
+    machine's float rounding moves them by ~1e-4), and the earlier run has every added method at every budget
+    for every item."""
+    import hashlib
+
+    raw, old = _earlier_run(path, settings)
 
     def answers(rs, method, keep=None):
         got = [((r["file"], r["kind"], r["depth"]), r["answer_bits"]) for r in rs
@@ -483,22 +490,17 @@ def run_reduce_bench(args) -> int:
     settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
                 "depths": args.depths, "seed": args.seed}
     for path in getattr(args, "merge", None) or []:  # the settings before the run (the answers after it)
-        import json
-
-        old = json.loads(Path(path).read_text())
-        for key, value in settings.items():
-            if old.get(key) != value:
-                raise ValueError(f"--merge {path}: {key} {old.get(key)!r}, this run {value!r}")
+        _earlier_run(path, settings)
     t0 = time.perf_counter()
     rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
     seconds = round(time.perf_counter() - t0, 1)
-    ran, sources = list(methods), []
+    ran, own, sources = list(methods), rows, []
     try:
         for path in getattr(args, "merge", None) or []:
             rows, methods, source = merge_earlier(rows, methods, keeps, settings, path)
             sources.append(source)
     except ValueError:  # this run's own rows are not lost: its report is written unmerged, then the error
-        _report(args, keeps, ran, rows, settings, seconds, docs, model, tok, [])
+        _report(args, keeps, ran, own, settings, seconds, docs, model, tok, [])
         raise
     return _report(args, keeps, methods, rows, settings, seconds, docs, model, tok, sources, ran)
 

@@ -226,10 +226,12 @@ def layer_budgets(scores: dict, entries: int, sinks: int) -> dict:
     broken by layer order), rounded by largest remainder so that the total is exact.  Heads of one layer keep
     the same number of entries (a layer's keys are one tensor), so no entry is held and masked."""
     order = sorted(scores)
+    if not order:
+        return {}
     n = int(scores[order[0]].shape[-1])
     s = min(sinks, entries, n)
-    if entries >= n or not order:
-        return {li: min(entries, n) for li in order}
+    if entries >= n:
+        return {li: n for li in order}
     flat = torch.cat([scores[li][..., s:].float().flatten(1) for li in order], 1)  # [b, L * h * (n - s)]
     b = flat.shape[0]
     per_row = [int(scores[li].shape[1]) * (n - s) for li in order]
