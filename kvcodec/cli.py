@@ -461,9 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lossless and lossy)")
     s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
                    help="--reduce: the reducer or baseline (default cluster)")
-    s.add_argument("--reduce-allocation", default=None, choices=["uniform", "layers"],
+    s.add_argument("--reduce-allocation", default=None, choices=["uniform", "layers", "ranks"],
                    help="--reduce: entries per layer: the same in every layer (uniform) or spread over the layers by "
-                        "kvzip's replay scores (layers; kvzip only, its default)")
+                        "kvzip's replay scores (kvzip only): ranks (its default) prices a layer's r-th place by its "
+                        "heads' mean r-th score, layers by its heads' mean share of the top single scores")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)
 
@@ -553,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--merge", nargs="*", metavar="JSON",
                    help="reduce: add the methods of earlier runs (their bench_reduce.json) that this run did not "
                         "run, paired item by item; refused unless the settings and the full cache's answers match")
+    s.add_argument("--merge-rename", nargs="*", metavar="OLD=NEW",
+                   help="reduce: a method of the --merge runs under its name now (when the method's defaults have "
+                        "changed since, e.g. kvzip=kvzip,allocation=layers); recorded in the report")
     s.add_argument("--export-items", metavar="FILE",
                    help="reduce: write the documents and questions as JSON (the input of scripts/peers/"
                         "kvpress_reduce.py) and stop")

@@ -373,6 +373,41 @@ def test_layer_budgets_rank_every_layer_and_head_together():
     assert layer_budgets({}, e, s) == {}
 
 
+def test_rank_budgets_price_a_layer_by_what_its_heads_lose_together():
+    """rank_budgets: a layer's r-th place is worth the mean over its heads and rows of their r-th largest score;
+    the largest worths over all layers win; the total is exact; a layer never gets more than it holds; where
+    one sharp head outranks a layer of evenly useful heads, layer_budgets favours the sharp head's layer and
+    rank_budgets the even one."""
+    from kvcodec.reduction import layer_budgets, rank_budgets
+
+    g = torch.Generator().manual_seed(4)
+    n, s, e = 40, 4, 12
+    hi = torch.rand(2, 3, n, generator=g) + 10
+    lo = torch.rand(2, 3, n, generator=g)
+    mid = torch.rand(2, 3, n, generator=g) + 5
+    assert rank_budgets({0: hi, 1: lo, 2: mid}, e, s) == {0: s + 3 * (e - s), 1: s, 2: s}
+    assert rank_budgets({0: hi, 1: lo, 2: mid}, 20, s) == {0: n, 1: s, 2: s + 12}  # 48 places: 36 + 12
+    # layer 0: head 0 scores ~10 everywhere, heads 1 and 2 ~0 (worth ~10/3 per place); layer 1: every head ~4
+    sharp = torch.rand(1, 3, n, generator=g) * 0.01
+    sharp[:, 0] += 10
+    even = torch.rand(1, 3, n, generator=g) * 0.01 + 4
+    assert rank_budgets({0: sharp, 1: even}, e, s) == {0: s, 1: s + 2 * (e - s)}
+    # layer_budgets: 2 x 3 x 8 = 48 places, 36 of them layer 0's head 0, 12 layer 1's: means 12 and 4
+    assert layer_budgets({0: sharp, 1: even}, e, s) == {0: s + 12, 1: s + 4}
+    # brute force on random scores of several scales
+    sc = {li: torch.rand(2, 2, n, generator=g) ** (li + 1) * (li + 1) for li in range(4)}
+    got = rank_budgets(sc, e, s)
+    worth = []
+    for li in range(4):
+        rows = [sorted(sc[li][b, h, s:].tolist(), reverse=True) for b in range(2) for h in range(2)]
+        worth += [(sum(r[i] for r in rows) / 4, li) for i in range(n - s)]
+    won = sorted(worth, key=lambda t: -t[0])[: 4 * (e - s)]
+    assert got == {li: s + sum(1 for _, w in won if w == li) for li in range(4)}
+    assert sum(got.values()) == 4 * e
+    assert rank_budgets(sc, n + 5, s) == {li: n for li in range(4)}
+    assert rank_budgets({}, e, s) == {}
+
+
 def _padded(red, model):
     """The same entries as ``red`` with every reduced layer padded to the longest with entries whose log-weight
     is -1e30 (attention 0): equal sizes, so the mask transformers builds fits every layer."""
@@ -399,13 +434,13 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     the mask follows each layer), generate() runs, and the file round-trips."""
     import copy
 
-    from kvcodec.reduction import layer_budgets, replay_observation
+    from kvcodec.reduction import layer_budgets, rank_budgets, replay_observation
 
     m = _model(kind, impl)
     ids = _ids(120)
     cache = model_cache(m, ids)
     obs = replay_observation(cache, m, ids)
-    red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs)  # allocation "layers": the default
+    red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="layers")
     e = plan_for(120, budget=30)[2]
     want = layer_budgets({i: obs.peak[i] for i in range(len(cache.layers))}, e, 4)
     sizes = [la.entries() for la in red.layers]
@@ -436,8 +471,17 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     assert torch.equal(m(nxt, past_key_values=back).logits, got)
     lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
     assert [la.entries() for la in lossy.layers] == sizes
-    with pytest.raises(ValueError, match="allocation 'layers' ranks kvzip"):
-        kvcodec.reduce(cache, m, budget=30, method="snapkv", tokens=ids, allocation="layers")
+    ranks = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs)  # allocation "ranks": the default
+    want = rank_budgets({i: obs.peak[i] for i in range(len(cache.layers))}, e, 4)
+    sizes = [la.entries() for la in ranks.layers]
+    assert sizes == [want[i] for i in range(len(sizes))] and sum(sizes) == e * len(sizes)
+    got = m(nxt, past_key_values=copy.deepcopy(ranks)).logits
+    torch.testing.assert_close(got, m(nxt, past_key_values=_padded(ranks, m)).logits, rtol=1e-5, atol=1e-5)
+    back = kvcodec.decode(kvcodec.encode(ranks), m)
+    assert [la.entries() for la in back.layers] == sizes
+    for alloc in ("layers", "ranks"):
+        with pytest.raises(ValueError, match=f"allocation '{alloc}' ranks kvzip"):
+            kvcodec.reduce(cache, m, budget=30, method="snapkv", tokens=ids, allocation=alloc)
     with pytest.raises(ValueError, match="unknown allocation"):
         kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="heads")
 
@@ -834,6 +878,16 @@ def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_pat
                                                                                                 "tova"]
     with pytest.raises(ValueError, match="other answers"):
         br.merge_earlier([{**row("full", 1.0, -1.0), "exact": True}], ["full"], [0.1], settings, path)
+    # a method whose defaults changed since: the earlier rows under the name they have now, beside this run's
+    got, methods, source = br.merge_earlier(rows, ["full", "tova"], [0.1], settings, path,
+                                            {"tova": "tova,old", "cluster": "cluster,old"})
+    assert methods == ["full", "tova", "cluster,old", "tova,old"]
+    assert got == rows + [{**row("cluster", 0.1, -4.0), "method": "cluster,old"},
+                          {**row("tova", 0.1, -3.0), "method": "tova,old"}]
+    assert source["renamed"] == {"tova": "tova,old", "cluster": "cluster,old"}
+    for bad in ({"h2o": "h2o,old"}, {"full": "ceiling"}, {"tova": "cluster"}):
+        with pytest.raises(ValueError, match="--merge-rename"):
+            br.merge_earlier(rows, ["full", "tova"], [0.1], settings, path, bad)
 
 
 def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):

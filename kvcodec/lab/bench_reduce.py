@@ -429,7 +429,7 @@ def _earlier_run(path, settings: dict) -> tuple[bytes, dict]:
     return raw, old
 
 
-def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, list, dict]:
+def merge_earlier(rows, methods, keeps, settings: dict, path, rename: dict | None = None) -> tuple[list, list, dict]:
     """Rows and methods of an earlier run (``path``, its ``bench_reduce.json``) added to this run's: its methods
     this run did not run, at this run's budgets, and where they came from (path, SHA-256, kvcodec version).
     Refused unless both runs had the same settings, their full caches gave the same answers (the same items
@@ -456,12 +456,24 @@ def merge_earlier(rows, methods, keeps, settings: dict, path) -> tuple[list, lis
         worst = max((abs(a[x] - b[x]) for x in a if x in b), default=float("nan"))
         raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model; "
                          f"largest difference {worst:.2g} bits)")
+    if rename:  # an earlier run's method under the name it has now (its default options changed since)
+        missing = [m for m in rename if m not in old["methods"] or m == "full"]
+        if missing:
+            raise ValueError(f"--merge {path}: --merge-rename names {', '.join(missing)}, which it did not run "
+                             "(or the full cache, which is not renamed)")
+        taken = [n for n in rename.values() if n in old["methods"] or n == "full"]
+        if taken:
+            raise ValueError(f"--merge {path}: --merge-rename's new name {', '.join(taken)} is already a method of it")
+        old = {**old, "methods": [rename.get(m, m) for m in old["methods"]],
+               "rows": [{**r, "method": rename.get(r["method"], r["method"])} for r in old["rows"]]}
     extra = [m for m in old["methods"] if m not in methods]
     for m in extra:
         for keep in keeps:
             if answers(old["rows"], m, keep).keys() != a.keys():
                 raise ValueError(f"--merge {path}: {m} at keep {keep} does not have every item")
     source = {"path": str(path), "sha256": hashlib.sha256(raw).hexdigest(), "kvcodec": old.get("kvcodec")}
+    if rename:
+        source["renamed"] = dict(rename)
     return rows + [r for r in old["rows"] if r["method"] in extra and r["keep"] in keeps], methods + extra, source
 
 
@@ -489,6 +501,14 @@ def run_reduce_bench(args) -> int:
         return 0
     settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
                 "depths": args.depths, "seed": args.seed}
+    rename = {}
+    for pair in getattr(args, "merge_rename", None) or []:
+        old_name, eq, new_name = pair.partition("=")
+        if not eq or not old_name or not new_name:
+            raise ValueError(f"--merge-rename {pair!r}: OLD=NEW, e.g. kvzip=kvzip,allocation=layers")
+        rename[old_name] = new_name
+    if rename and not getattr(args, "merge", None):
+        raise ValueError("--merge-rename renames the methods of the runs given to --merge; there are none")
     for path in getattr(args, "merge", None) or []:  # the settings before the run (the answers after it)
         _earlier_run(path, settings)
     t0 = time.perf_counter()
@@ -497,7 +517,7 @@ def run_reduce_bench(args) -> int:
     ran, own, sources = list(methods), rows, []
     try:
         for path in getattr(args, "merge", None) or []:
-            rows, methods, source = merge_earlier(rows, methods, keeps, settings, path)
+            rows, methods, source = merge_earlier(rows, methods, keeps, settings, path, rename)
             sources.append(source)
     except ValueError:  # this run's own rows are not lost: its report is written unmerged, then the error
         _report(args, keeps, ran, own, settings, seconds, docs, model, tok, [])
