@@ -217,6 +217,17 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
 ALLOCATIONS = ("uniform", "layers", "ranks")
 
 
+def _budget_frame(scores: dict, entries: int, sinks: int):
+    """(the layers in order, tokens n, sinks kept s, and the budgets when there is nothing to rank or None)."""
+    order = sorted(scores)
+    if not order:
+        return order, 0, 0, {}
+    n = int(scores[order[0]].shape[-1])
+    if entries >= n:
+        return order, n, min(sinks, n), {li: n for li in order}
+    return order, n, min(sinks, entries, n), None
+
+
 def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     """KVzip's uneven budget by ranks, per layer: ``layer -> entries per KV head`` for the layers of ``scores``
     (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), summing to
@@ -228,13 +239,9 @@ def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     are one tensor), each its own best ones, so nothing is held and masked; the layer is priced by what its
     heads lose together at each depth, not by how many of their single entries rank high (:func:`layer_budgets`,
     which a layer with one sharp head and several flat ones lets down)."""
-    order = sorted(scores)
-    if not order:
-        return {}
-    n = int(scores[order[0]].shape[-1])
-    s = min(sinks, entries, n)
-    if entries >= n:
-        return {li: n for li in order}
+    order, n, s, done = _budget_frame(scores, entries, sinks)
+    if done is not None:
+        return done
     worth = torch.cat([scores[li][..., s:].double().flatten(0, 1).sort(-1, descending=True).values.mean(0)
                        for li in order])  # [L * (n - s)]: layer by layer, each descending
     top = worth.sort(descending=True, stable=True).indices[: len(order) * (entries - s)]
@@ -251,13 +258,9 @@ def layer_budgets(scores: dict, entries: int, sinks: int) -> dict:
     ranking's top places that fell to it (the global top ``layers x heads x (entries - sinks)`` per row, ties
     broken by layer order), rounded by largest remainder so that the total is exact.  Heads of one layer keep
     the same number of entries (a layer's keys are one tensor), so no entry is held and masked."""
-    order = sorted(scores)
-    if not order:
-        return {}
-    n = int(scores[order[0]].shape[-1])
-    s = min(sinks, entries, n)
-    if entries >= n:
-        return {li: n for li in order}
+    order, n, s, done = _budget_frame(scores, entries, sinks)
+    if done is not None:
+        return done
     flat = torch.cat([scores[li][..., s:].float().flatten(1) for li in order], 1)  # [b, L * h * (n - s)]
     b = flat.shape[0]
     per_row = [int(scores[li].shape[1]) * (n - s) for li in order]
