@@ -406,6 +406,10 @@ def test_rank_budgets_price_a_layer_by_what_its_heads_lose_together():
     assert sum(got.values()) == 4 * e
     assert rank_budgets(sc, n + 5, s) == {li: n for li in range(4)}
     assert rank_budgets({}, e, s) == {}
+    assert rank_budgets(sc, 3, s) == {li: 3 for li in range(4)}  # fewer entries than sinks: the first ones
+    assert rank_budgets({3: even, 7: sharp}, e, s) == {3: s + 2 * (e - s), 7: s}  # any layer indices
+    with pytest.raises(ValueError, match="cover 30 tokens"):
+        rank_budgets({0: hi, 1: lo[..., :30]}, e, s)
 
 
 def _padded(red, model):
@@ -849,6 +853,7 @@ def test_bench_method_options_and_variant_pairs():
 
 def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_path):
     import json
+    from pathlib import Path
 
     from kvcodec.lab import bench_reduce as br
 
@@ -885,9 +890,28 @@ def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_pat
     assert got == rows + [{**row("cluster", 0.1, -4.0), "method": "cluster,old"},
                           {**row("tova", 0.1, -3.0), "method": "tova,old"}]
     assert source["renamed"] == {"tova": "tova,old", "cluster": "cluster,old"}
-    for bad in ({"h2o": "h2o,old"}, {"full": "ceiling"}, {"tova": "cluster"}):
-        with pytest.raises(ValueError, match="--merge-rename"):
+    # a rename this file cannot apply is another file's; onto a name this run or the file has, it is refused
+    assert br.merge_earlier(rows, ["full", "tova"], [0.1], settings, path, {"h2o": "h2o,old"})[1] == \
+        ["full", "tova", "cluster"]
+    for bad in ({"tova": "cluster"}, {"cluster": "tova"}):
+        with pytest.raises(ValueError, match="--merge-rename's new name"):
             br.merge_earlier(rows, ["full", "tova"], [0.1], settings, path, bad)
+    # the report says which rows were renamed (the shipped table was merged so)
+    shipped = json.loads((Path(__file__).parent.parent / "docs" / "bench_reduce.json").read_text())
+    assert {"kvzip": "kvzip,allocation=layers"} in [x.get("renamed") for x in shipped["merged"]["from"]]
+    assert "paired item by item; its kvzip as kvzip,allocation=layers." in br.to_markdown(shipped)
+    # before the run: the pairs against this run's methods and every --merge run's
+    other = {**old, "methods": ["full", "h2o"]}
+    assert br.merge_renames(["tova=tova,old", "h2o=h2o,old"], ["full", "kvzip"], [old, other]) == \
+        {"tova": "tova,old", "h2o": "h2o,old"}
+    assert br.merge_renames(None, ["full"], []) == {}
+    for pairs, runs, msg in ((["tova"], [old], "OLD=NEW"), (["tova=a", "tova=b"], [old], "twice"),
+                             (["tova=a"], [], "there are none"), (["snapkv=a"], [old, other], "no --merge run has"),
+                             (["full=a"], [old], "no --merge run has"), (["tova=x", "cluster=x"], [old], "new name x"),
+                             (["tova=kvzip"], [old], "new name kvzip"), (["tova=cluster"], [old], "new name"),
+                             (["tova=full"], [old], "new name full")):
+        with pytest.raises(ValueError, match=msg):
+            br.merge_renames(pairs, ["full", "kvzip"], runs)
 
 
 def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):

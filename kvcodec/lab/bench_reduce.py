@@ -386,7 +386,9 @@ def to_markdown(res) -> str:
              "question: a continuation has no question)." + (
                  f" Methods {', '.join(m for m in res['methods'] if m not in res['merged']['ran'])} from an earlier "
                  f"run with the same settings ({', '.join(x['path'] for x in res['merged']['from'])}; its full "
-                 "cache gave the same answers), paired item by item." if res.get("merged") else ""), "",
+                 "cache gave the same answers), paired item by item" + "".join(
+                     f"; its {o} as {n}" for x in res["merged"]["from"] for o, n in x.get("renamed", {}).items())
+                 + "." if res.get("merged") else ""), "",
              "| keep | method | entries | answer NLL ratio | Δ bits [95 % CI] | p | needle EM (full) | KL bits/tok | "
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
@@ -456,14 +458,12 @@ def merge_earlier(rows, methods, keeps, settings: dict, path, rename: dict | Non
         worst = max((abs(a[x] - b[x]) for x in a if x in b), default=float("nan"))
         raise ValueError(f"--merge {path}: its full cache gave other answers (not the same items or model; "
                          f"largest difference {worst:.2g} bits)")
+    rename = {o: n for o, n in (rename or {}).items() if o in old["methods"]}  # the renames this run's file has
     if rename:  # an earlier run's method under the name it has now (its default options changed since)
-        missing = [m for m in rename if m not in old["methods"] or m == "full"]
-        if missing:
-            raise ValueError(f"--merge {path}: --merge-rename names {', '.join(missing)}, which it did not run "
-                             "(or the full cache, which is not renamed)")
-        taken = [n for n in rename.values() if n in old["methods"] or n == "full"]
+        taken = [n for n in rename.values() if n in old["methods"] or n in methods]
         if taken:
-            raise ValueError(f"--merge {path}: --merge-rename's new name {', '.join(taken)} is already a method of it")
+            raise ValueError(f"--merge {path}: --merge-rename's new name {', '.join(taken)} is already a method of "
+                             "it or of this run (its rows would not be merged)")
         old = {**old, "methods": [rename.get(m, m) for m in old["methods"]],
                "rows": [{**r, "method": rename.get(r["method"], r["method"])} for r in old["rows"]]}
     extra = [m for m in old["methods"] if m not in methods]
@@ -475,6 +475,35 @@ def merge_earlier(rows, methods, keeps, settings: dict, path, rename: dict | Non
     if rename:
         source["renamed"] = dict(rename)
     return rows + [r for r in old["rows"] if r["method"] in extra and r["keep"] in keeps], methods + extra, source
+
+
+def merge_renames(pairs, methods, earlier: list) -> dict:
+    """``--merge-rename OLD=NEW`` pairs as a dict, checked before the run against this run's ``methods`` and the
+    earlier runs' JSON objects ``earlier``: every OLD run by one of them (not the full cache), no OLD twice, the
+    NEWs distinct and none of them a method of this run or of an earlier one."""
+    rename = {}
+    for pair in pairs or []:
+        old_name, eq, new_name = pair.partition("=")
+        if not eq or not old_name or not new_name:
+            raise ValueError(f"--merge-rename {pair!r}: OLD=NEW, e.g. kvzip=kvzip,allocation=layers")
+        if old_name in rename:
+            raise ValueError(f"--merge-rename names {old_name} twice")
+        rename[old_name] = new_name
+    if not rename:
+        return rename
+    if not earlier:
+        raise ValueError("--merge-rename renames the methods of the runs given to --merge; there are none")
+    ran = {m for e in earlier for m in e["methods"]}
+    bad = [o for o in rename if o == "full" or o not in ran]
+    if bad:
+        raise ValueError(f"--merge-rename: no --merge run has {', '.join(bad)} to rename (the full cache is "
+                         "never renamed)")
+    news = list(rename.values())
+    bad = [n for n in news if n == "full" or n in methods or n in ran or news.count(n) > 1]
+    if bad:
+        raise ValueError(f"--merge-rename: new name {', '.join(dict.fromkeys(bad))} is given twice, or is already "
+                         "a method of this run or of a --merge run")
+    return rename
 
 
 def run_reduce_bench(args) -> int:
@@ -501,16 +530,9 @@ def run_reduce_bench(args) -> int:
         return 0
     settings = {"context": args.context, "documents": len(docs), "files": [d["file"] for d in docs],
                 "depths": args.depths, "seed": args.seed}
-    rename = {}
-    for pair in getattr(args, "merge_rename", None) or []:
-        old_name, eq, new_name = pair.partition("=")
-        if not eq or not old_name or not new_name:
-            raise ValueError(f"--merge-rename {pair!r}: OLD=NEW, e.g. kvzip=kvzip,allocation=layers")
-        rename[old_name] = new_name
-    if rename and not getattr(args, "merge", None):
-        raise ValueError("--merge-rename renames the methods of the runs given to --merge; there are none")
-    for path in getattr(args, "merge", None) or []:  # the settings before the run (the answers after it)
-        _earlier_run(path, settings)
+    earlier = [_earlier_run(path, settings)[1]  # the settings before the run (the answers after it)
+               for path in getattr(args, "merge", None) or []]
+    rename = merge_renames(getattr(args, "merge_rename", None), methods, earlier)
     t0 = time.perf_counter()
     rows = run_items(model, tok, docs, keeps, methods, seed=args.seed)
     seconds = round(time.perf_counter() - t0, 1)

@@ -223,6 +223,10 @@ def _budget_frame(scores: dict, entries: int, sinks: int):
     if not order:
         return order, 0, 0, {}
     n = int(scores[order[0]].shape[-1])
+    other = [li for li in order if int(scores[li].shape[-1]) != n]
+    if other:
+        raise ValueError(f"scores of layer {other[0]} cover {scores[other[0]].shape[-1]} tokens, of layer "
+                         f"{order[0]} {n}: the layers compete for the same tokens' places")
     if entries >= n:
         return order, n, min(sinks, n), {li: n for li in order}
     return order, n, min(sinks, entries, n), None
@@ -230,8 +234,9 @@ def _budget_frame(scores: dict, entries: int, sinks: int):
 
 def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     """KVzip's uneven budget by ranks, per layer: ``layer -> entries per KV head`` for the layers of ``scores``
-    (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), summing to
-    ``entries`` per layer on average.  The first ``sinks`` tokens are always kept.  Every head's other scores
+    (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), ``entries``
+    per layer on average (every layer gets ``n`` when ``entries >= n``).  The first ``min(sinks, entries)``
+    tokens are always kept.  Every head's other scores
     are sorted, largest first; a layer's r-th place is worth the mean, over its heads and batch rows, of their
     r-th largest score; the ``layers x (entries - sinks)`` places of largest worth over all layers are kept
     (a layer's worths descend with r, so it keeps its first places: ties are broken by layer order) and each
