@@ -237,8 +237,8 @@ def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), ``entries``
     per layer on average (every layer gets ``n`` when ``entries >= n``).  The first ``min(sinks, entries)``
     tokens are always kept.  Every head's other scores are sorted, largest first; a layer's r-th place is
-    worth the mean, over its heads and batch rows, of their r-th largest score; the ``layers x (entries - sinks)`` places of largest worth over all layers are kept
-    (a layer's worths descend with r, so it keeps its first places: ties are broken by layer order) and each
+    worth the mean, over its heads and batch rows, of their r-th largest score; the ``layers x (entries -
+    sinks)`` places of largest worth over all layers are kept (a layer's worths descend with r, so it keeps its first places: ties are broken by layer order) and each
     layer gets its sinks plus its places.  Heads of one layer keep the same number of entries (a layer's keys
     are one tensor), each its own best ones, so nothing is held and masked; the layer is priced by what its
     heads lose together at each depth, not by how many of their single entries rank high (:func:`layer_budgets`,
