@@ -234,14 +234,14 @@ def _budget_frame(scores: dict, entries: int, sinks: int):
 
 def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     """KVzip's uneven budget by ranks, per layer: ``layer -> entries per KV head`` for the layers of ``scores``
-    (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), ``entries`` per layer on
-    average (every layer gets ``n`` when ``entries >= n``). The first ``min(sinks, entries)`` tokens are always
-    kept. Every head's other scores are sorted, largest first; a layer's r-th place is worth the mean, over its
-    heads and batch rows, of their r-th largest score; the ``layers x (entries - sinks)`` places of largest worth
-    over all layers are kept (a layer's worths descend with r, so it keeps its first places: ties are broken by
-    layer order) and each layer gets its sinks plus its places. Heads of one layer keep the same number of entries
-    (a layer's keys are one tensor), each its own best ones, so nothing is held and masked; the layer is priced by
-    what its heads lose together at each depth, not by how many of their single entries rank high
+    (``layer -> [b, h, n]`` scores comparable across layers, such as the replay's peak attention), ``entries`` per
+    layer on average (every layer gets ``n`` when ``entries >= n``). The first ``min(sinks, entries)`` tokens are
+    always kept. Every head's other scores are sorted, largest first; a layer's r-th place is worth the mean, over
+    its heads and batch rows, of their r-th largest score; the ``layers x (entries - sinks)`` places of largest
+    worth over all layers are kept (a layer's worths descend with r, so it keeps its first places: ties are broken
+    by layer order) and each layer gets its sinks plus its places. Heads of one layer keep the same number of
+    entries (a layer's keys are one tensor), each its own best ones, so nothing is held and masked; the layer is
+    priced by what its heads lose together at each depth, not by how many of their single entries rank high
     (:func:`layer_budgets`, which a layer with one sharp head and several flat ones lets down)."""
     order, n, s, done = _budget_frame(scores, entries, sinks)
     if done is not None:
