@@ -6,6 +6,7 @@ opens the bytes, checks the model against the header and assembles caches.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -135,7 +136,9 @@ class KvzFile:
             if e.section_type in (L.SECTION_KV, L.SECTION_RESIDUAL):
                 lay = h.layers[e.layer]
                 a, b = lay.chunk_range(e.chunk, h.chunk_tokens)
-                comps = h.batch * lay.kv_heads * (b - a) * lay.dim(e.part)
+                comps = math.prod(lay.slice_shape(e.chunk, h.chunk_tokens, h.batch, e.part))
+                if lay.heads is not None:  # (1.8) one head's entries
+                    d["row"] = list(lay.runs(h.chunk_tokens)[e.chunk].row)
                 d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
                          tokens=[a, b], components=comps,
                          bits_per_component=round(8 * e.length / comps, 4) if comps else None)
@@ -190,13 +193,20 @@ class KvzFile:
         h = self.header
         red = [lay for lay in h.layers if lay.state is not None and lay.state.kind == "reduced"]
         first = red[0]
-        sizes = [lay.seq_len for lay in red]
+        held = [lay.seq_len for lay in red]
+        # (1.8) a layer whose heads hold different numbers: its entries are their mean, not the length it holds
+        sizes = [lay.seq_len if lay.heads is None else
+                 lay.seq_len - lay.state.parts["fixed"] + sum(map(sum, lay.heads)) / (h.batch * lay.kv_heads)
+                 for lay in red]
         stood = sum(lay.cumulative_length for lay in red)
         # entries per KV head: their mean over the reduced layers (they differ where the budget was spread
         # over the layers: "entries_range"); the first reduced layer's parts
-        return {**h.reduce, "layers": len(red), "entries": round(sum(sizes) / len(sizes)),
-                "entries_range": [min(sizes), max(sizes)], "tokens": first.cumulative_length,
-                "keep": round(sum(sizes) / stood, 4) if stood else None, "parts": first.state.parts}
+        out = {**h.reduce, "layers": len(red), "entries": round(sum(sizes) / len(sizes)),
+               "entries_range": [round(min(sizes)), round(max(sizes))], "tokens": first.cumulative_length,
+               "keep": round(sum(sizes) / stood, 4) if stood else None, "parts": first.state.parts}
+        if held != sizes:  # entries held per KV head, absent places included (what the decoded tensors hold)
+            out["held"] = round(sum(held) / len(held))
+        return out
 
     def close(self):
         if getattr(self, "reader", None) is not None:

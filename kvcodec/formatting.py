@@ -51,6 +51,9 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
         keep = "-" if rd["keep"] is None else format(rd["keep"], ".3g")
         lo, hi = rd.get("entries_range") or (rd["entries"], rd["entries"])
         spread = "" if lo == hi else f" (per layer {lo} to {hi}, mean {rd['entries']})"
+        if rd.get("held") is not None:
+            spread += (f", heads of a layer holding different numbers (the decoded tensors hold {rd['held']} per "
+                       "head, the absent ones masked)")
         out(f"  reduce       : {rd['method']} ({rd['form']} masses), {rd['entries']} entries{spread} for "
             f"{rd['tokens']} tokens = keep {keep} in {rd['layers']} reduced layers; K {rd['k']}, B {rd['block']}, "
             f"{rd['sinks']} sinks, window {rd['window']}, seed {rd['seed']}; parts: {rd['parts']['fixed']} fixed, "

@@ -104,6 +104,8 @@ class LayerState:
             d["parts"] = {"fixed": int(self.parts["fixed"]), "sinks": int(self.parts["sinks"]),
                           "levels": [None if x is None else int(x) for x in self.parts["levels"]],
                           "buffer": int(self.parts["buffer"])}
+            if self.parts.get("heads") is not None:  # (1.8)
+                d["parts"]["heads"] = [[int(x) for x in row] for row in self.parts["heads"]]
             d["scaling"] = float(self.scaling)
         return d
 
@@ -158,8 +160,23 @@ class LayerState:
         if a is not None and (not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or a.dim() != 3
                               or tuple(a.shape[:2]) != tuple(lw.shape[:2])):
             raise ValueError(f"layer {i}: a reduced layer's anchor must be float32 [batch, kv_heads, k_dim]")
-        if not isinstance(parts, dict) or set(parts) != set(REDUCED_PARTS) or not isinstance(parts["levels"], list):
-            raise ValueError(f"layer {i}: reduced parts must be {{fixed, sinks, levels, buffer}}")
+        if not isinstance(parts, dict) or set(parts) - {"heads"} != set(REDUCED_PARTS) \
+                or not isinstance(parts["levels"], list):
+            raise ValueError(f"layer {i}: reduced parts must be {{fixed, sinks, levels, buffer}} (and heads)")
+        heads = parts.get("heads")
+        if heads is not None:
+            b, h = lw.shape[:2]
+            fixed = parts["fixed"]
+            if (not isinstance(heads, list) or len(heads) != b
+                    or any(not isinstance(r, list) or len(r) != h for r in heads)
+                    or any(not isinstance(x, int) or not 0 <= x <= fixed for r in heads for x in r)
+                    or max(max(r) for r in heads) != fixed or all(x == fixed for r in heads for x in r)):
+                raise ValueError(f"layer {i}: reduced parts' heads must list, per batch row and KV head, the fixed "
+                                 f"entries each holds (0..{fixed}, the longest {fixed}, some fewer)")
+            absent = torch.arange(fixed)[None, None, :] >= torch.tensor(heads)[..., None]
+            if not torch.equal(torch.isneginf(lw[..., :fixed]), absent):
+                raise ValueError(f"layer {i}: a head's absent fixed entries (past its count in heads) have "
+                                 "log-weight -inf, and only they")
         if not isinstance(self.scaling, float) or not math.isfinite(self.scaling) or self.scaling <= 0:
             raise ValueError(f"layer {i}: reduced scaling must be a positive finite float")
         held = parts["fixed"] + parts["sinks"] + parts["buffer"] + sum(x or 0 for x in parts["levels"])

@@ -108,6 +108,9 @@ def cases():
     # 10 (1.7, spec revision 1.7.1): a one-shot selection (method kvzip) whose reduced layers hold different
     # numbers of entries (kvzip's budget spread over the layers)
     yield "lossless_spread", spread_cache(rng, torch.bfloat16), {}
+    # 11 (1.8): kvzip with heads holding different numbers of entries (parts.heads): absent entries not stored,
+    # two batch rows, tokens appended after the selection, chunks of 4 crossing the absent places
+    yield "lossless_heads", heads_cache(np.random.default_rng(11), torch.bfloat16), {"chunk_tokens": 4}
 
 
 def reduced_cache(rng, dtype, n=46, form="query"):
@@ -166,6 +169,34 @@ def spread_cache(rng, dtype, n=24, kept=(5, 11, 8)):
     return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
 
 
+def heads_cache(rng, dtype, n=20, appended=4, counts=(((7, 3, 0), (5, 7, 2)), ((1, 4, 4), (4, 0, 3)))):
+    """(1.8) a cache reduced by method ``kvzip`` whose heads keep different numbers of entries: two batch rows
+    and two full-attention layers of 3 heads x 8 over ``n`` tokens, head (b, h) of layer l holding
+    ``counts[l][b][h]`` of them in ``fixed`` (in token order; the layer's fixed part as long as its longest head,
+    the others' absent places zero with log-weight -inf), then ``appended`` tokens raw (2 sinks, 2 buffer)."""
+    from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer
+
+    plan = Plan(k=8, block=8, sinks=2, method=None, seed=0, window=0, form="dot")
+    layers = []
+    for i, rows in enumerate(counts):
+        c = torch.tensor(rows)
+        width = int(c.max())
+        keys, values = structured(rng, (2, 3, n, 8), dtype), structured(rng, (2, 3, n, 8), dtype)
+        idx = torch.zeros(2, 3, width, dtype=torch.long)
+        for b in range(2):
+            for h in range(3):
+                kept = np.sort(rng.choice(n, int(c[b, h]), replace=False))
+                idx[b, h, :len(kept)] = torch.from_numpy(kept)
+        present = torch.arange(width)[None, None, :] < c[..., None]
+        gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
+        gv = values.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
+        layer = ReducedLayer(plan, i, 8 ** -0.5)
+        layer.set_fixed(gk, gv, n, torch.zeros(2, 3, width).masked_fill(~present, float("-inf")))
+        layer.update(structured(rng, (2, 3, appended, 8), dtype), structured(rng, (2, 3, appended, 8), dtype))
+        layers.append(layer)
+    return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
+
+
 def lossy_cases():
     """Lossy tier: the decoded tensors are defined by spec section 13; their hashes are recorded from the
     decoder and checked against an independent reimplementation in tests/test_lossy.py."""
@@ -186,6 +217,10 @@ def lossy_cases():
     # (1.4) a reduced cache's atoms quantized; its log-weights and anchors stay exact
     yield "lossy_reduced", reduced_cache(rng, torch.float16), {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3,
                                                                 "group": 4, "sink": 0}
+    # (1.8) heads holding different numbers of entries, quantized head by head (a fresh generator: the cases
+    # after it keep theirs)
+    yield "lossy_heads", heads_cache(np.random.default_rng(12), torch.float16), \
+        {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 3, "group": 4, "sink": 0, "chunk_tokens": 4}
     # (1.5) quantizer "weighted": keys in Method 5 with per-channel steps from a profile, values in Method 1
     kv = [(structured(rng, (1, 2, 20, 8), torch.float32), structured(rng, (1, 2, 20, 8), torch.float32))]
     profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (2, 8)).astype(np.float32)], model=None, tokens=0)
@@ -383,10 +418,15 @@ def build():
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--only", nargs="+", metavar="CASE",
+                    help="write only these cases (new vectors, added on purpose without touching the others; the "
+                         "numerics-bound ones depend on the machine that writes them)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     changed = 0
     for name, data, meta, extra in build():
+        if args.only and name not in args.only:
+            continue
         files = {OUT / f"{name}.kvz": data, OUT / f"{name}.json": (json.dumps(meta, indent=2, sort_keys=True)
                                                                     + "\n").encode()}
         files.update({OUT / f"{name}.{suffix}": b for suffix, b in extra.items()})

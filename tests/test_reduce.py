@@ -421,7 +421,8 @@ def _padded(red, model):
     for i, la in enumerate(red.layers):
         b, h, e, d = la.keys.shape
         pad = top - e
-        beta = torch.cat([torch.zeros(b, h, e), torch.full((b, h, pad), -1e30)], 2)
+        own = la.beta if la.beta is not None else torch.zeros(b, h, e)  # (heads: the absent entries' -inf)
+        beta = torch.cat([own, torch.full((b, h, pad), -1e30)], 2)
         out = ReducedLayer(Plan(k=1, block=1, method=None), i, scale[i])
         out.set_fixed(torch.cat([la.keys, torch.zeros(b, h, pad, d)], 2),
                       torch.cat([la.values, torch.zeros(b, h, pad, la.values.shape[3])], 2),
@@ -483,11 +484,154 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     torch.testing.assert_close(got, m(nxt, past_key_values=_padded(ranks, m)).logits, rtol=1e-5, atol=1e-5)
     back = kvcodec.decode(kvcodec.encode(ranks), m)
     assert [la.entries() for la in back.layers] == sizes
-    for alloc in ("layers", "ranks"):
+    for alloc in ("layers", "ranks", "heads", "layer-heads"):
         with pytest.raises(ValueError, match=f"allocation '{alloc}' ranks kvzip"):
             kvcodec.reduce(cache, m, budget=30, method="snapkv", tokens=ids, allocation=alloc)
     with pytest.raises(ValueError, match="unknown allocation"):
-        kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="heads")
+        kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="rows")
+
+
+def test_head_budgets_rank_every_head_and_keep_each_row_s_total():
+    """head_budgets: one ranking of every score (sinks excluded) per batch row over all layers and heads (or,
+    with ``within``, each layer's heads among themselves); each head gets its sinks plus its places."""
+    from kvcodec.reduction import head_budgets
+
+    n, s = 12, 2
+    sharp = torch.zeros(1, 2, n)
+    sharp[0, 0, s:] = torch.arange(n - s, 0, -1).float()  # head 0 wants everything, head 1 nothing
+    flat = torch.zeros(1, 2, n)
+    flat[0, 0, s:] = torch.linspace(0.9, 0.0, 2 * (n - s))[0::2]  # 0.9, 0.8, 0.7, ... between the two heads
+    flat[0, 1, s:] = torch.linspace(0.9, 0.0, 2 * (n - s))[1::2]
+    got = head_budgets({0: sharp, 1: flat}, 5, s)  # 2 layers x 2 heads x 3 places = 12 places
+    assert got[0].tolist() == [[s + 10, s]] and got[1].tolist() == [[s + 1, s + 1]]
+    assert sum(int(v.sum()) for v in got.values()) == 4 * 5
+    within = head_budgets({0: sharp, 1: flat}, 5, s, within={0: 5, 1: 5})  # each layer keeps 2 x 5
+    assert within[0].tolist() == [[s + 6, s]] and within[1].tolist() == [[5, 5]]
+    rows = torch.stack([sharp[0], sharp[0].flip(0)])  # two batch rows, each ranked on its own
+    got = head_budgets({0: rows}, 5, s)
+    assert got[0].tolist() == [[s + 6, s], [s, s + 6]]
+    assert head_budgets({0: sharp}, n + 1, s)[0].tolist() == [[n, n]]  # everything fits
+    assert head_budgets({}, 5, s) == {}
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_keep(kind, impl):
+    """allocation="heads" (format 1.8): each head keeps its sinks and its own best tokens up to its budget,
+    first and in token order; the layer holds its longest head's count, the other heads' absent places zero
+    with log-weight -inf.  Attention equals that of the same entries padded and masked by hand; the file
+    stores only the kept entries (kv components = the kept ones), is stamped 1.8, round-trips bit for bit in
+    the lossless tier, decodes in the lossy tier, and the spec-only decoder reads it."""
+    import copy
+
+    from kvcodec.reduction import head_budgets, rank_budgets, replay_observation
+
+    from .independent import decoder as K
+
+    m = _model(kind, impl)
+    ids = _ids(120)
+    cache = model_cache(m, ids)
+    obs = replay_observation(cache, m, ids)
+    e = plan_for(120, budget=30)[2]
+    peaks = {i: obs.peak[i] for i in range(len(cache.layers))}
+    for alloc, want in (("heads", head_budgets(peaks, e, 4)),
+                        ("layer-heads", head_budgets(peaks, e, 4, rank_budgets(peaks, e, 4)))):
+        red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation=alloc)
+        assert red.counted() == pytest.approx(e) and red.describe()["entries"] == e
+        for li, (layer, la) in enumerate(zip(cache.layers, red.layers)):
+            count = want[li][0]
+            assert la.entries() == int(count.max())
+            for h in range(layer.keys.shape[1]):
+                c = int(count[h])
+                kept = _kept_positions(la.keys[:, h:h + 1, :c], layer.keys[:, h:h + 1])[0][0]
+                assert (kept[:4] == torch.arange(4)).all() and (kept.diff() > 0).all()
+                sc = obs.peak[li][0, h]
+                assert (sc[kept[4:]] >= sc[4:].topk(c - 4).values[-1]).all()
+                beta = la.beta if la.beta is not None else torch.zeros(la.keys.shape[:3])  # None: every head full
+                assert (beta[0, h, :c] == 0).all() and torch.isneginf(beta[0, h, c:]).all()
+                assert not la.keys[0, h, c:].any() and not la.values[0, h, c:].any()
+        nxt = _ids(6, 7)
+        got = m(nxt, past_key_values=copy.deepcopy(red)).logits
+        torch.testing.assert_close(got, m(nxt, past_key_values=_padded(red, m)).logits, rtol=1e-5, atol=1e-5)
+        data = kvcodec.encode(red)
+        ragged = any(la.beta is not None and torch.isneginf(la.beta).any() for la in red.layers)
+        assert ragged or cache.layers[0].keys.shape[1] == 1  # one KV head: a layer's heads cannot differ
+        assert data[10] == (8 if ragged else 7)
+        info = kvcodec.inspect(data)
+        assert info["reduce"]["entries"] == e and info["reduce"].get("held", e) == red.entries()
+        kv_comps = sum(s["components"] for s in info["sections"] if s["type"] == "kv")
+        kept = sum(int(c.sum()) for c in want.values())
+        assert kv_comps == kept * 2 * cache.layers[0].keys.shape[3]  # keys and values of the kept entries only
+        back = kvcodec.decode(data, m)
+        def beta(la):  # None: every entry at log-weight 0
+            return la.beta if la.beta is not None else torch.zeros(la.keys.shape[:3])
+
+        for a, b in zip(red.layers, back.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(beta(a), beta(b))
+        assert back.describe() == red.describe()
+        assert torch.equal(m(nxt, past_key_values=back).logits, got)
+        lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
+        for a, b in zip(red.layers, lossy.layers):
+            assert torch.equal(beta(a), beta(b)) and not b.keys[torch.isneginf(beta(b))].any()
+        _, _, spec_k, spec_v, _ = K.decode_file(data, None)
+        for li, la in enumerate(red.layers):
+            assert spec_k[li].tobytes() == la.keys.numpy().tobytes()
+            assert spec_v[li].tobytes() == la.values.numpy().tobytes()
+        out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(red), max_new_tokens=4,
+                         do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 130)
+
+
+def test_heads_headers_and_weights_are_checked():
+    """spec section 14.2 (1.8): parts.heads lists each row's heads, each at most fixed, the longest fixed and some
+    shorter; absent entries (and only they) have log-weight -inf; a file with heads stamped below 1.8 is
+    refused by field."""
+    from kvcodec.container import header as hd
+
+    m = _model("llama")
+    ids = _ids(100)
+    red = kvcodec.reduce(model_cache(m, ids), m, budget=25, method="kvzip", tokens=ids, allocation="heads")
+    kv = kvcodec.to_canonical(red)
+    li = next(i for i, st in enumerate(kv.states) if "heads" in st.parts)
+    from kvcodec.tiers.base import build_header
+
+    fixed = kv.states[li].parts["fixed"]
+    for mutate, match in [
+        (lambda p: p.update(heads=p["heads"] + p["heads"]), "one per batch row"),
+        (lambda p: p["heads"][0].append(1), "KV heads"),
+        (lambda p: p["heads"][0].__setitem__(0, fixed + 1), "heads\\[0\\]\\[0\\]"),
+        (lambda p: p["heads"][0].__setitem__(0, True), "heads\\[0\\]\\[0\\]"),
+        (lambda p: p.update(heads=[[fixed] * len(p["heads"][0])]), "some head"),
+        (lambda p: p.update(heads=[[x - 1 if x else 0 for x in p["heads"][0]]]), "longest head"),
+        (lambda p: p.update(heads=[]), "one per batch row"),
+    ]:
+        h = build_header(kv, "lossless", {"id": "float_ctx_rans", "params": {}}, 64, None, None)
+        mutate(h["cache"]["layers"][li]["state"]["parts"])
+        with pytest.raises(kvcodec.FormatError, match=match) as err:
+            hd.parse(hd.dumps(h), offset=16)
+        assert "parts.heads" in err.value.field
+    data = kvcodec.encode(kv)
+    old = bytearray(data)
+    old[10] = 7
+    err = check_rejects(kvcodec.FormatError, fuzz_tools().reseal(bytes(old)), match="1\\.8")
+    assert err.field == "Version_Minor"
+    bad = kvcodec.to_canonical(red)
+    lw = bad.states[li].log_weights.clone()
+    n = kv.states[li].parts["heads"][0]
+    h = n.index(min(n))
+    lw[0, h, min(n)] = 0.0  # an absent entry made visible: the structure no longer says it is absent
+    bad.states[li].log_weights = lw
+    with pytest.raises(ValueError, match="absent"):
+        bad.states[li].check(li, 1)
+    data = kvcodec.encode(kv)  # tamper the decoded weights inside a valid file: refused at decode by field
+    from kvcodec.state import encode_payload
+
+    good = encode_payload(kv.states[li].log_weights)
+    at = data.find(good)
+    assert at > 0 and len(encode_payload(lw)) == len(good)
+    tampered = fuzz_tools().reseal(data[:at] + encode_payload(lw) + data[at + len(good):])
+    err = check_rejects(kvcodec.FormatError, tampered, match="-inf")
+    assert err.field == "State.Data"
 
 
 def test_kvzip_replays_long_caches_in_chunks_within_the_models_positions():

@@ -39,6 +39,12 @@ class Slice:
     num_layers: int = 1
     offset: int = 0  #: byte offset of the payload in the file (decoder error messages)
     minor: int = 99  #: the file's Version_Minor (what its payloads may use); encoders: the latest
+    #: (1.8) the (batch row, KV head) of a slice of a reduced layer whose heads hold different numbers of entries
+    #: (shape ``[1, 1, T, D]``; ``start`` and ``layer_tokens`` then count the head's stored entries), else None
+    row: tuple[int, int] | None = None
+    #: ``(lo, hi, position)``: the slice's entries ``[lo, hi)`` are its layer's from ``position`` on
+    #: (:meth:`kvcodec.container.header.Run.spans`); empty: ``[0, T)`` from ``start``
+    spans: tuple = ()
 
 
 class Codec(ABC):

@@ -810,6 +810,8 @@ class VqRans(Codec):
         n = t.shape[2]
         head, exact = self.exact_split(where)
         weights = None if self.key_weights is None else self.key_weights[where.layer]
+        if weights is not None and where.row is not None:  # (1.8) one head's slice: that head's channel weights
+            weights = weights[where.row[1]:where.row[1] + 1]
         return encode(t.float().cpu().numpy(), p, exact_tokens=exact, dtype=where.dtype,
                       exact_bits=bit_patterns(t[:, :, n - exact:]) if exact else None, head_tokens=head,
                       head_bits=bit_patterns(t[:, :, :head]) if head else None, step=step, part=where.part,

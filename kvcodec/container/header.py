@@ -14,6 +14,7 @@ This module knows the parts every tier shares (``format``, ``tier``,
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -85,6 +86,65 @@ class StateInfo:
         return d
 
 
+#: the format minor version that let the heads of a reduced layer hold different numbers of entries
+#: (``parts.heads``, spec section 14.2)
+HEADS_MINOR = 8
+
+
+@dataclass(frozen=True)
+class Run:
+    """The entries one ``kv`` slice covers (spec section 5, "Slices").  A layer whose heads all hold its
+    ``seq_len`` entries is cut into chunks of every batch row and head at once: ``row`` None, entries
+    ``[start, stop)`` of the layer.  (1.8) A reduced layer with ``parts.heads`` is cut head by head: ``row`` =
+    (batch row, KV head), entries ``[start, stop)`` of that head's stored sequence (its first ``n`` entries, then
+    the layer's entries from ``fixed`` on: the absent places between are not stored)."""
+
+    row: tuple[int, int] | None
+    start: int
+    stop: int
+    total: int  #: entries of the layer (``row`` None) or of the head's stored sequence
+    n: int = 0  #: the head's fixed entries (``row`` set)
+    fixed: int = 0  #: the layer's fixed part (``row`` set)
+
+    def spans(self) -> tuple[tuple[int, int, int], ...]:
+        """``(lo, hi, position)``: the slice's entries ``[lo, hi)`` are the layer's from ``position`` on."""
+        if self.row is None:
+            return ((0, self.stop - self.start, self.start),)
+        out = []
+        if self.start < self.n:
+            out.append((0, min(self.stop, self.n) - self.start, self.start))
+        if self.stop > self.n:
+            lo = max(self.start, self.n)
+            out.append((lo - self.start, self.stop - self.start, lo + self.fixed - self.n))
+        return tuple(out)
+
+
+def layer_runs(seq: int, chunk_tokens: int, heads=None, fixed: int = 0) -> tuple[Run, ...]:
+    """Every slice of a layer of ``seq`` entries, in canonical order (spec section 5): chunks of ``chunk_tokens``
+    entries; with ``heads`` (1.8: per batch row, per KV head, the fixed entries the head holds, of the layer's
+    ``fixed``) each head's stored sequence chunked in turn, rows and heads in order, heads storing nothing
+    skipped."""
+    if heads is None:
+        return _layer_runs(seq, chunk_tokens)
+    return _head_runs(tuple(tuple(r) for r in heads), seq, chunk_tokens, fixed)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_runs(seq: int, chunk_tokens: int) -> tuple[Run, ...]:
+    return tuple(Run(None, a, min(seq, a + chunk_tokens), seq) for a in range(0, seq, chunk_tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _head_runs(heads: tuple, seq: int, chunk_tokens: int, fixed: int) -> tuple[Run, ...]:
+    out = []
+    for b, row in enumerate(heads):
+        for h, n in enumerate(row):
+            total = n + seq - fixed
+            out += [Run((b, h), a, min(total, a + chunk_tokens), total, n, fixed)
+                    for a in range(0, total, chunk_tokens)]
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     kv_heads: int
@@ -99,12 +159,40 @@ class LayerInfo:
         """Head dimension of the keys (``part`` 0) or the values (1)."""
         return self.k_dim if part == L.PART_KEYS else self.v_dim
 
+    @property
+    def heads(self):
+        """(1.8) per batch row, per KV head, the fixed entries each head of a reduced layer holds (a list of
+        lists), or None: every head holds ``seq_len``."""
+        parts = None if self.state is None else self.state.parts
+        return None if parts is None else parts.get("heads")
+
+    def runs(self, chunk_tokens: int) -> tuple[Run, ...]:
+        """The layer's slices (:func:`layer_runs`), chunk index by chunk index."""
+        if self.heads is None:
+            return layer_runs(self.seq_len, chunk_tokens)
+        return layer_runs(self.seq_len, chunk_tokens, self.heads, self.state.parts["fixed"])
+
     def chunks(self, chunk_tokens: int) -> int:
-        return -(-self.seq_len // chunk_tokens)
+        if self.heads is None:
+            return -(-self.seq_len // chunk_tokens)
+        tail = self.seq_len - self.state.parts["fixed"]  # counted without making the runs (a hostile header)
+        return sum(-(-(n + tail) // chunk_tokens) for row in self.heads for n in row)
 
     def chunk_range(self, chunk: int, chunk_tokens: int) -> tuple[int, int]:
+        """Entries ``[a, b)`` of chunk ``chunk``: of the layer, or (1.8, ``heads``) of its head's stored
+        sequence (:meth:`runs` says which head)."""
+        if self.heads is not None:
+            r = self.runs(chunk_tokens)[chunk]
+            return r.start, r.stop
         a = chunk * chunk_tokens
         return a, min(self.seq_len, a + chunk_tokens)
+
+    def slice_shape(self, chunk: int, chunk_tokens: int, batch: int, part: int) -> tuple[int, int, int, int]:
+        """The tensor shape of a slice: ``[B, H, T, D]``, or ``[1, 1, T, D]`` for one head (``heads``)."""
+        a, b = self.chunk_range(chunk, chunk_tokens)
+        if self.heads is not None:
+            return (1, 1, b - a, self.dim(part))
+        return (batch, self.kv_heads, b - a, self.dim(part))
 
 
 @dataclass(frozen=True)
@@ -165,6 +253,8 @@ class Header:
         if self.predict is not None:
             return PREDICT_MINOR
         if self.reduce is not None:
+            if any(lay.heads is not None for lay in self.layers):
+                return max(HEADS_MINOR, reduce_minor(self.reduce))
             return reduce_minor(self.reduce)
         return STATE_MINOR if self.has_state else 0
 
@@ -486,9 +576,20 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         return StateInfo(kind, slots, tuple(out))
     if slots != 1 or not out or out[0].name != "log_weights":
         v.fail(p, "a layer of kind 'reduced' has one slot holding its log_weights (and optionally its anchor)")
-    parts = v.obj(st["parts"], f"{p}.parts", {"fixed", "sinks", "levels", "buffer"})
+    parts = v.obj(st["parts"], f"{p}.parts", {"fixed", "sinks", "levels", "buffer"}, {"heads"})
     got = {key: v.int(parts, key, f"{p}.parts", 0, lim["max_seq_len"], LimitExceeded)
            for key in ("fixed", "sinks", "buffer")}
+    if "heads" in parts:  # (1.8) the fixed entries each head holds; their count per row checked in _check_reduced
+        rows = parts["heads"]
+        if not isinstance(rows, list) or len(rows) != batch:
+            v.fail(f"{p}.parts.heads", f"must be a list of {batch} lists (one per batch row)")
+        for b, row in enumerate(rows):
+            if not isinstance(row, list) or not row or len(row) > lim["max_heads"]:
+                v.fail(f"{p}.parts.heads[{b}]", "must be a list of one integer per KV head")
+            for h, x in enumerate(row):
+                if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= got["fixed"]:
+                    v.fail(f"{p}.parts.heads[{b}][{h}]", f"must be an integer in [0, fixed = {got['fixed']}]")
+        got["heads"] = [list(row) for row in rows]
     levels = parts["levels"]
     if not isinstance(levels, list) or len(levels) > MAX_LEVELS:
         v.fail(f"{p}.parts.levels", f"must be a list of at most {MAX_LEVELS} entries")
@@ -546,6 +647,13 @@ def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, 
         if a.dtype != "float32" or a.shape[1:] != (heads, kd):
             v.fail(f"{p}.state.tensors[1]", f"the anchor is float32 [batch, {heads}, {kd}]")
     pr = state.parts
+    if "heads" in pr:
+        if any(len(row) != heads for row in pr["heads"]):
+            v.fail(f"{p}.state.parts.heads", f"each batch row lists its {heads} KV heads")
+        top = max(max(row) for row in pr["heads"])
+        if top != pr["fixed"] or all(x == top for row in pr["heads"] for x in row):
+            v.fail(f"{p}.state.parts.heads", f"the longest head holds fixed = {pr['fixed']} entries and some head "
+                                             f"fewer (longest: {top})")
     if pr["levels"] and pr["levels"][-1] is None:
         v.fail(f"{p}.state.parts.levels", "the last level is not null")
     held = pr["fixed"] + pr["sinks"] + pr["buffer"] + sum(x or 0 for x in pr["levels"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
+from .header import HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
 
 
 class KvzWriter:
@@ -47,6 +47,8 @@ class KvzWriter:
             minor = max(minor, STATE_MINOR)
         if "reduce" in header:
             minor = max(minor, reduce_minor(header["reduce"]))
+            if any("heads" in lay.get("state", {}).get("parts", {}) for lay in header["cache"]["layers"]):
+                minor = max(minor, HEADS_MINOR)  # (1.8) heads of a reduced layer holding different numbers
         if "predict" in header:
             minor = max(minor, PREDICT_MINOR)
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))

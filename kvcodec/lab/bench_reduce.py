@@ -199,6 +199,9 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                         red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
                         t_red = time.perf_counter() - t1 + (t_replay if _base(m) == "kvzip" else 0.0)
                         got = red.entries() if hasattr(red, "entries") else n
+                        held = got
+                        if hasattr(red, "counted"):  # heads that keep fewer than their layer holds: padding
+                            got = round(red.counted(), 1)
                     for it in items:
                         q = _ids(tok, f"Question: {it['question']}\nAnswer:{it.get('lead', '')}")
                         a = _ids(tok, " " + it["answer"])
@@ -208,16 +211,20 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                                                    question=_ids(tok, f"Question: {it['question']}\n"))
                             t_red = time.perf_counter() - t1
                             got = red.entries() if hasattr(red, "entries") else n
+                            held = got
+                            if hasattr(red, "counted"):  # heads that keep fewer than their layer holds: padding
+                                got = round(red.counted(), 1)
                         lp, em = _answer_scores(model, copy.deepcopy(red), q, a)
                         rows.append({"file": doc["file"], "kind": it["kind"], "depth": it["depth"], "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k,
-                                     "entries": got, "answer_bits": lp, "exact": em, "kvz_bytes": nbytes,
-                                     "reduce_s": round(t_red, 3), "prefill_s": round(t_prefill, 3)})
+                                     "entries": got, "held": held, "answer_bits": lp, "exact": em,
+                                     "kvz_bytes": nbytes, "reduce_s": round(t_red, 3),
+                                     "prefill_s": round(t_prefill, 3)})
                     if cont is not None and not asks:  # a continuation has no question to know
                         kl = _continuation_kl(model, copy.deepcopy(red), cont, ref_logp)
                         rows.append({"file": doc["file"], "kind": "continuation", "depth": 1.0, "tokens": n,
                                      "method": m, "keep": 1.0 if m == "full" else keep, "k": k, "entries": got,
-                                     "kl_bits": kl, "reduce_s": round(t_red, 3)})
+                                     "held": held, "kl_bits": kl, "reduce_s": round(t_red, 3)})
                 progress(f"{doc['file']} n={n} keep={keep} done ({len(items)} questions)")
     return rows
 
@@ -298,6 +305,8 @@ def summarise(rows, keeps, methods):
             kls = [r["kl_bits"] for r in sel if r["kind"] == "continuation"]
             out.append({"keep": keep, "method": m, "items": len(pairs),
                         "entries_mean": float(np.mean([r["entries"] for r, _ in pairs])),
+                        # entries held per KV head (absent places of heads keeping fewer than their layer included)
+                        "held_mean": float(np.mean([r.get("held", r["entries"]) for r, _ in pairs])),
                         "delta_bits_mean": float(np.mean(d)), "delta_bits_ci95": _boot_ci(d),
                         "sign_test_p": _sign_test(d),
                         "nll_ratio": tot_r / tot_f if tot_f else float("nan"),
@@ -378,7 +387,9 @@ def to_markdown(res) -> str:
     lines = ["# Reduce tier (`kvz bench --reduce`)", "",
              f"Model {res['model']}; {res['documents']} documents of {res['context']} tokens "
              f"({', '.join(res['files'])}); {res['questions']} questions (needle + cloze) per method and budget; "
-             "every method keeps the same entries per KV head (kvzip: on average over the layers); seed "
+             "every method keeps the same entries per KV head (kvzip: on average over the layers; with allocation "
+             "heads or layer-heads over the heads too, each layer holding its longest head's, the others' extra "
+             "places masked: \"holds\"); seed "
              f"{res['seed']}. Answer NLL ratio = total answer NLL under the method / under the full cache "
              "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
              "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
@@ -393,7 +404,9 @@ def to_markdown(res) -> str:
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
         lo, hi = s["delta_bits_ci95"]
-        lines.append(f"| {s['keep']:g} | {s['method']} | {s['entries_mean']:.0f} | {s['nll_ratio']:.3f} | "
+        held = s.get("held_mean", s["entries_mean"])  # heads keeping fewer than their layer: the layer holds more
+        ent = f"{s['entries_mean']:.0f}" + (f" (holds {held:.0f})" if held - s["entries_mean"] >= 0.5 else "")
+        lines.append(f"| {s['keep']:g} | {s['method']} | {ent} | {s['nll_ratio']:.3f} | "
                      f"{s['delta_bits_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {s['sign_test_p']:.3f} | "
                      f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | "
                      f"{'-' if s['kl_bits_mean'] is None else format(s['kl_bits_mean'], '.4f')} | "

@@ -40,7 +40,8 @@ from .cache import FORMS, Plan, ReducedCache, ReducedLayer, ingest
 from .reducers import REDUCERS
 from .scan import prefill
 
-__all__ = ["reduce", "prefill", "plan_for", "entries_for", "layer_budgets", "rank_budgets", "ALLOCATIONS",
+__all__ = ["reduce", "prefill", "plan_for", "entries_for", "layer_budgets", "rank_budgets", "head_budgets",
+           "ALLOCATIONS",
            "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable", "replay_observation", "REPEAT_PROMPT"]
 
 MERGE_REDUCE = tuple(REDUCERS)
@@ -214,7 +215,7 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
     return out
 
 
-ALLOCATIONS = ("uniform", "layers", "ranks")
+ALLOCATIONS = ("uniform", "layers", "ranks", "heads", "layer-heads")
 
 
 def _budget_frame(scores: dict, entries: int, sinks: int):
@@ -280,6 +281,53 @@ def layer_budgets(scores: dict, entries: int, sinks: int) -> dict:
     for i in sorted(range(len(order)), key=lambda i: base[i] - share[i])[: max(rest, 0)]:
         base[i] += 1
     return {li: s + base[i] for i, li in enumerate(order)}
+
+
+def head_budgets(scores: dict, entries: int, sinks: int, within: dict | None = None) -> dict:
+    """KVzip's own uneven budget, per KV head: ``layer -> [b, h]`` entries of each head (LongTensor) for the layers
+    of ``scores`` (``layer -> [b, h, n]`` replay scores).  The first ``min(sinks, entries)`` tokens of every head
+    are kept; with ``within`` None every other score of every layer and head competes in one ranking per batch
+    row, whose top ``layers x heads x (entries - sinks)`` places are kept (ties by layer order, then head, then
+    token); with ``within`` (``layer -> entries per head``, such as :func:`rank_budgets` gives) each layer's
+    ``heads x (within[layer] - sinks)`` places are ranked among its own heads only (a layer keeps its total, its
+    heads share it unevenly).  A head's count includes its sinks."""
+    order, n, s, done = _budget_frame(scores, entries, sinks)
+    if done is not None:
+        return {li: torch.full(scores[li].shape[:2], n, dtype=torch.long) for li in order}
+    out = {}
+    if within is None:
+        groups = [(order, entries - s)]
+    else:
+        groups = [([li], within[li] - s) for li in order]
+    for lis, per_head in groups:
+        flat = torch.cat([scores[li][..., s:].double().flatten(1) for li in lis], 1)  # [b, sum(h) * (n - s)]
+        b = flat.shape[0]
+        heads = sum(int(scores[li].shape[1]) for li in lis)
+        take = min(heads * per_head, flat.shape[1])
+        top = flat.sort(dim=1, descending=True, stable=True).indices[:, :take]
+        won = torch.zeros(b, heads, dtype=torch.long)
+        won.scatter_add_(1, top // (n - s), torch.ones_like(top))
+        at = 0
+        for li in lis:
+            h = int(scores[li].shape[1])
+            out[li] = s + won[:, at:at + h]
+            at += h
+    return out
+
+
+def _select_heads(scores, count, sinks: int):
+    """Indices ``[b, h, S]`` (``S = count.max()``) and a mask ``[b, h, S]`` of the entries present: each head's
+    first ``count`` entries are its first ``sinks`` tokens and its best scored others, in token order; the rest
+    of its ``S`` places are absent (index 0, to be zeroed and given log-weight -inf: spec/kvz.md section 14.2,
+    ``heads``)."""
+    b, h, n = scores.shape
+    width = int(count.max())
+    score = scores.clone()
+    score[..., : min(sinks, width)] = float("inf")
+    rank = score.sort(dim=-1, descending=True, stable=True).indices[..., :width]  # best first
+    present = torch.arange(width)[None, None, :] < count[..., None]
+    idx = torch.where(present, rank, n).sort(-1).values  # the kept tokens in order, then n for the absent places
+    return idx.masked_fill(~present, 0), present
 
 
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
@@ -360,9 +408,12 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     ``"layers"`` (``kvzip`` only) - spread by each layer's mean share of the top single scores of every layer
     and head (:func:`layer_budgets`, which favours a layer with one sharp head).  Measured on SmolLM2
     (BENCHMARKS.md, "Reduce tier"): both far ahead of uniform; ranks ahead of layers on average at every budget
-    measured (its interval excluding 0 at some of them) and in the needles retrieved.
-    KVzip's own default goes further and spends the budget unevenly across the heads of a layer too, which a
-    layer's one key tensor can only do by holding entries and masking them."""
+    measured (its interval excluding 0 at some of them) and in the needles retrieved.  ``"heads"`` (``kvzip``
+    only; KVzip's own rule) spends the budget unevenly across the heads of a layer too: one ranking of every
+    head's scores over all layers (:func:`head_budgets`); ``"layer-heads"`` gives each layer its ``ranks``
+    total and ranks its heads among themselves.  A layer then holds its longest head's count; each other head's
+    extra places are absent (zero, log-weight -inf: never attended to), and a ``.kvz`` file (format 1.8) stores
+    only the kept entries, so the file pays for the budget while the decoded tensors hold the longest head's."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -387,7 +438,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         raise ValueError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
     if allocation != "uniform" and method != "kvzip":
         raise ValueError(f"allocation {allocation!r} ranks kvzip's replay scores across layers; method {method!r} "
-                         "keeps the same number of entries in every layer")
+                         "keeps the same number of entries in every layer and head")
     if prompt is not None and method != "kvzip":
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
     if method == "kvzip":
@@ -417,10 +468,14 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     # the one-shot baselines keep tokens with no masses to weigh: their plan says "dot" (counts)
     plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed, window=w,
                 form=form if method in MERGE_REDUCE else "dot")
-    per_layer = {}
+    per_layer, per_head = {}, {}
     if allocation in ("layers", "ranks"):
         per_layer = (layer_budgets if allocation == "layers" else rank_budgets)(
             {i: obs.peak[i] for i in full}, entries, sinks)
+    elif allocation in ("heads", "layer-heads"):
+        peaks = {i: obs.peak[i] for i in full}
+        per_head = head_budgets(peaks, entries, sinks,
+                                rank_budgets(peaks, entries, sinks) if allocation == "layer-heads" else None)
     layers, pending = [], {}
     for i, layer in enumerate(cache.layers):
         if i not in full:
@@ -437,10 +492,17 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                                           "received": obs.received.get(i), "seen": obs.seen.get(i),
                                           "peak": obs.peak.get(i), "last": obs.last.get(i),
                                           "after": question is not None}
-            idx = _select(method, keys, o, per_layer.get(i, entries), sinks)
+            beta, present = None, None
+            if i in per_head:
+                idx, present = _select_heads(obs.peak[i], per_head[i], sinks)
+            else:
+                idx = _select(method, keys, o, per_layer.get(i, entries), sinks)
             gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
             gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
-            red.set_fixed(gk, gv, n)
+            if present is not None and not present.all():  # heads holding fewer than the layer: absent places
+                gk, gv = gk.masked_fill(~present[..., None], 0), gv.masked_fill(~present[..., None], 0)
+                beta = torch.zeros(present.shape).masked_fill(~present, float("-inf"))
+            red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
         anchors = [g[3] for g in group] if form == "query" else None

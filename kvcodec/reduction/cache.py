@@ -130,7 +130,15 @@ class ReducedLayer(DynamicLayer):
         self.keys, self.values, self.beta = self.assemble()
 
     def entries(self) -> int:
+        """Entries held per KV head (the length of the layer's key tensor)."""
         return 0 if self.keys is None or self.keys.dim() < 3 else int(self.keys.shape[2])
+
+    def counted(self) -> float:
+        """Entries per KV head that attention can see, on average over the heads and batch rows: the held ones
+        less those of log-weight -inf (padding of a head that keeps fewer than its layer holds)."""
+        if self.beta is None or self.beta.numel() == 0:
+            return float(self.entries())
+        return float(torch.isfinite(self.beta).sum()) / (self.beta.shape[0] * self.beta.shape[1])
 
     # --- transformers' layer interface ------------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -237,12 +245,31 @@ class ReducedLayer(DynamicLayer):
                  "sinks": int(self.sinks[0].shape[2]), "levels": levels, "buffer": int(self.buffer[0].shape[2])}
         b, h, n = self.keys.shape[:3]
         beta = self.beta if self.beta is not None else torch.zeros(b, h, n)
+        heads = self._heads()
+        if heads is not None:
+            parts["heads"] = heads
         anchor = None
         if self.plan.form == "query":  # the zero query where none was observed (what anchor_for uses)
             anchor = self.anchor if self.anchor is not None else torch.zeros(b, h, self.keys.shape[3])
         return LayerState("reduced", 1, [None], [None], log_weights=beta.float().contiguous(),
                           anchor=None if anchor is None else anchor.float().contiguous(), parts=parts,
                           scaling=float(self.scaling))
+
+    def _heads(self):
+        """(format 1.8) per batch row and KV head, the fixed entries each head holds, when the heads hold different
+        numbers: each head's absent places (log-weight -inf) are the last of the fixed part, and the longest head
+        fills it; else None (every entry is stored, whatever its log-weight)."""
+        if self.fixed is None or self.fixed[2] is None or self.fixed[2].shape[2] == 0:
+            return None
+        beta = self.fixed[2]
+        gone = torch.isneginf(beta)
+        if not gone.any():
+            return None
+        n = (~gone).sum(-1)
+        if not torch.equal(gone, torch.arange(beta.shape[2])[None, None, :] >= n[..., None]) \
+                or int(n.max()) != beta.shape[2]:
+            return None
+        return n.tolist()
 
     @classmethod
     def from_state(cls, plan: Plan, layer_idx: int, keys, values, tokens: int, state: LayerState) -> "ReducedLayer":
@@ -375,10 +402,17 @@ class ReducedCache(DynamicCache):
         return [layer for layer in self.layers if isinstance(layer, ReducedLayer)]
 
     def entries(self) -> int:
-        """Entries (atoms + raw tokens) per KV head of a reduced layer: their mean over the reduced layers,
-        rounded (every layer holds as many unless the budget was spread over the layers)."""
+        """Entries (atoms + raw tokens) per KV head held by a reduced layer: their mean over the reduced layers,
+        rounded (every layer holds as many unless the budget was spread over the layers; where the heads of a
+        layer keep different numbers, the layer holds its longest head's, :meth:`counted` the entries kept)."""
         red = self.reduced_layers()
         return round(sum(la.entries() for la in red) / len(red)) if red else 0
+
+    def counted(self) -> float:
+        """Entries per KV head that attention sees (:meth:`ReducedLayer.counted`), on average over the reduced
+        layers; less than :meth:`entries` where a layer's heads keep different numbers (``allocation="heads"``)."""
+        red = self.reduced_layers()
+        return sum(la.counted() for la in red) / len(red) if red else 0.0
 
     def kvcodec_reduce(self) -> dict:
         """The header's ``reduce`` object (spec/kvz.md section 14): how the cache was reduced and how it keeps
@@ -407,7 +441,9 @@ class ReducedCache(DynamicCache):
         red = self.reduced_layers()
         d = red[0].describe() if red else {}
         if red:  # entries per KV head: the mean over the layers (they differ where the budget was spread)
-            d["entries"] = self.entries()
+            d["entries"] = round(self.counted())
+            if self.counted() != sum(la.entries() for la in red) / len(red):  # heads of a layer differ: held
+                d["held"] = self.entries()
         return {"k": self.plan.k, "block": self.plan.block, "sinks": self.plan.sinks, "method": self.plan.method,
                 "seed": self.plan.seed, **d,
-                "keep": (sum(la.entries() for la in red) / (len(red) * d["tokens"])) if d.get("tokens") else None}
+                "keep": (sum(la.counted() for la in red) / (len(red) * d["tokens"])) if d.get("tokens") else None}

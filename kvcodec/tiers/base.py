@@ -182,6 +182,7 @@ def read_states(f, layers) -> dict:
             st.set(t.name, t.slot, decode_payload(r.read_payload(e), t.dtype, t.shape, e.payload_offset))
             if t.name == "log_weights":
                 _raw_weights_zero(st.log_weights, info.parts, e.payload_offset)
+                _absent_weights(st.log_weights, info.parts, e.payload_offset)
         out[li] = st
     return out
 
@@ -196,21 +197,75 @@ def _raw_weights_zero(beta, parts, offset: int) -> None:
                           field="State.Data", offset=offset)
 
 
+def _absent_weights(beta, parts, offset: int) -> None:
+    """spec section 14.2 (1.8): with ``heads``, a fixed entry's log-weight is -inf if and only if it is absent."""
+    heads = parts.get("heads")
+    if heads is None:
+        return
+    n = torch.tensor(heads, dtype=torch.long)
+    absent = torch.arange(parts["fixed"])[None, None, :] >= n[..., None]
+    if not torch.equal(torch.isneginf(beta[..., :parts["fixed"]]), absent):
+        raise FormatError("a reduced layer's fixed entries have log-weight -inf where its heads hold them, or not "
+                          "where they do not (parts.heads)", field="State.Data", offset=offset)
+
+
+def take_slice(t, where: Slice):
+    """The entries of layer tensor ``t`` (``[B, H, S, D]``, torch or NumPy) that ``where`` covers."""
+    if where.row is None:
+        return t[:, :, where.start:where.start + where.shape[2]]
+    b, h = where.row
+    got = [t[b:b + 1, h:h + 1, p:p + hi - lo] for lo, hi, p in where.spans]
+    if len(got) == 1:
+        return got[0]
+    return torch.cat(got, 2) if isinstance(t, torch.Tensor) else np.concatenate(got, 2)
+
+
+def put_slice(out, arr, where: Slice) -> None:
+    """Write a slice's entries ``arr`` into its place in layer tensor ``out`` (the inverse of :func:`take_slice`)."""
+    if where.row is None:
+        out[:, :, where.start:where.start + where.shape[2]] = arr
+        return
+    b, h = where.row
+    for lo, hi, p in where.spans:
+        out[b:b + 1, h:h + 1, p:p + hi - lo] = arr[:, :, lo:hi]
+
+
 def tensor_slice(kv: KVCache, li: int, part: int, where: Slice) -> torch.Tensor:
     """The tokens of ``kv`` that ``where`` (layer ``li``, keys or values ``part``) covers."""
-    t = (kv.keys if part == L.PART_KEYS else kv.values)[li]
-    return t[:, :, where.start:where.start + where.shape[2]]
+    return take_slice((kv.keys if part == L.PART_KEYS else kv.values)[li], where)
+
+
+def slice_of(run, shape, dtype: str, layer: int, part: int, num_layers: int, offset: int = 0,
+             minor: int = 99) -> Slice:
+    """The :class:`Slice` of one :class:`~kvcodec.container.header.Run` of a layer whose tensors are ``shape``
+    ``[B, H, S, D]``."""
+    b, h, _, d = shape
+    if run.row is None:
+        return Slice((b, h, run.stop - run.start, d), dtype, layer, part, run.start, run.total, num_layers, offset,
+                     minor)
+    return Slice((1, 1, run.stop - run.start, d), dtype, layer, part, run.start, run.total, num_layers, offset,
+                 minor, run.row, run.spans())
+
+
+def kv_runs(kv: KVCache, li: int, chunk_tokens: int):
+    """The slices of layer ``li`` of ``kv`` (:func:`kvcodec.container.header.layer_runs`)."""
+    from ..container.header import layer_runs
+
+    st = kv.states[li] if kv.states else None
+    parts = None if st is None else st.parts
+    seq = int(kv.keys[li].shape[2])
+    if parts is None or parts.get("heads") is None:
+        return layer_runs(seq, chunk_tokens)
+    return layer_runs(seq, chunk_tokens, parts["heads"], parts["fixed"])
 
 
 def slice_jobs(kv: KVCache, chunk_tokens: int) -> list[tuple[int, int, int, Slice]]:
     """``(layer, part, chunk, Slice)`` of every kv / residual section, in canonical order."""
     out = []
     for li, (k, v) in enumerate(zip(kv.keys, kv.values)):
-        for c in range(-(-k.shape[2] // chunk_tokens)):
-            a, b = c * chunk_tokens, min(k.shape[2], (c + 1) * chunk_tokens)
+        for c, run in enumerate(kv_runs(kv, li, chunk_tokens)):
             for part, t in ((L.PART_KEYS, k), (L.PART_VALUES, v)):
-                out.append((li, part, c, Slice((t.shape[0], t.shape[1], b - a, t.shape[3]), kv.dtype_name, li, part,
-                                               a, int(t.shape[2]), kv.num_layers)))
+                out.append((li, part, c, slice_of(run, tuple(t.shape), kv.dtype_name, li, part, kv.num_layers)))
     return out
 
 
@@ -374,8 +429,9 @@ class _DirectDecoder:
         outs, jobs = {}, []
         for li in layers:
             lay = h.layers[li]
-            for p in (L.PART_KEYS, L.PART_VALUES):
-                outs[li, p] = np.empty((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dt.uint)
+            for p in (L.PART_KEYS, L.PART_VALUES):  # (1.8) the absent entries of heads holding fewer: zero
+                alloc = np.empty if lay.heads is None else np.zeros
+                outs[li, p] = alloc((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dt.uint)
             for c in range(lay.chunks(h.chunk_tokens)):
                 jobs += [(li, L.PART_KEYS, c), (li, L.PART_VALUES, c)]
 
@@ -390,18 +446,16 @@ class _DirectDecoder:
             items = []
             for (li, p, c), (payload, offset) in zip(batch, prepared):
                 lay = h.layers[li]
-                a, b = lay.chunk_range(c, h.chunk_tokens)
-                where = Slice((h.batch, lay.kv_heads, b - a, lay.dim(p)), h.dtype, li, p, a, lay.seq_len,
-                              len(h.layers), offset, f.reader.version[1])
-                whole = lay.chunks(h.chunk_tokens) == 1  # decode straight into the output, no copy
+                where = slice_of(lay.runs(h.chunk_tokens)[c], (h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)),
+                                 h.dtype, li, p, len(h.layers), offset, f.reader.version[1])
+                whole = where.row is None and lay.chunks(h.chunk_tokens) == 1  # straight into the output
                 items.append((payload, where, outs[li, p] if whole else None))
-            return self.codec.decode_many(items)
+            return [(w, a) for w, a in zip([it[1] for it in items], self.codec.decode_many(items))]
 
         def put(batch, arrs):
-            for (li, p, c), arr in zip(batch, arrs):
+            for (li, p, c), (where, arr) in zip(batch, arrs):
                 if arr is not outs[li, p]:
-                    a, b = h.layers[li].chunk_range(c, h.chunk_tokens)
-                    outs[li, p][:, :, a:b] = arr
+                    put_slice(outs[li, p], arr, where)
             if progress:  # counts sections
                 progress(len(batch))
 

@@ -181,9 +181,8 @@ class LossyTier(DirectTier):
         if entry.section_type != L.SECTION_KV:
             return {}
         lay = h.layers[entry.layer]
-        a, b = lay.chunk_range(entry.chunk, h.chunk_tokens)
         return {"coding": describe(reader.read_payload_prefix(entry, 64),
-                                   (h.batch, lay.kv_heads, b - a, lay.dim(entry.part)), 8 * h.itemsize)}
+                                   lay.slice_shape(entry.chunk, h.chunk_tokens, h.batch, entry.part), 8 * h.itemsize)}
 
 
 def step_for_kl(kv: KVCache, model, max_kl: float, codec: VqRans, calib_tokens: int = 32) -> tuple[float, float]:

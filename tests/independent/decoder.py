@@ -37,7 +37,7 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 7
+IMPL_MINOR = 8  # (1.8) reduced layers whose parts has heads (§3, §5, §14.2)
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -276,7 +276,8 @@ def validate_header(h, minor):
         if "state" in L:
             if minor < 3:
                 raise FormatError(f"{w}.state in a file stamped 1.{minor} (needs 1.3)")
-            state = validate_state(L["state"], B, S, sw, f"{w}.state", H=H, Dk=Dk, reduce=reduce, cl=cl)
+            state = validate_state(L["state"], B, S, sw, f"{w}.state", H=H, Dk=Dk, reduce=reduce, cl=cl,
+                                   minor=minor)
             if state["kind"] == "linear" and not (H == 1 and Dk == 1 and Dv == 1 and S == 0 and cl == 0
                                                   and sw is None):
                 raise FormatError(f"{w}: a linear layer needs kv_heads/k_dim/v_dim 1, seq_len 0, "
@@ -296,8 +297,8 @@ def validate_header(h, minor):
     nsec = 0
     maxS = 0
     for rep, L in runs:
-        out += rep * B * L["H"] * L["S"] * (L["Dk"] + L["Dv"]) * isz
-        nsec += rep * 2 * (-(-L["S"] // C))
+        out += rep * B * L["H"] * L["S"] * (L["Dk"] + L["Dv"]) * isz  # (1.8) heads: still [B, H, S, D]
+        nsec += rep * 2 * layer_chunk_count(L, B, C)
         if L["state"] is not None:
             for t in L["state"]["tensors"]:
                 out += rep * t["nbytes"]
@@ -597,11 +598,12 @@ def validate_reduce(r):
                 seed=_int(r, "seed", 0, (1 << 63) - 1, w))
 
 
-def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w):
+def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w, minor=None):
     """The kind-specific rules of a layer of state kind `reduced` (1.4, §14.2) [FormatError; LimitExceeded for
     a parts count above 2^31, §9] of a layer with kv_heads H, seq_len S, k_dim Dk, sliding_window sw and
-    cumulative_length cl; the generic tensor rules of §4.2 have already been applied to `tensors`.
-    Returns the parsed parts and scaling (as a float)."""
+    cumulative_length cl, in a file stamped 1.`minor`; the generic tensor rules of §4.2 have already been
+    applied to `tensors`. Returns the parsed parts (heads: the B x H lists of (1.8) parts.heads, or None) and
+    scaling (as a float)."""
     if reduce is None:
         raise FormatError(f"{w}: a layer of kind reduced without a header reduce object (§14.1)")
     if sw is not None:
@@ -629,7 +631,11 @@ def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w):
     # parts
     p = st["parts"]
     wp = f"{w}.parts"
-    _keys(p, ["fixed", "sinks", "levels", "buffer"], (), wp)
+    _keys(p, ["fixed", "sinks", "levels", "buffer"], ["heads"], wp)  # (1.8) heads optional, §14.2
+    # (1.8, §3) a reduced layer whose parts has heads is stamped 8; below 8 the file is invalid (FormatError),
+    # checked before the value itself (the key did not exist before 1.8)
+    if "heads" in p and minor is not None and minor < 8:
+        raise FormatError(f"{wp}.heads in a file stamped 1.{minor} (needs 1.8)")
     # the parts counts: 2^31 is a limit (§9): LimitExceeded above, FormatError below; `levels` at most 64
     # items (fixed: FormatError), each null or 1 .. 2^31 (a count too: LimitExceeded above), the last not null
     fixed = _int(p, "fixed", 0, where=wp, limit=1 << 31)
@@ -646,6 +652,7 @@ def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w):
                 raise LimitExceeded(f"{wp}.levels[{i}]={x} above limit 2^31")
     if lv and lv[-1] is None:
         raise FormatError(f"{wp}.levels: the last item is null")
+    heads = validate_heads(p["heads"], B, H, fixed, wp) if "heads" in p else None
     if fixed + sinks + sum(x for x in lv if x is not None) + buf != S:
         raise FormatError(f"{wp}: fixed + sinks + levels + buffer != seq_len {S}")
     if sinks > reduce["sinks"]:
@@ -675,10 +682,42 @@ def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w):
     sc = float(sc)  # an integer literal (<= 40 characters, §4) is finite as binary64
     if not sc > 0:
         raise FormatError(f"{w}.scaling={sc!r}: its binary64 value must be > 0")
-    return dict(fixed=fixed, sinks=sinks, levels=list(lv), buffer=buf), sc
+    return dict(fixed=fixed, sinks=sinks, levels=list(lv), buffer=buf, heads=heads), sc
 
 
-def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None):
+def validate_heads(hd, B, H, fixed, wp):
+    """(1.8, §14.2) parts.heads: a list of B lists (one per batch row) of H integers (one per KV head), each n
+    in 0 .. fixed (the fixed entries the head holds); the largest equals fixed and at least one is smaller
+    [FormatError]. "The largest" / "at least one" are taken over the whole layer (every row and head).
+    Returns the lists."""
+    w = f"{wp}.heads"
+    if not isinstance(hd, list) or len(hd) != B:
+        raise FormatError(f"{w}: a list of {B} lists, one per batch row")
+    for b, row in enumerate(hd):
+        if not isinstance(row, list) or len(row) != H:
+            raise FormatError(f"{w}[{b}]: a list of {H} integers, one per KV head (kv_heads)")
+        for h, n in enumerate(row):
+            if not _is_int(n) or not 0 <= n <= fixed:
+                raise FormatError(f"{w}[{b}][{h}]={n!r}: an integer in 0 .. fixed ({fixed})")
+    flat = [n for row in hd for n in row]
+    if max(flat) != fixed:
+        raise FormatError(f"{w}: the longest head holds {max(flat)} entries, not fixed ({fixed})")
+    if min(flat) == fixed:
+        raise FormatError(f"{w}: every head holds fixed ({fixed}) entries; some head must hold fewer "
+                          "(a layer whose heads all hold fixed entries has no heads)")
+    return [list(row) for row in hd]
+
+
+def head_entries(parts, b, h, t0, t1):
+    """(1.8, §5 "Slices") the entries that the stored entries t0 .. t1 - 1 of head (b, h) of a layer with
+    parts.heads stand for: a head stores its entries 0 .. n - 1, then F .. S - 1 (n = heads[b][h], F = fixed);
+    its entries n .. F - 1 are absent. Stored entry t is entry t if t < n, else t - n + F."""
+    n, F = parts["heads"][b][h], parts["fixed"]
+    t = np.arange(t0, t1, dtype=np.int64)
+    return np.where(t < n, t, t - n + F)
+
+
+def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None, minor=None):
     """layers[i].state (§4.2) of a layer with seq_len S and sliding_window sw (kind `reduced`, 1.4: also
     kv_heads H, k_dim Dk and the header's validated reduce object or None).
     Returns dict(kind, slots, tensors=[dict(name, slot, dtype, shape, W, nbytes)]) (+ parts, scaling)."""
@@ -749,7 +788,8 @@ def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None):
                           f"not {len(tensors)}")
     out = dict(kind=kind, slots=slots, tensors=tensors)
     if kind == "reduced":
-        out["parts"], out["scaling"] = validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w)
+        out["parts"], out["scaling"] = validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w,
+                                                              minor)
     return out
 
 
@@ -929,15 +969,52 @@ def parse_container(buf):
     return info, secs
 
 
+def _heads_parts(L):
+    """(1.8) the parts of a reduced layer whose parts has heads, else None."""
+    st = L["state"]
+    if st is not None and st["kind"] == "reduced" and st["parts"]["heads"] is not None:
+        return st["parts"]
+    return None
+
+
+def layer_chunk_count(L, B, C):
+    """The number of chunks of a layer (§5 "Slices"): ceil(S / C), or (1.8) for a layer cut head by head the
+    sum over its heads of ceil(m / C), m = n + S - F the head's stored entries. Counted, never listed."""
+    pr = _heads_parts(L)
+    if pr is None:
+        return -(-L["S"] // C)
+    tail = L["S"] - pr["fixed"]
+    return sum(-(-(n + tail) // C) for row in pr["heads"] for n in row)
+
+
+def layer_chunks(L, B, C):
+    """The chunks of a layer in Chunk order: (c, head, t0, t1). head None: the chunk covers tokens t0 .. t1 - 1
+    of every row and head ([B, H, T, D]). (1.8, §5 "Slices") a layer whose parts has heads is cut head by head:
+    head = (b, h), and the chunk is that head's stored entries t0 .. t1 - 1 ([1, 1, T, D]; head_entries maps
+    them to entries), heads in order b = 0 .. B - 1, h = 0 .. H - 1, Chunk numbered across the whole layer."""
+    pr = _heads_parts(L)
+    out = []
+    if pr is None:
+        for c in range(-(-L["S"] // C)):
+            out.append((c, None, c * C, min(c * C + C, L["S"])))
+        return out
+    tail = L["S"] - pr["fixed"]
+    for b in range(B):
+        for h in range(L["H"]):
+            m = pr["heads"][b][h] + tail
+            for j in range(-(-m // C)):
+                out.append((len(out), (b, h), j * C, min(j * C + C, m)))
+    return out
+
+
 def slices(info):
-    C = info["C"]
+    """The slices of a file in canonical order: (layer, part, chunk, t0, t1, head), see layer_chunks."""
+    C, B = info["C"], info["B"]
     out = []
     for l, L in enumerate(info["layers"]):
-        for c in range(-(-L["S"] // C)):
-            t0 = c * C
-            t1 = min(t0 + C, L["S"])
-            out.append((l, 0, c, t0, t1))
-            out.append((l, 1, c, t0, t1))
+        for c, head, t0, t1 in layer_chunks(L, B, C):
+            out.append((l, 0, c, t0, t1, head))
+            out.append((l, 1, c, t0, t1, head))
     return out
 
 
@@ -949,7 +1026,7 @@ def check_order(info, secs):
         want = []
         if info["nt"] > 0:
             want.append((SEC_TOKENS, 0, 0, 0))
-        want += [(SEC_KV, l, p, c) for (l, p, c, _, _) in sl]
+        want += [(SEC_KV, l, p, c) for (l, p, c, _, _, _) in sl]
         want += [(SEC_STATE, l, j, 0) for (l, j, _) in state_tensors(info)]
         if got != want:
             raise OffsetError("sections not in canonical set/order")
@@ -964,7 +1041,7 @@ def check_order(info, secs):
             if not rest or rest[0] != (SEC_CKS, 0, 0, 0):
                 raise OffsetError("tensor_checksums section")
             rest = rest[1:]
-            cand = [(SEC_RESID, l, p, c) for (l, p, c, _, _) in sl]
+            cand = [(SEC_RESID, l, p, c) for (l, p, c, _, _, _) in sl]
             cand += [(SEC_STATE, l, j, 0) for (l, j, _) in state_tensors(info)]
             i = 0
             for r in rest:
@@ -1657,6 +1734,24 @@ def decode_state_payload(payload, t):
     return np.frombuffer(raw, "<u%d" % t["W"]).reshape(t["shape"]).copy()
 
 
+def check_absent_weights(a, parts, layer):
+    """(1.8, §14.2) in the decoded log_weights [B, H, S] of a layer whose parts has heads, a fixed entry's beta
+    is -inf (binary32 0xFF800000, the exact bit pattern) if and only if it is absent (entries n .. fixed - 1 of
+    head (b, h), n = heads[b][h]) [FormatError, field State.Data]."""
+    bits = np.asarray(a).view("<u4")
+    F = parts["fixed"]
+    n = np.asarray(parts["heads"], dtype=np.int64)  # [B, H]
+    absent = np.arange(F)[None, None, :] >= n[:, :, None]
+    neginf = bits[..., :F] == 0xFF800000
+    bad = np.argwhere(neginf != absent)
+    if len(bad):
+        b, h, j = (int(x) for x in bad[0])
+        what = ("absent but its log-weight is not -inf" if absent[b, h, j]
+                else "held but its log-weight is -inf")
+        raise FormatError(f"State.Data: layer {layer} log_weights[{b}][{h}][{j}]: fixed entry {what} "
+                          f"(heads[{b}][{h}]={int(n[b, h])}; -inf if and only if absent, §14.2)")
+
+
 def _regen_state(rs, l, j):
     if rs is None:
         return None
@@ -1693,6 +1788,7 @@ def decode_file(buf, regen=None, predictors=None):
     info["states"] = None
     if tier in ("lossless", "lossy"):
         states = [None if x["state"] is None else [None] * len(x["state"]["tensors"]) for x in L]
+        chunks = {}  # layer -> layer_chunks (built when its first kv section comes)
         i = 0
         if info["nt"] > 0:
             s = secs[0]
@@ -1711,11 +1807,27 @@ def decode_file(buf, regen=None, predictors=None):
                     if (f[..., pr["fixed"]:pr["fixed"] + pr["sinks"]] != 0).any() or \
                             (f[..., S - pr["buffer"]:] != 0).any():
                         raise FormatError("log_weights of sinks/buffer are not 0 (State.Data)")
+                    if pr["heads"] is not None:
+                        check_absent_weights(a, pr, s["layer"])
                 continue
             lay = L[s["layer"]]
             D = lay["Dk"] if s["part"] == 0 else lay["Dv"]
-            t0 = s["chunk"] * info["C"]
-            t1 = min(t0 + info["C"], lay["S"])
+            if s["layer"] not in chunks:
+                chunks[s["layer"]] = layer_chunks(lay, B, info["C"])
+            _, head, t0, t1 = chunks[s["layer"]][s["chunk"]]  # the order check made Chunk a valid index
+            if head is not None:
+                # (1.8, §5 "Slices") one head's stored entries t0 .. t1 - 1: a [1, 1, T, D] payload, decoded as
+                # that of a layer of one batch row and one head; placed at the entries they stand for
+                bb, hh = head
+                shape = (1, 1, t1 - t0, D)
+                if tier == "lossless":
+                    arr = fcr_payload(Reader(s["payload"]), shape, W, end=len(s["payload"]))
+                else:
+                    arr = vq_payload(s["payload"], shape, dt, W, info["minor"], None)
+                pos = head_entries(lay["state"]["parts"], bb, hh, t0, t1)
+                tgt = out_k if s["part"] == 0 else out_v
+                tgt[s["layer"]][bb, hh, pos, :] = np.asarray(arr).reshape(t1 - t0, D)
+                continue
             shape = (B, lay["H"], t1 - t0, D)
             if tier == "lossless":
                 arr = fcr_payload(Reader(s["payload"]), shape, W, end=len(s["payload"]))
@@ -1775,7 +1887,9 @@ def decode_file(buf, regen=None, predictors=None):
     stsec = {(s["layer"], s["part"]): s["payload"] for s in rest[1:] if s["type"] == SEC_STATE}
     out_k = [x.copy() for x in rk]
     out_v = [x.copy() for x in rv]
-    for i, (l, p, c, t0, t1) in enumerate(sl):
+    for i, (l, p, c, t0, t1, head) in enumerate(sl):
+        if head is not None:  # (1.8) heads only in reduced layers, which the token tiers never have (§14)
+            raise FormatError(f"layer {l}: a head-by-head slice in a token tier")
         tgt = out_k if p == 0 else out_v
         sl_words = tgt[l][:, :, t0:t1, :]
         if (l, p, c) in res:
