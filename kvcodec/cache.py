@@ -93,6 +93,15 @@ class KVCache:
                     raise ValueError(f"layer {i}: a reduced layer needs log-weights [batch, kv_heads, seq] and an "
                                      "anchor [batch, kv_heads, k_dim] matching its keys, full attention, "
                                      "cumulative_length >= seq and the cache's reduce plan")
+                if st.kind == "reduced" and st.parts.get("heads") is not None:  # (1.8) absent entries are not
+                    fixed = st.parts["fixed"]  # stored: they must be what the decoder restores, +0.0
+                    gone = torch.isneginf(st.log_weights[..., :fixed])
+                    for name, t in (("keys", k), ("values", v)):
+                        x = t[:, :, :fixed]
+                        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
+                        if ((x.contiguous().view(ints) != 0).any(-1) & gone).any():
+                            raise ValueError(f"layer {i}: {name} of absent entries (parts.heads) are not zero: the "
+                                             "file would not restore them")
         if self.reduce is not None and not any(st is not None and st.kind == "reduced" for st in self.states):
             raise ValueError("a cache with a reduce plan needs at least one reduced layer")
         if self.reduce is not None and self.tokens is not None:

@@ -462,11 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
                    help="--reduce: the reducer or baseline (default cluster)")
     s.add_argument("--reduce-allocation", default=None, choices=["uniform", "layers", "ranks", "heads", "layer-heads"],
-                   help="--reduce: entries per layer: the same in every layer (uniform) or spread over the layers by "
-                        "kvzip's replay scores (kvzip only): ranks (its default) prices a layer's r-th place by its "
-                        "heads' mean r-th score, layers by its heads' mean share of the top single scores; heads "
-                        "(KVzip's own rule) lets every KV head keep its own number, ranked over all layers and heads, "
-                        "layer-heads within the totals ranks gives each layer (format 1.8: only kept entries stored)")
+                   help="--reduce: entries per layer: the same in every layer (uniform) or spread by kvzip's replay "
+                        "scores (kvzip only): heads (its default, KVzip's own rule) lets every KV head keep its own "
+                        "number, ranked over all layers and heads (format 1.8: only the kept entries are stored); "
+                        "over the layers only, every head of a layer keeping as many: ranks prices a layer's r-th "
+                        "place by its heads' mean r-th score, layers by its heads' mean share of the top single "
+                        "scores; layer-heads: ranks' layer totals, shared unevenly by each layer's heads")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_encode)
 

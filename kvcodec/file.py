@@ -137,8 +137,8 @@ class KvzFile:
                 lay = h.layers[e.layer]
                 a, b = lay.chunk_range(e.chunk, h.chunk_tokens)
                 comps = math.prod(lay.slice_shape(e.chunk, h.chunk_tokens, h.batch, e.part))
-                if lay.heads is not None:  # (1.8) one head's entries
-                    d["row"] = list(lay.runs(h.chunk_tokens)[e.chunk].row)
+                if lay.heads is not None:  # (1.8) one head's entries: [batch row, KV head]; tokens then count the
+                    d["row"] = list(lay.runs(h.chunk_tokens)[e.chunk].row)  # head's stored entries
                 d.update(layer=e.layer, part="keys" if e.part == L.PART_KEYS else "values", chunk=e.chunk,
                          tokens=[a, b], components=comps,
                          bits_per_component=round(8 * e.length / comps, 4) if comps else None)

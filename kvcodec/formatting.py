@@ -81,7 +81,8 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
                          + f" head={c['head_tokens']} tail={c['exact_tokens']}"
                          + (f" fixed-width={c['fixed_width_bits_per_component']}"
                             if "fixed_width_bits_per_component" in c else ""))
-            out(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {str(s['tokens']):14s}"
+            where = str(s["tokens"]) if "row" not in s else f"b{s['row'][0]}h{s['row'][1]} {s['tokens']}"
+            out(f"  {i:4d} {s['type']:6.6s} {s['layer']:5d} {s['part']:7s} {s['chunk']:5d} {where:14s}"
                   f"{s['bytes']:9d}  {s['bits_per_component']:<9}" + extra)
         elif s["type"] == "state":
             out(f"  {i:4d} {'state':6s} {s['layer']:5d} {s['state'][:7]:7s} {s['slot']:5d} {str(s['shape']):14s}"

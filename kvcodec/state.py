@@ -169,7 +169,8 @@ class LayerState:
             fixed = parts["fixed"]
             if (not isinstance(heads, list) or len(heads) != b
                     or any(not isinstance(r, list) or len(r) != h for r in heads)
-                    or any(not isinstance(x, int) or not 0 <= x <= fixed for r in heads for x in r)
+                    or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= fixed
+                           for r in heads for x in r)
                     or max(max(r) for r in heads) != fixed or all(x == fixed for r in heads for x in r)):
                 raise ValueError(f"layer {i}: reduced parts' heads must list, per batch row and KV head, the fixed "
                                  f"entries each holds (0..{fixed}, the longest {fixed}, some fewer)")

@@ -412,6 +412,11 @@ def test_rank_budgets_price_a_layer_by_what_its_heads_lose_together():
         rank_budgets({0: hi, 1: lo[..., :30]}, e, s)
 
 
+def _beta(layer):
+    """A reduced layer's log-weights (None: every entry at 0)."""
+    return layer.beta if layer.beta is not None else torch.zeros(layer.keys.shape[:3])
+
+
 def _padded(red, model):
     """The same entries as ``red`` with every reduced layer padded to the longest with entries whose log-weight
     is -1e30 (attention 0): equal sizes, so the mask transformers builds fits every layer."""
@@ -476,7 +481,11 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     assert torch.equal(m(nxt, past_key_values=back).logits, got)
     lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
     assert [la.entries() for la in lossy.layers] == sizes
-    ranks = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs)  # allocation "ranks": the default
+    ranks = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="ranks")
+    default = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs)  # allocation "heads"
+    heads = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="heads")
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(_beta(a), _beta(b))
+               for a, b in zip(default.layers, heads.layers))
     want = rank_budgets({i: obs.peak[i] for i in range(len(cache.layers))}, e, 4)
     sizes = [la.entries() for la in ranks.layers]
     assert sizes == [want[i] for i in range(len(sizes))] and sum(sizes) == e * len(sizes)
@@ -632,6 +641,54 @@ def test_heads_headers_and_weights_are_checked():
     tampered = fuzz_tools().reseal(data[:at] + encode_payload(lw) + data[at + len(good):])
     err = check_rejects(kvcodec.FormatError, tampered, match="-inf")
     assert err.field == "State.Data"
+
+
+def test_masked_entries_that_hold_data_are_stored_whole():
+    """A hand-built reduced layer whose heads end in log-weight -inf over keys that are not zero is stored whole
+    (no parts.heads, format 1.7: the lossless tier gives back what it was given); a KVCache that declares heads
+    over absent entries holding data is refused before any byte is written."""
+    plan = Plan(k=8, block=8, sinks=2, method=None, seed=0, window=0, form="dot")
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 2, 6, 4, generator=g), torch.randn(1, 2, 6, 4, generator=g)
+    beta = torch.zeros(1, 2, 6)
+    beta[0, 1, 3:] = float("-inf")
+    layer = ReducedLayer(plan, 0, 0.5)
+    layer.set_fixed(keys, values, 20, beta)
+    data = kvcodec.encode(ReducedCache(None, plan, layers=[layer], method="kvzip"))
+    assert data[10] == 7 and "heads" not in kvcodec.inspect(data)["reduce"]["parts"]
+    back = kvcodec.decode(data).layers[0]
+    assert torch.equal(back.keys, keys) and torch.equal(back.values, values) and torch.equal(back.beta, beta)
+    zeroed = keys.clone()
+    zeroed[0, 1, 3:] = 0
+    vz = values.clone()
+    vz[0, 1, 3:] = 0
+    layer = ReducedLayer(plan, 0, 0.5)
+    layer.set_fixed(zeroed, vz, 20, beta)
+    kv = kvcodec.to_canonical(ReducedCache(None, plan, layers=[layer], method="kvzip"))
+    assert kv.states[0].parts["heads"] == [[6, 3]] and kvcodec.encode(kv)[10] == 8
+    with pytest.raises(ValueError, match="absent entries"):
+        kvcodec.KVCache([keys], [vz], cumulative_length=[20], states=kv.states, reduce=kv.reduce)
+
+
+def test_repeated_heads_layers_are_counted_once():
+    """A header repeating a layer with parts.heads: the layers are one object, whose chunk count (a sum over
+    its batch x heads entries) is made once, so parsing costs the header's size, not repeat x heads; the
+    count is right (what the writer cut)."""
+    from kvcodec.container import header as hd
+    from kvcodec.tiers.base import build_header, slice_jobs
+
+    m = _model("llama")
+    ids = _ids(100)
+    red = kvcodec.reduce(model_cache(m, ids), m, budget=25, method="kvzip", tokens=ids, allocation="heads")
+    kv = kvcodec.to_canonical(red)
+    li = next(i for i, st in enumerate(kv.states) if "heads" in st.parts)
+    h = build_header(kv, "lossless", {"id": "float_ctx_rans", "params": {}}, 3, None, None)
+    lay = dict(h["cache"]["layers"][li], repeat=500)
+    h["cache"]["layers"] = [lay]
+    got = hd.parse(hd.dumps(h), offset=16)
+    assert len(got.layers) == 500 and all(x is got.layers[0] for x in got.layers)
+    assert got.layers[0].__dict__["_memo_values"] == {("chunks", 3): got.layers[0].chunks(3)}
+    assert got.layers[0].chunks(3) == sum(1 for j in slice_jobs(kv, 3) if j[0] == li) // 2
 
 
 def test_kvzip_replays_long_caches_in_chunks_within_the_models_positions():
@@ -815,7 +872,9 @@ def test_a_tova_file_needs_1_7():
     m = _model("llama")
     ids = _ids(60)
     for method in ("tova", "kvzip"):
-        data = bytearray(kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method=method, tokens=ids)))
+        kw = {"allocation": "ranks"} if method == "kvzip" else {}  # (kvzip's default, heads, may need 1.8)
+        data = bytearray(kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method=method, tokens=ids,
+                                                       **kw)))
         assert data[10] == 7
         K.decode_file(bytes(data), None)  # the spec-only decoder reads it
         data[10] = 6

@@ -189,8 +189,9 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
 
 
 def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, smollm2):
-    """`kvz encode --reduce-method kvzip`: a 1.7 file holding what kvcodec.reduce keeps with KVzip's repeat
-    instruction in SmolLM2's tokens (not what it keeps without it)."""
+    """`kvz encode --reduce-method kvzip`: a 1.8 file (the heads of a layer keep different numbers: KVzip's
+    default allocation) holding what kvcodec.reduce keeps with KVzip's repeat instruction in SmolLM2's tokens
+    (not what it keeps without it)."""
     from kvcodec.cli import main
     from kvcodec.reduction import REPEAT_PROMPT
 
@@ -200,7 +201,7 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
     assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
                  "kvzip", "--tier", "lossless", "--dtype", "fp32", "-o", str(out), "--json"]) == 0
     info = kvcodec.inspect(out)
-    assert info["format_version"] == "1.7" and info["reduce"]["method"] == "kvzip"
+    assert info["format_version"] == "1.8" and info["reduce"]["method"] == "kvzip"
     model, tok = smollm2
     ids = tokenize(tok, demo_text(), 300)
     cache = prefill(model, ids)
@@ -210,8 +211,10 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
     got = kvcodec.load(out, model)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, want.layers))
     assert not all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, plain.layers))
-    sizes = [la.entries() for la in got.reduced_layers()]  # the budget spread over the layers (the default)
-    assert len(set(sizes)) > 1 and info["reduce"]["entries_range"] == [min(sizes), max(sizes)]
+    kept = [la.counted() for la in got.reduced_layers()]  # the budget spread over the layers and heads (default)
+    assert len(set(kept)) > 1 and info["reduce"]["entries_range"] == [round(min(kept)), round(max(kept))]
+    assert info["reduce"]["held"] == got.entries() > info["reduce"]["entries"]  # the longest heads'
+    assert info["reduce"]["entries"] == round(got.counted())
     same = tmp_path / "u.kvz"
     assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
                  "kvzip", "--reduce-allocation", "uniform", "--tier", "lossless", "--dtype", "fp32", "-o", str(same),

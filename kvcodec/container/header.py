@@ -14,7 +14,6 @@ This module knows the parts every tier shares (``format``, ``tier``,
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -125,17 +124,7 @@ def layer_runs(seq: int, chunk_tokens: int, heads=None, fixed: int = 0) -> tuple
     ``fixed``) each head's stored sequence chunked in turn, rows and heads in order, heads storing nothing
     skipped."""
     if heads is None:
-        return _layer_runs(seq, chunk_tokens)
-    return _head_runs(tuple(tuple(r) for r in heads), seq, chunk_tokens, fixed)
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_runs(seq: int, chunk_tokens: int) -> tuple[Run, ...]:
-    return tuple(Run(None, a, min(seq, a + chunk_tokens), seq) for a in range(0, seq, chunk_tokens))
-
-
-@functools.lru_cache(maxsize=256)
-def _head_runs(heads: tuple, seq: int, chunk_tokens: int, fixed: int) -> tuple[Run, ...]:
+        return tuple(Run(None, a, min(seq, a + chunk_tokens), seq) for a in range(0, seq, chunk_tokens))
     out = []
     for b, row in enumerate(heads):
         for h, n in enumerate(row):
@@ -166,17 +155,26 @@ class LayerInfo:
         parts = None if self.state is None else self.state.parts
         return None if parts is None else parts.get("heads")
 
+    def _memo(self, key, make):
+        """A value computed once per layer object (the dataclass is frozen: kept beside its fields)."""
+        memo = self.__dict__.setdefault("_memo_values", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
     def runs(self, chunk_tokens: int) -> tuple[Run, ...]:
-        """The layer's slices (:func:`layer_runs`), chunk index by chunk index."""
+        """The layer's slices (:func:`layer_runs`), chunk index by chunk index (made once per layer)."""
         if self.heads is None:
-            return layer_runs(self.seq_len, chunk_tokens)
-        return layer_runs(self.seq_len, chunk_tokens, self.heads, self.state.parts["fixed"])
+            return self._memo(("runs", chunk_tokens), lambda: layer_runs(self.seq_len, chunk_tokens))
+        return self._memo(("runs", chunk_tokens), lambda: layer_runs(self.seq_len, chunk_tokens, self.heads,
+                                                                      self.state.parts["fixed"]))
 
     def chunks(self, chunk_tokens: int) -> int:
         if self.heads is None:
             return -(-self.seq_len // chunk_tokens)
         tail = self.seq_len - self.state.parts["fixed"]  # counted without making the runs (a hostile header)
-        return sum(-(-(n + tail) // chunk_tokens) for row in self.heads for n in row)
+        return self._memo(("chunks", chunk_tokens),
+                          lambda: sum(-(-(n + tail) // chunk_tokens) for row in self.heads for n in row))
 
     def chunk_range(self, chunk: int, chunk_tokens: int) -> tuple[int, int]:
         """Entries ``[a, b)`` of chunk ``chunk``: of the layer, or (1.8, ``heads``) of its head's stored
@@ -510,6 +508,7 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
     if tier.header_key is not None and tier.header_key not in obj:
         v.fail(tier.header_key, f"missing: tier {tier_id!r} needs the {tier.header_key} object")
     hdr = replace(hdr, tier_info=tier.parse_header(v, hdr, lim))
+    # a repeated layer is one object (its chunks, O(batch x heads) with parts.heads, are counted once)
     if 2 * sum(lay.chunks(chunk) for lay in layers) + 2 + batch + len(hdr.state_sections()) > L.MAX_SECTIONS:
         v.fail("cache.chunk_tokens", f"the cache would need more than {L.MAX_SECTIONS} sections", LimitExceeded)
     if hdr.output_bytes() > lim["max_output_bytes"]:

@@ -250,7 +250,7 @@ def rank_budgets(scores: dict, entries: int, sinks: int) -> dict:
     worth = torch.cat([scores[li][..., s:].double().flatten(0, 1).sort(-1, descending=True).values.mean(0)
                        for li in order])  # [L * (n - s)]: layer by layer, each descending
     top = worth.sort(descending=True, stable=True).indices[: len(order) * (entries - s)]
-    keep = torch.zeros(len(order), dtype=torch.long)
+    keep = torch.zeros(len(order), dtype=torch.long, device=top.device)
     keep.index_add_(0, top // (n - s), torch.ones_like(top))
     return {li: s + int(keep[i]) for i, li in enumerate(order)}
 
@@ -305,7 +305,7 @@ def head_budgets(scores: dict, entries: int, sinks: int, within: dict | None = N
         heads = sum(int(scores[li].shape[1]) for li in lis)
         take = min(heads * per_head, flat.shape[1])
         top = flat.sort(dim=1, descending=True, stable=True).indices[:, :take]
-        won = torch.zeros(b, heads, dtype=torch.long)
+        won = torch.zeros(b, heads, dtype=torch.long, device=top.device)
         won.scatter_add_(1, top // (n - s), torch.ones_like(top))
         at = 0
         for li in lis:
@@ -325,7 +325,7 @@ def _select_heads(scores, count, sinks: int):
     score = scores.clone()
     score[..., : min(sinks, width)] = float("inf")
     rank = score.sort(dim=-1, descending=True, stable=True).indices[..., :width]  # best first
-    present = torch.arange(width)[None, None, :] < count[..., None]
+    present = torch.arange(width, device=scores.device)[None, None, :] < count.to(scores.device)[..., None]
     idx = torch.where(present, rank, n).sort(-1).values  # the kept tokens in order, then n for the absent places
     return idx.masked_fill(~present, 0), present
 
@@ -402,18 +402,18 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     exactly.\\n"); without it the replay follows the cache directly; ``replay_chunk``: context tokens per
     replay pass (:func:`replay_observation`).  ``observation`` for ``kvzip`` is what
     :func:`replay_observation` returned for this cache.  ``allocation``: ``"uniform"`` - every KV head of every
-    layer keeps the same number of entries (the default of every method but ``kvzip``); ``"ranks"`` (``kvzip``
-    only, its default) - the same total, spread over the layers: a layer's r-th place is worth the mean of its
-    heads' r-th largest replay score, and the best places of all layers win (:func:`rank_budgets`);
-    ``"layers"`` (``kvzip`` only) - spread by each layer's mean share of the top single scores of every layer
-    and head (:func:`layer_budgets`, which favours a layer with one sharp head).  Measured on SmolLM2
-    (BENCHMARKS.md, "Reduce tier"): both far ahead of uniform; ranks ahead of layers on average at every budget
-    measured (its interval excluding 0 at some of them) and in the needles retrieved.  ``"heads"`` (``kvzip``
-    only; KVzip's own rule) spends the budget unevenly across the heads of a layer too: one ranking of every
-    head's scores over all layers (:func:`head_budgets`); ``"layer-heads"`` gives each layer its ``ranks``
-    total and ranks its heads among themselves.  A layer then holds its longest head's count; each other head's
-    extra places are absent (zero, log-weight -inf: never attended to), and a ``.kvz`` file (format 1.8) stores
-    only the kept entries, so the file pays for the budget while the decoded tensors hold the longest head's."""
+    layer keeps the same number of entries (the default of every method but ``kvzip``); ``"heads"`` (``kvzip``
+    only, its default; KVzip's own rule) - the same total, spread over the layers and over the heads of each
+    layer: one ranking of every head's replay scores over all layers (:func:`head_budgets`).  A layer then holds
+    its longest head's count; each other head's extra places are absent (zero, log-weight -inf: never attended
+    to), and a ``.kvz`` file (format 1.8) stores only the kept entries, so the file pays for the budget while
+    the decoded tensors hold the longest head's.  Spread over the layers only, every head of a layer keeping as
+    many (format 1.7): ``"ranks"`` - a layer's r-th place is worth the mean of its heads' r-th largest replay
+    score, and the best places of all layers win (:func:`rank_budgets`); ``"layers"`` - each layer's mean share
+    of the top single scores of every layer and head (:func:`layer_budgets`, which favours a layer with one
+    sharp head); ``"layer-heads"`` gives each layer its ``ranks`` total and ranks its heads among themselves.
+    Measured on SmolLM2 (BENCHMARKS.md, "Reduce tier"): every spread far ahead of uniform; heads ahead of ranks
+    and ranks ahead of layers on average at every budget measured, the intervals excluding 0 at some of them."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -433,7 +433,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     need_q = method in ("snapkv", "h2o", "tova") or (method in MERGE_REDUCE and form == "query")
     batch = int(cache.layers[full[0]].keys.shape[0])
     if allocation is None:
-        allocation = "ranks" if method == "kvzip" else "uniform"
+        allocation = "heads" if method == "kvzip" else "uniform"
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
     if allocation != "uniform" and method != "kvzip":
@@ -501,7 +501,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
             if present is not None and not present.all():  # heads holding fewer than the layer: absent places
                 gk, gv = gk.masked_fill(~present[..., None], 0), gv.masked_fill(~present[..., None], 0)
-                beta = torch.zeros(present.shape).masked_fill(~present, float("-inf"))
+                beta = torch.zeros(present.shape, device=present.device).masked_fill(~present, float("-inf"))
             red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree

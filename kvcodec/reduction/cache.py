@@ -77,6 +77,13 @@ def _empty(like: torch.Tensor, dim: int | None = None):
     return like.new_empty(shape)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers (+0.0 is 0, -0.0 is not), keeping its shape but the last axis reduced by
+    any(): per entry, whether any component is not +0.0."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return (t.contiguous().view(ints) != 0).any(-1)
+
+
 class ReducedLayer(DynamicLayer):
     """One full-attention layer of a :class:`ReducedCache`."""
 
@@ -266,8 +273,10 @@ class ReducedLayer(DynamicLayer):
         if not gone.any():
             return None
         n = (~gone).sum(-1)
-        if not torch.equal(gone, torch.arange(beta.shape[2])[None, None, :] >= n[..., None]) \
+        if not torch.equal(gone, torch.arange(beta.shape[2], device=beta.device)[None, None, :] >= n[..., None]) \
                 or int(n.max()) != beta.shape[2]:
+            return None
+        if any(_bits(t)[gone].any() for t in self.fixed[:2]):  # masked entries that hold data: stored, not absent
             return None
         return n.tolist()
 
