@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dtypes import DTYPES, of, same_bits
-from .state import LayerState
+from .dtypes import DTYPES, nonzero_entries, of, same_bits
+from .state import LayerState, absent_entries
 
 __all__ = ["KVCache", "to_canonical", "SUPPORTED_LAYERS"]
 
@@ -95,11 +95,9 @@ class KVCache:
                                      "cumulative_length >= seq and the cache's reduce plan")
                 if st.kind == "reduced" and st.parts.get("heads") is not None:  # (1.8) absent entries are not
                     fixed = st.parts["fixed"]  # stored: they must be what the decoder restores, +0.0
-                    gone = torch.isneginf(st.log_weights[..., :fixed])
+                    gone = absent_entries(st.parts, k.device)
                     for name, t in (("keys", k), ("values", v)):
-                        x = t[:, :, :fixed]
-                        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-                        if ((x.contiguous().view(ints) != 0).any(-1) & gone).any():
+                        if (nonzero_entries(t[:, :, :fixed]) & gone).any():
                             raise ValueError(f"layer {i}: {name} of absent entries (parts.heads) are not zero: the "
                                              "file would not restore them")
         if self.reduce is not None and not any(st is not None and st.kind == "reduced" for st in self.states):

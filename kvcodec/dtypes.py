@@ -67,6 +67,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(iv), b.contiguous().view(iv))
 
 
+def nonzero_entries(t: torch.Tensor) -> torch.Tensor:
+    """Per entry (the last axis reduced), whether any component's bit pattern is not +0.0's (-0.0 counts)."""
+    return (t.contiguous().view(of(t.dtype).int_view) != 0).any(-1)
+
+
 def from_bit_patterns(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``dtype`` whose bit patterns are the uint16/uint32 array ``bits`` (no copy if contiguous)."""
     signed = {2: np.int16, 4: np.int32}[of(dtype).itemsize]  # torch has no uint16/uint32 views to go through

@@ -174,8 +174,7 @@ class LayerState:
                     or max(max(r) for r in heads) != fixed or all(x == fixed for r in heads for x in r)):
                 raise ValueError(f"layer {i}: reduced parts' heads must list, per batch row and KV head, the fixed "
                                  f"entries each holds (0..{fixed}, the longest {fixed}, some fewer)")
-            absent = torch.arange(fixed)[None, None, :] >= torch.tensor(heads)[..., None]
-            if not torch.equal(torch.isneginf(lw[..., :fixed]), absent):
+            if not torch.equal(torch.isneginf(lw[..., :fixed]), absent_entries(parts, lw.device)):
                 raise ValueError(f"layer {i}: a head's absent fixed entries (past its count in heads) have "
                                  "log-weight -inf, and only they")
         if not isinstance(self.scaling, float) or not math.isfinite(self.scaling) or self.scaling <= 0:
@@ -183,6 +182,13 @@ class LayerState:
         held = parts["fixed"] + parts["sinks"] + parts["buffer"] + sum(x or 0 for x in parts["levels"])
         if held != lw.shape[2]:
             raise ValueError(f"layer {i}: reduced parts hold {held} entries, the log-weights {lw.shape[2]}")
+
+
+def absent_entries(parts: dict, device=None) -> torch.Tensor:
+    """(1.8) ``[B, H, fixed]``: which fixed entries of a reduced layer whose ``parts`` has ``heads`` are absent
+    (spec section 14.2: head (b, h) holds its first ``heads[b][h]``)."""
+    n = torch.tensor(parts["heads"], dtype=torch.long, device=device)
+    return torch.arange(parts["fixed"], device=device)[None, None, :] >= n[..., None]
 
 
 # -- payloads ------------------------------------------------------------------------------------------

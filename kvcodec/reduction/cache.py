@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from ..dtypes import nonzero_entries
 from ..state import REDUCE_FORMS, LayerState
 from . import reducers
 from .attention import set_bias
@@ -75,13 +76,6 @@ def _empty(like: torch.Tensor, dim: int | None = None):
     if dim is not None:
         shape[3] = dim
     return like.new_empty(shape)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bit patterns as integers (+0.0 is 0, -0.0 is not), keeping its shape but the last axis reduced by
-    any(): per entry, whether any component is not +0.0."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return (t.contiguous().view(ints) != 0).any(-1)
 
 
 class ReducedLayer(DynamicLayer):
@@ -276,7 +270,7 @@ class ReducedLayer(DynamicLayer):
         if not torch.equal(gone, torch.arange(beta.shape[2], device=beta.device)[None, None, :] >= n[..., None]) \
                 or int(n.max()) != beta.shape[2]:
             return None
-        if any(_bits(t)[gone].any() for t in self.fixed[:2]):  # masked entries that hold data: stored, not absent
+        if any(nonzero_entries(t)[gone].any() for t in self.fixed[:2]):  # masked entries holding data: stored
             return None
         return n.tolist()
 

@@ -41,7 +41,7 @@ from ..dtypes import DTYPES, from_bit_patterns
 from ..errors import ConfigError, FormatError
 from ..identity import model_record
 from ..parallel import run_ordered
-from ..state import LayerState, decode_payload, encode_payload
+from ..state import LayerState, absent_entries, decode_payload, encode_payload
 from ..version import __version__
 
 __all__ = ["UNSET", "Options", "EncodeJob", "Fallback", "Tier", "DirectTier", "build_header", "slice_jobs"]
@@ -199,12 +199,9 @@ def _raw_weights_zero(beta, parts, offset: int) -> None:
 
 def _absent_weights(beta, parts, offset: int) -> None:
     """spec section 14.2 (1.8): with ``heads``, a fixed entry's log-weight is -inf if and only if it is absent."""
-    heads = parts.get("heads")
-    if heads is None:
+    if parts.get("heads") is None:
         return
-    n = torch.tensor(heads, dtype=torch.long)
-    absent = torch.arange(parts["fixed"])[None, None, :] >= n[..., None]
-    if not torch.equal(torch.isneginf(beta[..., :parts["fixed"]]), absent):
+    if not torch.equal(torch.isneginf(beta[..., :parts["fixed"]]), absent_entries(parts)):
         raise FormatError("a reduced layer's fixed entries have log-weight -inf where its heads hold them, or not "
                           "where they do not (parts.heads)", field="State.Data", offset=offset)
 
