@@ -444,8 +444,9 @@ class ReducedCache(DynamicCache):
         red = self.reduced_layers()
         d = red[0].describe() if red else {}
         if red:  # entries per KV head: the mean over the layers (they differ where the budget was spread)
-            d["entries"] = round(self.counted())
-            if self.counted() != sum(la.entries() for la in red) / len(red):  # heads of a layer differ: held
+            kept = self.counted()
+            d["entries"] = round(kept)
+            if kept != sum(la.entries() for la in red) / len(red):  # heads of a layer differ: held
                 d["held"] = self.entries()
         return {"k": self.plan.k, "block": self.plan.block, "sinks": self.plan.sinks, "method": self.plan.method,
                 "seed": self.plan.seed, **d,

@@ -237,11 +237,9 @@ def slice_of(run, shape, dtype: str, layer: int, part: int, num_layers: int, off
     """The :class:`Slice` of one :class:`~kvcodec.container.header.Run` of a layer whose tensors are ``shape``
     ``[B, H, S, D]``."""
     b, h, _, d = shape
-    if run.row is None:
-        return Slice((b, h, run.stop - run.start, d), dtype, layer, part, run.start, run.total, num_layers, offset,
-                     minor)
-    return Slice((1, 1, run.stop - run.start, d), dtype, layer, part, run.start, run.total, num_layers, offset,
-                 minor, run.row, run.spans())
+    one = run.row is not None  # (1.8) one head's entries
+    return Slice((1 if one else b, 1 if one else h, run.stop - run.start, d), dtype, layer, part, run.start,
+                 run.total, num_layers, offset, minor, run.row, run.spans() if one else ())
 
 
 def kv_runs(kv: KVCache, li: int, chunk_tokens: int):
