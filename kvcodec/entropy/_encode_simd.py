@@ -29,11 +29,23 @@ import ctypes
 
 import numpy as np
 
-from ._lanes_simd import class_constants, class_table, jit
+from ._lanes_simd import _PERMD, class_constants, class_table, jit
 from ._rans_numba import RANS_L
 
 
-def _ir(W: int) -> str:
+def _compact_table(W: int) -> str:
+    """The constant ``@compact``: for each mask of emitting lanes, ``W`` lane numbers that move the emitting lanes'
+    states, in lane order, to the vector's last positions (the others: lane 0, stored below the words and
+    overwritten by later steps)."""
+    rows = []
+    for m in range(1 << W):
+        sel = [j for j in range(W) if m >> j & 1]
+        rows.append([0] * (W - len(sel)) + sel)
+    body = ", ".join(f"i32 {v}" for r in rows for v in r)
+    return f"@compact = private unnamed_addr constant [{W << W} x i32] [{body}], align 32"
+
+
+def _ir(W: int, permd: str | None = None) -> str:
     V = f"<{W} x i32>"
     V16 = f"<{W} x i16>"
     VD = f"<{W} x double>"
@@ -54,6 +66,9 @@ def _ir(W: int) -> str:
     a(f"declare void @llvm.masked.compressstore.v{W}i16({V16}, ptr, {M})")
     a(f"declare {iW} @llvm.ctpop.{iW}({iW})")
     a(f"declare {VD} @llvm.fma.v{W}f64({VD}, {VD}, {VD})")
+    if permd:
+        a(f"declare {V} {permd}({V}, {V})")
+        a(_compact_table(W))
     # syms[bh, t, d] (uint16), rows = bh * dim + d, dim a multiple of W; refs[row]; ctx[row * nclass + class]
     # (uint8, 3 bytes of padding); tab[table << kbits | symbol] = freq | cum << 16; out (uint16, outlen words)
     a("define i64 @enc(ptr noalias %syms, ptr noalias %refs, ptr noalias %ctx, ptr noalias %tab, i64 %rows, "
@@ -142,8 +157,23 @@ def _ir(W: int) -> str:
     a(f"  %cnt = call {iW} @llvm.ctpop.{iW}({iW} %fb)")
     a(f"  %cnt64 = zext {iW} %cnt to i64")
     a("  %wpos.next = sub i64 %wpos, %cnt64")
-    a("  %wptr = getelementptr i16, ptr %out, i64 %wpos.next")
-    a(f"  call void @llvm.masked.compressstore.v{W}i16({V16} %word, ptr %wptr, {M} %big)")
+    if permd:
+        # no compress-store (AVX2 has none, and LLVM's expansion is a chain of branches on the mask, mispredicted
+        # at random): the emitting lanes' words are permuted to the vector's last positions and all W words are
+        # stored ending at the old position; the words below the new position are overwritten by later steps or
+        # the flush (2 W words at least are still to come, so the store stays inside the buffer)
+        a(f"  %fbx = zext {iW} %fb to i64")
+        a(f"  %crow = mul i64 %fbx, {W}")
+        a("  %cptr = getelementptr i32, ptr @compact, i64 %crow")
+        a(f"  %ctl = load {V}, ptr %cptr, align 4")
+        a(f"  %xp = call {V} {permd}({V} %x, {V} %ctl)")
+        a(f"  %wp16 = trunc {V} %xp to {V16}")
+        a(f"  %wlow = sub i64 %wpos, {W}")
+        a("  %wptr = getelementptr i16, ptr %out, i64 %wlow")
+        a(f"  store {V16} %wp16, ptr %wptr, align 2")
+    else:
+        a("  %wptr = getelementptr i16, ptr %out, i64 %wpos.next")
+        a(f"  call void @llvm.masked.compressstore.v{W}i16({V16} %word, ptr %wptr, {M} %big)")
     a(f"  %x16 = lshr {V} %x, splat (i32 16)")
     a(f"  %xr = select {M} %big, {V} %x16, {V} %x")
     # x + cum + (x div f) * (2**sb - f); the quotient by exact binary64 division
@@ -178,9 +208,14 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64]
 
 
+def _build(W: int):
+    feat, permd = _PERMD.get(W, (None, None))
+    return lambda features: _ir(W, permd if feat in features.split(",") else None)
+
+
 def kernel(W: int):
     """The compiled encoder of ``W`` lanes for this CPU (once per process)."""
-    return jit(("encode", W), lambda features: _ir(W), "enc", ctypes.c_int64, _ARGTYPES)[0]
+    return jit(("encode", W), _build(W), "enc", ctypes.c_int64, _ARGTYPES)[0]
 
 
 def available(W: int) -> bool:
@@ -200,7 +235,7 @@ _AVAILABLE: dict = {}
 
 
 def assembly(W: int) -> str:
-    _, _, tm, mod = jit(("encode", W), lambda features: _ir(W), "enc", ctypes.c_int64, _ARGTYPES)
+    _, _, tm, mod = jit(("encode", W), _build(W), "enc", ctypes.c_int64, _ARGTYPES)
     return tm.emit_assembly(mod)
 
 
