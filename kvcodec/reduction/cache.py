@@ -123,12 +123,38 @@ class ReducedLayer(DynamicLayer):
         beta = torch.cat([p[2] if p[2] is not None else torch.zeros(b, h, p[0].shape[2]) for p in parts], dim=2)
         return keys, values, beta
 
+    def _hold(self, assembled) -> None:
+        """Hold ``assembled`` (what :meth:`assemble` returned) as the layer's ``keys`` / ``values`` / ``beta``, every
+        part then a view of it: the layer keeps one copy of its entries, and no part keeps alive the storage it
+        was cut from (the whole cache a sink or a selection was sliced out of, the previous step's tensors)."""
+        keys, values, beta = assembled
+        self.keys, self.values, self.beta = keys, values, beta
+        at = 0
+
+        def view(part):  # (k, v) -> (k, v); (k, v, beta-or-None) -> the same
+            nonlocal at
+            n = part[0].shape[2]
+            out = (keys[:, :, at:at + n], values[:, :, at:at + n])
+            if len(part) == 3:
+                out += (None if part[2] is None else beta[:, :, at:at + n],)
+            at += n
+            return out
+
+        if self.fixed is not None:
+            self.fixed = view(self.fixed)
+        self.sinks = view(self.sinks)
+        for lvl in range(len(self.levels) - 1, -1, -1):  # assembled highest level first
+            if self.levels[lvl] is not None:
+                self.levels[lvl] = view(self.levels[lvl])
+        self.buffer = view(self.buffer)
+        assert at == keys.shape[2]
+
     def set_fixed(self, keys, values, tokens: int, beta=None) -> None:
         """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens."""
         self.lazy_initialization(keys, values)
         self.fixed = (keys, values, beta)
         self.cumulative_length = tokens
-        self.keys, self.values, self.beta = self.assemble()
+        self._hold(self.assemble())
 
     def entries(self) -> int:
         """Entries held per KV head (the length of the layer's key tensor)."""
@@ -155,9 +181,9 @@ class ReducedLayer(DynamicLayer):
         keys, values, beta = self.assemble()
         set_bias(self.layer_idx, keys, beta)
         if self._flush():
-            self.keys, self.values, self.beta = self.assemble()
+            self._hold(self.assemble())
         else:
-            self.keys, self.values, self.beta = keys, values, beta
+            self._hold((keys, values, beta))
         return keys, values
 
     def set_state(self, sinks, levels, buffer, tokens: int, blocks: int) -> None:
@@ -166,7 +192,7 @@ class ReducedLayer(DynamicLayer):
         self.lazy_initialization(sinks[0], sinks[1])
         self.sinks, self.levels, self.buffer = sinks, levels, buffer
         self.cumulative_length, self.blocks = tokens, blocks
-        self.keys, self.values, self.beta = self.assemble()
+        self._hold(self.assemble())
 
     def _reduce(self, summary, *where):
         fn = reducers.REDUCERS[self.plan.method]
@@ -221,7 +247,7 @@ class ReducedLayer(DynamicLayer):
         self.buffer = tuple(fn(t) for t in self.buffer)
         if self.anchor is not None:
             self.anchor = fn(self.anchor)
-        self.keys, self.values, self.beta = self.assemble()
+        self._hold(self.assemble())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -300,7 +326,7 @@ class ReducedLayer(DynamicLayer):
         layer.cumulative_length = int(tokens)
         layer.blocks = sum(1 << lvl for lvl, x in enumerate(levels) if x is not None)
         layer.anchor = state.anchor
-        layer.keys, layer.values, layer.beta = layer.assemble()
+        layer._hold(layer.assemble())
         return layer
 
     def describe(self) -> dict:
@@ -416,6 +442,24 @@ class ReducedCache(DynamicCache):
         layers; less than :meth:`entries` where a layer's heads keep different numbers (``allocation="heads"``)."""
         red = self.reduced_layers()
         return sum(la.counted() for la in red) / len(red) if red else 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of memory the cache's layers hold: every tensor they reference, each storage counted once
+        (a view costs what its whole storage costs)."""
+        seen: dict = {}
+
+        def visit(x):
+            if isinstance(x, torch.Tensor):
+                st = x.untyped_storage()
+                seen[(st.device, st.data_ptr())] = st.nbytes()
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    visit(y)
+
+        for layer in self.layers:
+            for v in vars(layer).values():
+                visit(v)
+        return sum(seen.values())
 
     def kvcodec_reduce(self) -> dict:
         """The header's ``reduce`` object (spec/kvz.md section 14): how the cache was reduced and how it keeps
