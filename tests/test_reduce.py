@@ -225,31 +225,36 @@ def test_reduce_then_forward_and_generate(kind, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_reduced_cache_holds_one_copy_of_its_entries(method):
-    """The memory a reduced cache holds is its entries' (keys, values, log-weights, anchors) once: no part keeps the
-    storage of the whole cache it was cut from alive, and the assembled tensors are not a second copy of the parts
-    - after the reduction, after decoding steps (merge-reduce carries blocks up the levels) and after a .kvz
+    """The memory a reduced cache holds is its kept entries' (keys, values, log-weights, anchors), once: no part
+    keeps the storage of the whole cache it was cut from alive, the assembled tensors are not a second copy of the
+    parts, and where the heads of a layer keep different numbers (kvzip) none holds the longest head's count -
+    after the reduction, after decoding steps (merge-reduce carries blocks up the levels) and after a .kvz
     round trip."""
     m = _model("llama", "sdpa")
     ids = _ids(200)
     full = model_cache(m, ids)
     full_bytes = sum(la.keys.nbytes + la.values.nbytes for la in full.layers)
 
-    def own(red):
-        n = 0
+    def own(red, weights=True):  # the entries attention sees (a head's absent places not held), their
+        n = 0                       # log-weights (a part without any holds none) and the anchors
         for la in red.layers:
-            n += la.keys.nbytes + la.values.nbytes
-            for t in (getattr(la, "beta", None), getattr(la, "anchor", None)):
-                n += 0 if t is None else t.nbytes
+            k, v, beta = la.keys, la.values, getattr(la, "beta", None)
+            kept = round(la.counted() * k.shape[0] * k.shape[1]) if isinstance(la, ReducedLayer) else k.shape[2]
+            n += kept * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size()
+                         + (0 if beta is None or not weights else beta.element_size()))
+            n += 0 if getattr(la, "anchor", None) is None else la.anchor.nbytes
         return n
 
+    def holds_own(red):
+        return own(red, weights=False) <= red.nbytes() <= own(red)
+
     red = kvcodec.reduce(full, m, keep=0.2, method=method, tokens=ids)
-    # each storage the size of its tensor: the held entries, their log-weights and anchors, nothing else
-    assert red.nbytes() == own(red) < 0.5 * full_bytes
+    assert holds_own(red) and red.nbytes() < 0.4 * full_bytes
     m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=red, max_new_tokens=20, do_sample=False,
                pad_token_id=0)
-    assert red.nbytes() == own(red)
+    assert holds_own(red)
     back = kvcodec.decode(kvcodec.encode(red), m)  # log-weights decode as a tensor, zeros where the cache had none
-    assert back.nbytes() == own(back) < 0.5 * full_bytes
+    assert holds_own(back) and back.nbytes() < 0.4 * full_bytes
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(red.reduced_layers(), back.reduced_layers()))
 
 

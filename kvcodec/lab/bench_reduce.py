@@ -388,8 +388,8 @@ def to_markdown(res) -> str:
              f"Model {res['model']}; {res['documents']} documents of {res['context']} tokens "
              f"({', '.join(res['files'])}); {res['questions']} questions (needle + cloze) per method and budget; "
              "every method keeps the same entries per KV head (kvzip: on average over the layers; with allocation "
-             "heads or layer-heads over the heads too, each layer holding its longest head's, the others' extra "
-             "places masked: \"holds\"); seed "
+             "heads or layer-heads over the heads too: attention then pads each layer to its longest head, the "
+             "others' extra places masked: \"pads to\"; the cache holds only the kept entries); seed "
              f"{res['seed']}. Answer NLL ratio = total answer NLL under the method / under the full cache "
              "(1.00 = no loss). Δ bits = mean paired change of the answer's log2-likelihood (negative = worse), "
              "95 % bootstrap CI, exact sign-test p. Needle: greedy exact match (full cache in brackets). "
@@ -404,8 +404,8 @@ def to_markdown(res) -> str:
              "reduce s |", "|---:|---|---:|---:|---|---:|---|---:|---:|"]
     for s in res["summary"]:
         lo, hi = s["delta_bits_ci95"]
-        held = s.get("held_mean", s["entries_mean"])  # heads keeping fewer than their layer: the layer holds more
-        ent = f"{s['entries_mean']:.0f}" + (f" (holds {held:.0f})" if held - s["entries_mean"] >= 0.5 else "")
+        held = s.get("held_mean", s["entries_mean"])  # heads keeping fewer than their layer: attention pads to more
+        ent = f"{s['entries_mean']:.0f}" + (f" (pads to {held:.0f})" if held - s["entries_mean"] >= 0.5 else "")
         lines.append(f"| {s['keep']:g} | {s['method']} | {ent} | {s['nll_ratio']:.3f} | "
                      f"{s['delta_bits_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {s['sign_test_p']:.3f} | "
                      f"{s['needle_exact']:.2f} ({s['needle_exact_full']:.2f}) | "

@@ -404,10 +404,10 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     :func:`replay_observation` returned for this cache.  ``allocation``: ``"uniform"`` - every KV head of every
     layer keeps the same number of entries (the default of every method but ``kvzip``); ``"heads"`` (``kvzip``
     only, its default; KVzip's own rule) - the same total, spread over the layers and over the heads of each
-    layer: one ranking of every head's replay scores over all layers (:func:`head_budgets`).  A layer then holds
-    its longest head's count; each other head's extra places are absent (zero, log-weight -inf: never attended
-    to), and a ``.kvz`` file (format 1.8) stores only the kept entries, so the file pays for the budget while
-    the decoded tensors hold the longest head's.  Spread over the layers only, every head of a layer keeping as
+    layer: one ranking of every head's replay scores over all layers (:func:`head_budgets`).  The cache holds
+    each head's kept entries only; while attention runs, a layer's tensors are padded to its longest head's
+    count, the other heads' extra places absent (zero, log-weight -inf: never attended to), and a ``.kvz`` file
+    (format 1.8) stores only the kept entries.  Spread over the layers only, every head of a layer keeping as
     many (format 1.7): ``"ranks"`` - a layer's r-th place is worth the mean of its heads' r-th largest replay
     score, and the best places of all layers win (:func:`rank_budgets`); ``"layers"`` - each layer's mean share
     of the top single scores of every layer and head (:func:`layer_budgets`, which favours a layer with one

@@ -84,6 +84,13 @@ class ReducedLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, plan: Plan, layer_idx: int, scaling: float):
+        # storage (properties below): the fixed part as given, or packed (its heads keeping different numbers);
+        # keys / values / beta held, or assembled on demand (packed layers: the padded tensors live only while
+        # attention uses them)
+        self._fixed = None
+        self._packed = None  # (keys [N, D], values [N, Dv], beta [N], counts [B][H], longest) or None
+        self._keys = self._values = self._beta = None
+        self._lazy = False
         super().__init__()
         self.plan, self.layer_idx, self.scaling = plan, layer_idx, scaling
         self.fixed = None  # (k, v, beta) or None
@@ -95,16 +102,68 @@ class ReducedLayer(DynamicLayer):
         self.blocks = 0
         self.anchor = None  # [b, kv_heads, d] query the reducers tilt the masses at, or None: kernel masses
 
+    # --- storage -----------------------------------------------------------------------------------------------
+    @property
+    def fixed(self):
+        """``(keys, values, beta-or-None)`` of the fixed part, ``[b, h, n, d]`` (a packed part is padded: each
+        head's absent places zero, log-weight -inf), or None."""
+        return self._unpack() if self._packed is not None else self._fixed
+
+    @fixed.setter
+    def fixed(self, part):
+        self._fixed, self._packed = part, None
+
+    def _held(self, i):
+        if self._lazy:
+            return self.assemble()[i]
+        return (self._keys, self._values, self._beta)[i]
+
+    def _set(self, i, t):
+        if self._lazy:  # something set one tensor from outside (transformers' offloading): hold them all
+            self._keys, self._values, self._beta = self.assemble()
+            self._lazy = False
+        if i == 0:
+            self._keys = t
+        elif i == 1:
+            self._values = t
+        else:
+            self._beta = t
+
+    keys = property(lambda self: self._held(0), lambda self, t: self._set(0, t))
+    values = property(lambda self: self._held(1), lambda self, t: self._set(1, t))
+    beta = property(lambda self: self._held(2), lambda self, t: self._set(2, t))
+
+    def _unpack(self):
+        k, v, beta, counts, n = self._packed
+        b, h = len(counts), len(counts[0])
+        keys, values = k.new_zeros(b, h, n, k.shape[1]), v.new_zeros(b, h, n, v.shape[1])
+        w = beta.new_full((b, h, n), float("-inf"))
+        at = 0
+        for i in range(b):
+            for j in range(h):
+                c = counts[i][j]
+                keys[i, j, :c], values[i, j, :c], w[i, j, :c] = k[at:at + c], v[at:at + c], beta[at:at + c]
+                at += c
+        return keys, values, w
+
+    @staticmethod
+    def _pack(part, counts):
+        """``part`` (padded keys, values, beta) as one tensor each of every head's kept entries, in (row, head)
+        order: new storage, only what the heads keep."""
+        rows = [(i, j, c) for i, r in enumerate(counts) for j, c in enumerate(r)]
+        return (torch.cat([part[0][i, j, :c] for i, j, c in rows]), torch.cat([part[1][i, j, :c] for i, j, c in rows]),
+                torch.cat([part[2][i, j, :c] for i, j, c in rows]), counts, int(part[0].shape[2]))
+
     # --- state -------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
         self.sinks = (_empty(key_states), _empty(value_states))
         self.buffer = (_empty(key_states), _empty(value_states))
 
-    def _parts(self):
-        """(keys, values, beta-or-None) of every part, oldest first."""
+    def _parts(self, fixed: bool = True):
+        """(keys, values, beta-or-None) of every part, oldest first (``fixed=False``: but the fixed part)."""
         out = []
-        if self.fixed is not None:
+        if fixed and self.fixed is not None:
             out.append(self.fixed)
         out.append((*self.sinks, None))
         for s in reversed(self.levels):
@@ -114,6 +173,8 @@ class ReducedLayer(DynamicLayer):
         return out
 
     def assemble(self):
+        if self._packed is not None:
+            return self._assemble_packed()
         parts = self._parts()
         keys = torch.cat([p[0] for p in parts], dim=2)
         values = torch.cat([p[1] for p in parts], dim=2)
@@ -123,13 +184,54 @@ class ReducedLayer(DynamicLayer):
         beta = torch.cat([p[2] if p[2] is not None else torch.zeros(b, h, p[0].shape[2]) for p in parts], dim=2)
         return keys, values, beta
 
+    def _assemble_packed(self):
+        """:meth:`assemble` of a packed layer: the padded tensors written once (each head's kept entries, then the
+        other parts), not unpacked and then concatenated."""
+        k, v, w, counts, n = self._packed
+        parts = self._parts(fixed=False)
+        b, h = len(counts), len(counts[0])
+        total = n + sum(p[0].shape[2] for p in parts)
+        keys, values = k.new_zeros(b, h, total, k.shape[1]), v.new_zeros(b, h, total, v.shape[1])
+        beta = w.new_zeros(b, h, total)
+        beta[:, :, :n] = float("-inf")
+        at = 0
+        for i in range(b):
+            for j in range(h):
+                c = counts[i][j]
+                keys[i, j, :c], values[i, j, :c], beta[i, j, :c] = k[at:at + c], v[at:at + c], w[at:at + c]
+                at += c
+        at = n
+        for p in parts:
+            m = p[0].shape[2]
+            keys[:, :, at:at + m], values[:, :, at:at + m] = p[0], p[1]
+            if p[2] is not None:
+                beta[:, :, at:at + m] = p[2]
+            at += m
+        return keys, values, beta
+
     def _hold(self, assembled) -> None:
         """Hold ``assembled`` (what :meth:`assemble` returned) as the layer's ``keys`` / ``values`` / ``beta``, every
         part then a view of it: the layer keeps one copy of its entries, and no part keeps alive the storage it
         was cut from (the whole cache a sink or a selection was sliced out of, the previous step's tensors)."""
         keys, values, beta = assembled
-        self.keys, self.values, self.beta = keys, values, beta
         at = 0
+        fixed = None if self._packed is None else self._packed
+        if fixed is None and self._fixed is not None:
+            n = self._fixed[0].shape[2]
+            part = (keys[:, :, :n], values[:, :, :n], None if self._fixed[2] is None else beta[:, :, :n])
+            counts = self._heads(part)
+            if counts is not None:  # its heads keep different numbers: kept entries only, padded when used
+                fixed = self._pack(part, counts)
+        if fixed is not None:
+            n = fixed[4]
+            keys, values = keys[:, :, n:].clone(), values[:, :, n:].clone()
+            beta = None if beta is None else beta[:, :, n:].clone()
+            self._keys = self._values = self._beta = None
+            self._lazy = True
+            self._packed, self._fixed = fixed, None
+        else:
+            self._keys, self._values, self._beta = keys, values, beta
+            self._lazy = False
 
         def view(part):  # (k, v) -> (k, v); (k, v, beta-or-None) -> the same
             nonlocal at
@@ -140,8 +242,8 @@ class ReducedLayer(DynamicLayer):
             at += n
             return out
 
-        if self.fixed is not None:
-            self.fixed = view(self.fixed)
+        if self._fixed is not None:
+            self._fixed = view(self._fixed)
         self.sinks = view(self.sinks)
         for lvl in range(len(self.levels) - 1, -1, -1):  # assembled highest level first
             if self.levels[lvl] is not None:
@@ -157,7 +259,10 @@ class ReducedLayer(DynamicLayer):
         self._hold(self.assemble())
 
     def entries(self) -> int:
-        """Entries held per KV head (the length of the layer's key tensor)."""
+        """Entries per KV head of the layer's key tensor (a packed layer's: its longest head's)."""
+        if self._lazy:
+            rest = [self.sinks, self.buffer] + [x for x in self.levels if x is not None]
+            return self._packed[4] + sum(int(p[0].shape[2]) for p in rest)
         return 0 if self.keys is None or self.keys.dim() < 3 else int(self.keys.shape[2])
 
     def counted(self) -> float:
@@ -282,13 +387,18 @@ class ReducedLayer(DynamicLayer):
                           anchor=None if anchor is None else anchor.float().contiguous(), parts=parts,
                           scaling=float(self.scaling))
 
-    def _heads(self):
-        """(format 1.8) per batch row and KV head, the fixed entries each head holds, when the heads hold different
-        numbers: each head's absent places (log-weight -inf) are the last of the fixed part, and the longest head
-        fills it; else None (every entry is stored, whatever its log-weight)."""
-        if self.fixed is None or self.fixed[2] is None or self.fixed[2].shape[2] == 0:
+    def _heads(self, fixed=None):
+        """(format 1.8) per batch row and KV head, the entries each head holds of the fixed part (``fixed``,
+        default the layer's), when the heads hold different numbers: each head's absent places (log-weight -inf)
+        are the last of the fixed part, and the longest head fills it; else None (every entry is stored,
+        whatever its log-weight)."""
+        if fixed is None:
+            if self._packed is not None:
+                return [list(r) for r in self._packed[3]]
+            fixed = self._fixed
+        if fixed is None or fixed[2] is None or fixed[2].shape[2] == 0:
             return None
-        beta = self.fixed[2]
+        beta = fixed[2]
         gone = torch.isneginf(beta)
         if not gone.any():
             return None
@@ -296,7 +406,7 @@ class ReducedLayer(DynamicLayer):
         if not torch.equal(gone, torch.arange(beta.shape[2], device=beta.device)[None, None, :] >= n[..., None]) \
                 or int(n.max()) != beta.shape[2]:
             return None
-        if any(nonzero_entries(t)[gone].any() for t in self.fixed[:2]):  # masked entries holding data: stored
+        if any(nonzero_entries(t)[gone].any() for t in fixed[:2]):  # masked entries holding data: stored
             return None
         return n.tolist()
 
