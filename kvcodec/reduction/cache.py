@@ -133,18 +133,21 @@ class ReducedLayer(DynamicLayer):
     values = property(lambda self: self._held(1), lambda self, t: self._set(1, t))
     beta = property(lambda self: self._held(2), lambda self, t: self._set(2, t))
 
-    def _unpack(self):
-        k, v, beta, counts, n = self._packed
+    def _unpack(self, extra: int = 0):
+        """The packed fixed part padded (each head's kept entries, then zeros at log-weight -inf), with ``extra``
+        more places (zero, log-weight 0) after it for the other parts."""
+        k, v, w, counts, n = self._packed
         b, h = len(counts), len(counts[0])
-        keys, values = k.new_zeros(b, h, n, k.shape[1]), v.new_zeros(b, h, n, v.shape[1])
-        w = beta.new_full((b, h, n), float("-inf"))
+        keys, values = k.new_zeros(b, h, n + extra, k.shape[1]), v.new_zeros(b, h, n + extra, v.shape[1])
+        beta = w.new_zeros(b, h, n + extra)
+        beta[:, :, :n] = float("-inf")
         at = 0
         for i in range(b):
             for j in range(h):
                 c = counts[i][j]
-                keys[i, j, :c], values[i, j, :c], w[i, j, :c] = k[at:at + c], v[at:at + c], beta[at:at + c]
+                keys[i, j, :c], values[i, j, :c], beta[i, j, :c] = k[at:at + c], v[at:at + c], w[at:at + c]
                 at += c
-        return keys, values, w
+        return keys, values, beta
 
     @staticmethod
     def _pack(part, counts):
@@ -187,19 +190,9 @@ class ReducedLayer(DynamicLayer):
     def _assemble_packed(self):
         """:meth:`assemble` of a packed layer: the padded tensors written once (each head's kept entries, then the
         other parts), not unpacked and then concatenated."""
-        k, v, w, counts, n = self._packed
+        n = self._packed[4]
         parts = self._parts(fixed=False)
-        b, h = len(counts), len(counts[0])
-        total = n + sum(p[0].shape[2] for p in parts)
-        keys, values = k.new_zeros(b, h, total, k.shape[1]), v.new_zeros(b, h, total, v.shape[1])
-        beta = w.new_zeros(b, h, total)
-        beta[:, :, :n] = float("-inf")
-        at = 0
-        for i in range(b):
-            for j in range(h):
-                c = counts[i][j]
-                keys[i, j, :c], values[i, j, :c], beta[i, j, :c] = k[at:at + c], v[at:at + c], w[at:at + c]
-                at += c
+        keys, values, beta = self._unpack(sum(p[0].shape[2] for p in parts))
         at = n
         for p in parts:
             m = p[0].shape[2]
