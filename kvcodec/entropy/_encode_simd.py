@@ -29,7 +29,7 @@ import ctypes
 
 import numpy as np
 
-from ._lanes_simd import _PERMD, class_constants, class_table, jit
+from ._lanes_simd import PERMD, class_constants, class_table, jit
 from ._rans_numba import RANS_L
 
 
@@ -209,7 +209,7 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
 
 
 def _build(W: int):
-    feat, permd = _PERMD.get(W, (None, None))
+    feat, permd = PERMD.get(W, (None, None))
     return lambda features: _ir(W, permd if feat in features.split(",") else None)
 
 

@@ -308,7 +308,8 @@ def class_table(a, W: int, prev: str, ref_mag: str, mmv: str, kb1v: str, sfx: st
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
              ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
-_PERMD = {8: ("+avx2", "@llvm.x86.avx2.permd"), 16: ("+avx512f", "@llvm.x86.avx512.permvar.si.512")}
+#: the target feature and LLVM intrinsic of a lane permute, by lane count (shared with the encoder)
+PERMD = {8: ("+avx2", "@llvm.x86.avx2.permd"), 16: ("+avx512f", "@llvm.x86.avx512.permvar.si.512")}
 #: streams decoded together (one loop, independent chains: the gathers' latencies overlap)
 STREAMS = 3
 
@@ -349,7 +350,7 @@ def jit(key, build, symbol: str, restype, argtypes):
 
 
 def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
-    feat, permd = _PERMD.get(W, (None, None))
+    feat, permd = PERMD.get(W, (None, None))
     return jit(("lanes", W, K, ety, direct, narrow),
                lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow),
                "dec", ctypes.c_int32, _ARGTYPES)
