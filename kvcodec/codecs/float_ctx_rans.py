@@ -142,19 +142,21 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
     a = np.empty(live.size, dtype=np.int64)
     a[np.argsort(mean, kind="stable")] = np.arange(live.size) * g // live.size
     qs = np.empty(g * used.size)
-    for _ in range(iters):
+    if not python:  # the same exact integer sums in one pass; later passes move only the rows that changed table
+        from ..entropy._rans_numba import move_rows, table_sums
+
+        table_sums(indptr, idx, val, a, used.size, qs)
+    for it in range(iters):
         if python:
             qs = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size)
-        else:  # the same exact integer sums in one pass
-            from ..entropy._rans_numba import table_sums
-
-            table_sums(indptr, idx, val, a, used.size, qs)
+        elif it:
+            move_rows(indptr, idx, val, prev, a, used.size, qs)
         q = qs.reshape(g, used.size) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
         na = _nearest(indptr, idx, val, logq)
         if np.array_equal(na, a):
             break
-        a = na
+        prev, a = a, na
     # renumber used tables densely, in order of first use
     _, first = np.unique(a, return_index=True)
     remap = np.empty(g, dtype=np.int64)

@@ -341,6 +341,23 @@ def table_sums(indptr, idx, val, assign, nused, q):
 
 
 @nb.njit(cache=True, nogil=True)
+def move_rows(indptr, idx, val, old, new, nused, q):
+    """:func:`table_sums` ``q`` of ``old`` made that of ``new``: each row whose table changed has its counts taken
+    from its old table and added to its new one (integer-valued binary64 sums below 2**53 stay exact, so ``q`` is
+    the same as :func:`table_sums` of ``new`` computes).  Returns the rows moved."""
+    moved = 0
+    for r in range(indptr.size - 1):
+        a, b = old[r], new[r]
+        if a == b:
+            continue
+        moved += 1
+        for k in range(indptr[r], indptr[r + 1]):
+            q[a * nused + idx[k]] -= val[k]
+            q[b * nused + idx[k]] += val[k]
+    return moved
+
+
+@nb.njit(cache=True, nogil=True)
 def pack_coding_order(words3, width, ways, out):
     """:func:`pack_bits` of the low ``width`` bits (``<= 32``) of the ``[rows, tokens]`` matrix whose row
     ``bh * D + d`` is ``words3[bh, :, d]``, taken in coding order (groups of ``ways`` rows, token-major), read in
