@@ -22,6 +22,8 @@ from pathlib import Path
 
 
 def held_bytes(cache) -> int:
+    """``ReducedCache.nbytes()``, copied here on purpose: the checkout measured *before* the change (``--checkout``)
+    has no such method, and both sides must be counted by the same code."""
     import torch
 
     seen = {}
