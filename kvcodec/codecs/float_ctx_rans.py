@@ -146,17 +146,17 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
         from ..entropy._rans_numba import move_rows, table_sums
 
         table_sums(indptr, idx, val, a, used.size, qs)
-    for it in range(iters):
+    for _ in range(iters):
         if python:
             qs = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size)
-        elif it:
-            move_rows(indptr, idx, val, prev, a, used.size, qs)
         q = qs.reshape(g, used.size) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
         na = _nearest(indptr, idx, val, logq)
         if np.array_equal(na, a):
             break
-        prev, a = a, na
+        if not python:
+            move_rows(indptr, idx, val, a, na, used.size, qs)
+        a = na
     # renumber used tables densely, in order of first use
     _, first = np.unique(a, return_index=True)
     remap = np.empty(g, dtype=np.int64)
@@ -371,7 +371,8 @@ def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *
                           field="Side", offset=offset + p)
     refs = np.frombuffer(side, dtype="<u2", count=rows)
     if refs.size and int(refs.max()) >= 1 << (k - 1):
-        raise FormatError("a reference symbol has its sign bit set or exceeds the alphabet", field="Side", offset=offset + p)
+        raise FormatError("a reference symbol has its sign bit set or exceeds the alphabet", field="Side",
+                          offset=offset + p)
     ctx_map = np.frombuffer(side, dtype=np.uint8, count=rows * nclass, offset=2 * rows).reshape(rows, nclass)
     if ctx_map.size and int(ctx_map.max()) >= g:
         raise FormatError(f"context map names table {int(ctx_map.max())} of {g}", field="Side", offset=offset + p)
