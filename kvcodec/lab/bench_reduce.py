@@ -144,8 +144,11 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
                 raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
             kw["question"] = question
             continue
+        if o == "rest":  # the evicted tokens as one atom per head (reduce(rest=True))
+            kw["rest"] = True
+            continue
         if key not in ("sinks", "window", "allocation"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question)")
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest)")
         kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None

@@ -330,6 +330,53 @@ def _select_heads(scores, count, sinks: int):
     return idx.masked_fill(~present, 0), present
 
 
+def _gather(keys, values, idx, present):
+    """(keys, values, log-weights or None) of the entries ``idx`` ``[b, h, S]``; ``present`` (None: all) marks the
+    places that hold an entry, the others zero with log-weight -inf."""
+    gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+    gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
+    if present is None or present.all():
+        return gk, gv, None
+    gk, gv = gk.masked_fill(~present[..., None], 0), gv.masked_fill(~present[..., None], 0)
+    return gk, gv, torch.zeros(present.shape, device=present.device).masked_fill(~present, float("-inf"))
+
+
+def _with_rest(keys, values, idx, present):
+    """:func:`_gather` of the kept entries ``idx`` plus, right after each head's kept ones, one atom standing for
+    the tokens the head evicted: their mean key and mean value, log-weight log(count) (``rest=True``: attention
+    gives it count x exp(s <q, mean key>), the evicted tokens' total exp(s <q, k_j>) to first order, a lower bound
+    by Jensen's inequality; a head that evicted nothing has no atom).  The places after a head's entries are
+    absent (zero, -inf), the longest head filling the tensors."""
+    b, h, n, _ = keys.shape
+    if present is None:
+        present = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+    kept = torch.zeros(b, h, n + 1, dtype=torch.bool, device=idx.device)
+    kept.scatter_(2, idx.masked_fill(~present, n), True)  # absent places land in the extra column n
+    evicted = ~kept[..., :n]
+    cnt = evicted.sum(-1)  # [b, h]
+    w = evicted.double() / cnt.clamp_min(1)[..., None]
+    atom_k = (w[..., None] * keys.double()).sum(2).to(keys.dtype)  # [b, h, dk]
+    atom_v = (w[..., None] * values.double()).sum(2).to(values.dtype)
+    nkept = present.sum(-1)  # [b, h]
+    has = cnt > 0
+    width = int((nkept + has.long()).max())
+    gk, gv, _ = _gather(keys, values, idx, present)
+    pad = width - int(idx.shape[-1])
+    if pad > 0:
+        gk = torch.cat([gk, gk.new_zeros(b, h, pad, gk.shape[-1])], 2)
+        gv = torch.cat([gv, gv.new_zeros(b, h, pad, gv.shape[-1])], 2)
+    else:
+        gk, gv = gk[:, :, :width].clone(), gv[:, :, :width].clone()
+    place = torch.arange(width, device=idx.device)[None, None, :]
+    at = (place == nkept[..., None]) & has[..., None]  # the atom's place in each head that has one
+    gk = torch.where(at[..., None], atom_k[:, :, None, :], gk)
+    gv = torch.where(at[..., None], atom_v[:, :, None, :], gv)
+    beta = torch.zeros(b, h, width, device=idx.device)
+    beta = torch.where(at, torch.log(cnt.clamp_min(1).float())[..., None], beta)
+    beta = beta.masked_fill(place >= (nkept + has.long())[..., None], float("-inf"))
+    return gk, gv, beta
+
+
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
     """Indices ``[b, h, budget]`` (ascending) of the tokens a baseline keeps."""
     b, h, n, _ = keys.shape
@@ -383,7 +430,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
            form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK,
-           allocation: str | None = None) -> ReducedCache:
+           allocation: str | None = None, rest: bool = False) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -413,7 +460,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     of the top single scores of every layer and head (:func:`layer_budgets`, which favours a layer with one
     sharp head); ``"layer-heads"`` gives each layer its ``ranks`` total and ranks its heads among themselves.
     Measured on SmolLM2 (BENCHMARKS.md, "Reduce tier"): every spread far ahead of uniform; heads ahead of ranks
-    and ranks ahead of layers on average at every budget measured, the intervals excluding 0 at some of them."""
+    and ranks ahead of layers on average at every budget measured, the intervals excluding 0 at some of them.
+    ``rest`` (the one-shot methods): each KV head that evicts tokens gives one of its entries to an atom standing
+    for all of them - their mean key and value with log-weight log(count), so attention still sees the evicted
+    tokens' mass to first order (the paper's masses on a selection); off by default (BENCHMARKS.md, "Reduce
+    tier", has what it measured)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -439,6 +490,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     if allocation != "uniform" and method != "kvzip":
         raise ValueError(f"allocation {allocation!r} ranks kvzip's replay scores across layers; method {method!r} "
                          "keeps the same number of entries in every layer and head")
+    if rest and method in MERGE_REDUCE:
+        raise ValueError(f"rest= gives a selection's evicted tokens one atom; {method!r} summarises every token "
+                         "already")
     if prompt is not None and method != "kvzip":
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
     if method == "kvzip":
@@ -494,14 +548,14 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                                           "after": question is not None}
             beta, present = None, None
             if i in per_head:
-                idx, present = _select_heads(obs.peak[i], per_head[i], sinks)
+                count = per_head[i]
+                if rest:  # a head that evicts anything gives one of its places to the evicted tokens' atom
+                    count = torch.where(count < n, (count - 1).clamp_min(0), count)
+                idx, present = _select_heads(obs.peak[i], count, sinks)
             else:
-                idx = _select(method, keys, o, per_layer.get(i, entries), sinks)
-            gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-            gv = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
-            if present is not None and not present.all():  # heads holding fewer than the layer: absent places
-                gk, gv = gk.masked_fill(~present[..., None], 0), gv.masked_fill(~present[..., None], 0)
-                beta = torch.zeros(present.shape, device=present.device).masked_fill(~present, float("-inf"))
+                budget_i = per_layer.get(i, entries)
+                idx = _select(method, keys, o, budget_i - 1 if rest and budget_i < n else budget_i, sinks)
+            gk, gv, beta = (_with_rest if rest else _gather)(keys, values, idx, present)
             red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
