@@ -629,10 +629,11 @@ def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_
 
 @pytest.mark.parametrize("alloc", ["uniform", "heads"])
 def test_rest_gives_each_head_s_evicted_tokens_one_atom(alloc):
-    """rest=True: a head that evicts tokens keeps one entry fewer of its own (its sinks and best replay scores,
-    in token order) and, right after them, one atom: the mean key and mean value of every token it evicted,
-    log-weight log(count); the same number of entries as without rest.  The file keeps the atom bit for bit,
-    and a merge-reduce method, whose atoms summarise every token already, refuses the option."""
+    """rest=True: a head that evicts tokens and keeps more than its sinks keeps one entry fewer of its own (its
+    sinks and best replay scores, in token order) and, right after them, one atom: the mean key and mean value
+    of every token it evicted, log-weight log(count); the same number of entries as without rest, and a head
+    that keeps only its sinks keeps them all, with no atom.  The file keeps the atom bit for bit, and a
+    merge-reduce method, whose atoms summarise every token already, refuses the option."""
     import copy
 
     from kvcodec.reduction import head_budgets, replay_observation
@@ -641,33 +642,47 @@ def test_rest_gives_each_head_s_evicted_tokens_one_atom(alloc):
     ids = _ids(120)
     cache = model_cache(m, ids)
     obs = replay_observation(cache, m, ids)
-    e = plan_for(120, budget=30)[2]
-    peaks = {i: obs.peak[i] for i in range(len(cache.layers))}
-    want = head_budgets(peaks, e, 4) if alloc == "heads" else None
-    red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation=alloc, rest=True)
-    assert red.counted() == pytest.approx(e)
-    for li, (layer, la) in enumerate(zip(cache.layers, red.layers)):
-        for h in range(layer.keys.shape[1]):
-            c = int(want[li][0, h]) if want is not None else e
-            kept = _kept_positions(la.keys[:, h:h + 1, :c - 1], layer.keys[:, h:h + 1])[0][0]
-            assert (kept[:4] == torch.arange(4)).all() and (kept.diff() > 0).all()
-            sc = obs.peak[li][0, h]
-            assert (sc[kept[4:]] >= sc[4:].topk(c - 5).values[-1]).all()
-            out = torch.ones(120, dtype=torch.bool)
-            out[kept] = False
-            k64, v64 = layer.keys[0, h].double(), layer.values[0, h].double()
-            # (float64 means in another summation order: equal to float32 rounding)
-            torch.testing.assert_close(la.keys[0, h, c - 1], k64[out].mean(0).to(la.keys.dtype), rtol=1e-6, atol=1e-7)
-            torch.testing.assert_close(la.values[0, h, c - 1], v64[out].mean(0).to(la.values.dtype), rtol=1e-6,
-                                       atol=1e-7)
-            beta = _beta(la)[0, h]
-            assert (beta[:c - 1] == 0).all() and beta[c - 1] == torch.log(torch.tensor(float(out.sum())))
-            assert torch.isneginf(beta[c:]).all() and not la.keys[0, h, c:].any()
-    back = kvcodec.decode(kvcodec.encode(red), m)
-    for a, b in zip(red.layers, back.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
-    nxt = _ids(6, 7)
-    assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(red)).logits)
+    # a second observation in which layer 0's scores lose every place to layer 1's: its head keeps its sinks only
+    flat = copy.copy(obs)
+    flat.peak = {**obs.peak, 0: torch.full_like(obs.peak[0], -1.0)}
+    atoms = sinks_only = 0
+    for budget, obs in ((30, obs), (30, flat), (12, obs)):
+        peaks = {i: obs.peak[i] for i in range(len(cache.layers))}
+        e = plan_for(120, budget=budget)[2]
+        want = head_budgets(peaks, e, 4) if alloc == "heads" else None
+        red = kvcodec.reduce(cache, m, budget=budget, method="kvzip", observation=obs, allocation=alloc, rest=True)
+        assert red.counted() == pytest.approx(e)
+        for li, (layer, la) in enumerate(zip(cache.layers, red.layers)):
+            for h in range(layer.keys.shape[1]):
+                c = int(want[li][0, h]) if want is not None else e
+                if c <= 4:  # only sinks: all kept, no atom
+                    sinks_only += 1
+                    kept = _kept_positions(la.keys[:, h:h + 1, :c], layer.keys[:, h:h + 1])[0][0]
+                    assert (kept == torch.arange(c)).all() and (_beta(la)[0, h, :c] == 0).all()
+                    continue
+                atoms += 1
+                kept = _kept_positions(la.keys[:, h:h + 1, :c - 1], layer.keys[:, h:h + 1])[0][0]
+                assert (kept[:4] == torch.arange(4)).all() and (kept.diff() > 0).all()
+                sc = obs.peak[li][0, h]
+                if c > 5:
+                    assert (sc[kept[4:]] >= sc[4:].topk(c - 5).values[-1]).all()
+                out = torch.ones(120, dtype=torch.bool)
+                out[kept] = False
+                k64, v64 = layer.keys[0, h].double(), layer.values[0, h].double()
+                # (float64 means in another summation order: equal to float32 rounding)
+                torch.testing.assert_close(la.keys[0, h, c - 1], k64[out].mean(0).to(la.keys.dtype), rtol=1e-6,
+                                           atol=1e-7)
+                torch.testing.assert_close(la.values[0, h, c - 1], v64[out].mean(0).to(la.values.dtype), rtol=1e-6,
+                                           atol=1e-7)
+                beta = _beta(la)[0, h]
+                assert (beta[:c - 1] == 0).all() and beta[c - 1] == torch.log(torch.tensor(float(out.sum())))
+                assert torch.isneginf(beta[c:]).all() and not la.keys[0, h, c:].any()
+        back = kvcodec.decode(kvcodec.encode(red), m)
+        for a, b in zip(red.layers, back.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
+        nxt = _ids(6, 7)
+        assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(red)).logits)
+    assert atoms and (sinks_only or alloc == "uniform")
     with pytest.raises(ValueError, match="rest="):
         kvcodec.reduce(cache, m, budget=30, method="cluster", rest=True)
 

@@ -341,12 +341,12 @@ def _gather(keys, values, idx, present):
     return gk, gv, torch.zeros(present.shape, device=present.device).masked_fill(~present, float("-inf"))
 
 
-def _with_rest(keys, values, idx, present):
-    """:func:`_gather` of the kept entries ``idx`` plus, right after each head's kept ones, one atom standing for
-    the tokens the head evicted: their mean key and mean value, log-weight log(count) (``rest=True``: attention
-    gives it count x exp(s <q, mean key>), the evicted tokens' total exp(s <q, k_j>) to first order, a lower bound
-    by Jensen's inequality; a head that evicted nothing has no atom).  The places after a head's entries are
-    absent (zero, -inf), the longest head filling the tensors."""
+def _with_rest(keys, values, idx, present, atom):
+    """:func:`_gather` of the kept entries ``idx`` plus, right after each head's kept ones where ``atom`` ``[b, h]``
+    is set, one atom standing for the tokens the head evicted: their mean key and mean value, log-weight
+    log(count) (``rest=True``: attention gives it count x exp(s <q, mean key>), the evicted tokens' total
+    exp(s <q, k_j>) to first order, a lower bound by Jensen's inequality; a head that evicted nothing has no
+    atom).  The places after a head's entries are absent (zero, -inf), the longest head filling the tensors."""
     b, h, n, _ = keys.shape
     if present is None:
         present = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
@@ -358,7 +358,7 @@ def _with_rest(keys, values, idx, present):
     atom_k = (w[..., None] * keys.double()).sum(2).to(keys.dtype)  # [b, h, dk]
     atom_v = (w[..., None] * values.double()).sum(2).to(values.dtype)
     nkept = present.sum(-1)  # [b, h]
-    has = cnt > 0
+    has = (cnt > 0) & atom.to(cnt.device)
     width = int((nkept + has.long()).max())
     gk, gv, _ = _gather(keys, values, idx, present)
     pad = width - int(idx.shape[-1])
@@ -546,16 +546,16 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                                           "received": obs.received.get(i), "seen": obs.seen.get(i),
                                           "peak": obs.peak.get(i), "last": obs.last.get(i),
                                           "after": question is not None}
-            beta, present = None, None
+            present = None
+            count = per_head[i] if i in per_head else torch.full((batch, keys.shape[1]), per_layer.get(i, entries))
+            # rest: a head that evicts tokens and keeps more than its sinks gives its last-ranked place to the
+            # evicted tokens' atom (the sinks are never given up)
+            atom = (count < n) & (count > sinks) if rest else torch.zeros(count.shape, dtype=torch.bool)
             if i in per_head:
-                count = per_head[i]
-                if rest:  # a head that evicts anything gives one of its places to the evicted tokens' atom
-                    count = torch.where(count < n, (count - 1).clamp_min(0), count)
-                idx, present = _select_heads(obs.peak[i], count, sinks)
+                idx, present = _select_heads(obs.peak[i], count - atom.long(), sinks)
             else:
-                budget_i = per_layer.get(i, entries)
-                idx = _select(method, keys, o, budget_i - 1 if rest and budget_i < n else budget_i, sinks)
-            gk, gv, beta = (_with_rest if rest else _gather)(keys, values, idx, present)
+                idx = _select(method, keys, o, int(count.max()) - int(atom.any()), sinks)
+            gk, gv, beta = _with_rest(keys, values, idx, present, atom) if rest else _gather(keys, values, idx, present)
             red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
