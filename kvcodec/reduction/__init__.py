@@ -361,12 +361,10 @@ def _with_rest(keys, values, idx, present, atom):
     has = (cnt > 0) & atom.to(cnt.device)
     width = int((nkept + has.long()).max())
     gk, gv, _ = _gather(keys, values, idx, present)
-    pad = width - int(idx.shape[-1])
-    if pad > 0:
+    pad = width - int(idx.shape[-1])  # 0 or 1: the longest head's atom, if it has one
+    if pad:
         gk = torch.cat([gk, gk.new_zeros(b, h, pad, gk.shape[-1])], 2)
         gv = torch.cat([gv, gv.new_zeros(b, h, pad, gv.shape[-1])], 2)
-    else:
-        gk, gv = gk[:, :, :width].clone(), gv[:, :, :width].clone()
     place = torch.arange(width, device=idx.device)[None, None, :]
     at = (place == nkept[..., None]) & has[..., None]  # the atom's place in each head that has one
     gk = torch.where(at[..., None], atom_k[:, :, None, :], gk)
