@@ -344,17 +344,13 @@ def table_sums(indptr, idx, val, assign, nused, q):
 def move_rows(indptr, idx, val, old, new, nused, q):
     """:func:`table_sums` ``q`` of ``old`` made that of ``new``: each row whose table changed has its counts taken
     from its old table and added to its new one (integer-valued binary64 sums below 2**53 stay exact, so ``q`` is
-    the same as :func:`table_sums` of ``new`` computes).  Returns the rows moved."""
-    moved = 0
+    the same as :func:`table_sums` of ``new`` computes)."""
     for r in range(indptr.size - 1):
         a, b = old[r], new[r]
-        if a == b:
-            continue
-        moved += 1
-        for k in range(indptr[r], indptr[r + 1]):
-            q[a * nused + idx[k]] -= val[k]
-            q[b * nused + idx[k]] += val[k]
-    return moved
+        if a != b:
+            for k in range(indptr[r], indptr[r + 1]):
+                q[a * nused + idx[k]] -= val[k]
+                q[b * nused + idx[k]] += val[k]
 
 
 @nb.njit(cache=True, nogil=True)
