@@ -687,6 +687,101 @@ def test_rest_gives_each_head_s_evicted_tokens_one_atom(alloc):
         kvcodec.reduce(cache, m, budget=30, method="cluster", rest=True)
 
 
+def _block_attention(q, keys, values, beta, scaling):
+    """(mass, output) of a block of entries seen from queries ``q`` ``[m, d]``: sum_j exp(s<q, k_j> + beta_j) and
+    the attention output over the block alone (float64)."""
+    logits = scaling * q.double() @ keys.double().T + beta.double()
+    return torch.logsumexp(logits, -1), torch.softmax(logits, -1) @ values.double()
+
+
+def test_fit_recovers_a_block_of_repeated_tokens_exactly(monkeypatch):
+    """Attention matching (kvcodec.reduction.fit): a head whose 40 tokens are 8 distinct (key, value) pairs,
+    each repeated 5 times, kept as one copy of each: the fitted masses are 5 (log-weight log 5) and the values
+    unchanged, so the block's mass and output are the whole block's for queries the fit never saw too; the plain
+    selection (masses 1) gets the output right but the mass 5 times too small; the block's attention computed
+    in steps of 7 keys gives the same fit.  A head that keeps every token gets masses 1 and its own values
+    back."""
+    from kvcodec.reduction.fit import fit_head
+
+    g = torch.Generator().manual_seed(3)
+    d, s = 16, 0.25
+    base_k, base_v = torch.randn(8, d, generator=g), torch.randn(8, d, generator=g)
+    keys, values = base_k.repeat_interleave(5, 0), base_v.repeat_interleave(5, 0)
+    ref, unseen = torch.randn(300, d, generator=g), torch.randn(50, d, generator=g)
+    x, lw = fit_head(keys, values, base_k, base_v, ref, s)
+    torch.testing.assert_close(lw, torch.full((8,), math.log(5.0), dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(x, base_v.double(), rtol=0, atol=1e-6)  # (the products are float32's)
+    want_m, want_o = _block_attention(unseen, keys, values, torch.zeros(40), s)
+    got_m, got_o = _block_attention(unseen, base_k, x, lw, s)
+    torch.testing.assert_close(got_m, want_m, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-6)
+    plain_m, _ = _block_attention(unseen, base_k, base_v, torch.zeros(8), s)
+    assert (want_m - plain_m - math.log(5.0)).abs().max() < 1e-6  # what the fit corrects
+    from kvcodec.reduction import fit as fit_module
+
+    monkeypatch.setattr(fit_module, "KEY_CHUNK", 7)  # the block's attention in 6 steps: the same fit
+    x7, lw7 = fit_head(keys, values, base_k, base_v, ref, s)
+    torch.testing.assert_close(x7, x, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lw7, lw, rtol=0, atol=1e-6)
+    keys, values = torch.randn(30, d, generator=g), torch.randn(30, d, generator=g)
+    x, lw = fit_head(keys, values, keys, values, ref, s)
+    assert lw.abs().max() < 1e-4
+    torch.testing.assert_close(x, values.double(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("alloc", ["uniform", "heads"])
+def test_fit_matches_the_whole_cache_s_attention_better_than_the_selection(alloc):
+    """reduce(fit=True) (kvzip): the same keys as the plain selection, each head's log-weights and values
+    refitted; on the replay's queries each head's block mass is closer to the whole cache's (summed over the
+    heads) and its output too; a head that keeps every token is untouched.  Bit for bit through a file, logits
+    equal after decode, generate() runs; other methods and an observation without reference queries are
+    refused."""
+    import copy
+
+    from kvcodec.reduction import replay_observation
+
+    m = _model("llama")
+    ids = _ids(120)
+    cache = model_cache(m, ids)
+    obs = replay_observation(cache, m, ids)
+    assert all(obs.reference[i].shape[:2] == (1, m.config.num_attention_heads) for i in range(len(cache.layers)))
+    scale = att.scalings(m)
+    plain = kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs, allocation=alloc)
+    fitted = kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs, allocation=alloc, fit=True)
+    err = {"plain": [0.0, 0.0], "fit": [0.0, 0.0]}
+    for li, (layer, a, b) in enumerate(zip(cache.layers, plain.layers, fitted.layers)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(torch.isneginf(_beta(a)), torch.isneginf(_beta(b)))
+        heads = layer.keys.shape[1]
+        group = obs.reference[li].shape[1] // heads
+        for h in range(heads):
+            q = obs.reference[li][0, h * group:(h + 1) * group].reshape(-1, layer.keys.shape[-1])
+            want_m, want_o = _block_attention(q, layer.keys[0, h], layer.values[0, h], torch.zeros(120), scale[li])
+            live = torch.isfinite(_beta(b)[0, h])
+            if int(live.sum()) == 120:
+                assert torch.equal(a.values[0, h], b.values[0, h]) and not _beta(b)[0, h].any()
+                continue
+            for name, la in (("plain", a), ("fit", b)):
+                got_m, got_o = _block_attention(q, la.keys[0, h, live], la.values[0, h, live], _beta(la)[0, h, live],
+                                                scale[li])
+                err[name][0] += float((got_m - want_m).square().mean())
+                err[name][1] += float((got_o - want_o).square().sum(-1).mean())
+    assert err["fit"][0] < 0.5 * err["plain"][0] and err["fit"][1] < err["plain"][1]
+    back = kvcodec.decode(kvcodec.encode(fitted), m)
+    for a, b in zip(fitted.layers, back.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
+    nxt = _ids(6, 7)
+    assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(fitted)).logits)
+    out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(fitted), max_new_tokens=3,
+                     do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 129)
+    with pytest.raises(ValueError, match="fit="):
+        kvcodec.reduce(cache, m, budget=20, method="snapkv", tokens=ids, fit=True)
+    bare = copy.copy(obs)
+    bare.reference = {}
+    with pytest.raises(ValueError, match="reference queries"):
+        kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=bare, fit=True)
+
+
 def test_heads_headers_and_weights_are_checked():
     """spec section 14.2 (1.8): parts.heads lists each row's heads, each at most fixed, the longest fixed and some
     shorter; absent entries (and only they) have log-weight -inf; a file with heads stamped below 1.8 is

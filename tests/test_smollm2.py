@@ -191,7 +191,7 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
 def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, smollm2):
     """`kvz encode --reduce-method kvzip`: a 1.8 file (the heads of a layer keep different numbers: KVzip's
     default allocation) holding what kvcodec.reduce keeps with KVzip's repeat instruction in SmolLM2's tokens
-    (not what it keeps without it)."""
+    (not what it keeps without it); with `--reduce-fit`, what reduce(fit=True) makes of the same selection."""
     from kvcodec.cli import main
     from kvcodec.reduction import REPEAT_PROMPT
 
@@ -220,6 +220,19 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
                  "kvzip", "--reduce-allocation", "uniform", "--tier", "lossless", "--dtype", "fp32", "-o", str(same),
                  "--json"]) == 0
     assert kvcodec.inspect(same)["reduce"]["entries_range"] == [info["reduce"]["entries"]] * 2
+    fitted = tmp_path / "f.kvz"  # --reduce-fit: the same keys, the values and log-weights of reduce(fit=True)
+    assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
+                 "kvzip", "--reduce-fit", "--tier", "lossless", "--dtype", "fp32", "-o", str(fitted), "--json"]) == 0
+    want_fit = kvcodec.reduce(cache, model, 0.25, "kvzip", tokens=ids, prompt=prompt, fit=True)
+    got_fit = kvcodec.load(fitted, model)
+
+    def beta(la):  # None: every entry at log-weight 0
+        return la.beta if la.beta is not None else torch.zeros(la.keys.shape[:3])
+
+    for a, b, c in zip(got_fit.reduced_layers(), want_fit.reduced_layers(), want.reduced_layers()):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.keys, c.keys)
+        assert torch.equal(a.values, b.values) and torch.equal(beta(a), beta(b))
+    assert not all(torch.equal(a.values, c.values) for a, c in zip(got_fit.layers, want.layers))
 
 
 def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smollm2):

@@ -144,11 +144,11 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
                 raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
             kw["question"] = question
             continue
-        if o == "rest":  # the evicted tokens as one atom per head (reduce(rest=True))
-            kw["rest"] = True
+        if o in ("rest", "fit"):  # reduce(rest=True): the evicted tokens as one atom per head; reduce(fit=True)
+            kw[o] = True
             continue
         if key not in ("sinks", "window", "allocation"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest)")
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit)")
         kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None
@@ -184,7 +184,8 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
             t_replay = 0.0
             if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
                 t0 = time.perf_counter()
-                obs.peak = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT)).peak
+                replay = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT))
+                obs.peak, obs.reference = replay.peak, replay.reference
                 t_replay = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:

@@ -21,7 +21,8 @@ keeps reducing as decoding appends to it.  Methods:
   replays the cache's own tokens after it, optionally after a repeat instruction ``prompt``): one-shot
   selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``, ``h2o`` and
   ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see the queries;
-  ``kvzip`` runs the replay after a copy of the cache.
+  ``kvzip`` runs the replay after a copy of the cache, and with ``fit=True`` refits its selection's values and
+  log-weights to the whole cache's attention on the replay's queries (:mod:`kvcodec.reduction.fit`).
 
 Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
 :func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
@@ -178,6 +179,9 @@ REPLAY_LEAD = 8
 #: KVzip's repeat instruction, for ``prompt=`` once tokenized with the model's tokenizer (kvpress's text for
 #: models without a chat template; ``kvz encode --reduce-method kvzip`` and ``kvz bench --reduce`` use it)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+#: at most this many of the replay's queries per query head and layer are kept as ``fit``'s reference queries
+#: (every ``ceil(replayed / REFERENCE_QUERIES)``-th of them)
+REFERENCE_QUERIES = 1024
 
 
 def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK):
@@ -185,7 +189,9 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
     ``[b, kv_heads, n]`` holds the largest attention weight each cached key receives while the model, after a
     copy of ``cache``, reads ``prompt`` (token ids, or None) and then the cache's own tokens ``ids`` ``[b, n]``
     again, ``chunk`` tokens per pass (a pass after the first reads the previous chunk's last 8 tokens after the
-    prompt; each key is scored by the pass that replays it, over everything that pass's queries see)."""
+    prompt; each key is scored by the pass that replays it, over everything that pass's queries see).  Its
+    ``reference[l]`` ``[b, q_heads, m, d]`` holds every ``stride``-th query of the replay (post-RoPE; at most
+    :data:`REFERENCE_QUERIES` per head), the queries ``fit=True`` matches attention on."""
     from ..tokens.plan import cache_kwarg
 
     b, n = ids.shape
@@ -199,19 +205,25 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
         raise ValueError(f"kvzip's replay would reach position {longest - 1} of a model made for {limit} "
                          + (f"positions; pass replay_chunk <= {room}" if room >= 1 else
                             "positions, with any replay_chunk: the cache is too long to replay after itself"))
-    out = None
-    for start in range(0, n, chunk):
+    starts = range(0, n, chunk)
+    read = sum(p.shape[1] + min(REPLAY_LEAD, s) + min(chunk, n - s) for s in starts)  # queries of every pass
+    stride = max(1, -(-read // REFERENCE_QUERIES))
+    out, refs = None, {}
+    for start in starts:
         end = min(n, start + chunk)
         lead = torch.cat([p, ids[:, max(0, start - REPLAY_LEAD):start]], -1)
-        with observe(model, window=1, received=False, peak=True) as obs:
+        with observe(model, window=1, received=False, peak=True, stride=stride) as obs:
             obs.peak_keys = (start, end)
             model(torch.cat([lead, ids[:, start:end]], -1), **{cache_kwarg(model): _copy(cache)})
         got = obs.peak
+        for li, v in obs.reference.items():
+            refs.setdefault(li, []).append(v)
         if out is None:
             out = obs
             out.peak = {li: torch.zeros(*v.shape[:2], n, device=v.device) for li, v in got.items()}
         for li, v in got.items():
             out.peak[li][..., start:end] = v
+    out.reference = {li: torch.cat(v, 2) for li, v in refs.items()}
     return out
 
 
@@ -375,6 +387,30 @@ def _with_rest(keys, values, idx, present, atom):
     return gk, gv, beta
 
 
+def _fit_layer(keys, values, gk, gv, beta, reference, scaling: float):
+    """(values, log-weights ``[b, h, S]``) of a layer's kept entries ``gk``/``gv`` (log-weights ``beta``, None:
+    all 0; -inf: absent places, left as they are) refitted head by head to the whole layer's attention on the
+    ``reference`` queries ``[b, q_heads, m, d]`` (``fit=True``, :func:`kvcodec.reduction.fit.fit_head`)."""
+    from .fit import fit_head
+
+    b, h, width, _ = gk.shape
+    n = int(keys.shape[2])
+    group = reference.shape[1] // h
+    present = torch.ones(b, h, width, dtype=torch.bool) if beta is None else torch.isfinite(beta)
+    out_v = gv.clone()
+    out_b = torch.zeros(b, h, width) if beta is None else beta.clone().float()
+    for r in range(b):
+        for j in range(h):
+            sel = present[r, j].nonzero().squeeze(1)
+            if int(sel.numel()) >= n:  # a head that keeps every token is exact as it is
+                continue
+            queries = reference[r, j * group:(j + 1) * group].reshape(-1, reference.shape[-1])
+            x, lw = fit_head(keys[r, j], values[r, j], gk[r, j, sel], gv[r, j, sel], queries, scaling)
+            out_v[r, j, sel] = x.to(gv.dtype)
+            out_b[r, j, sel] = lw.float()
+    return out_v, out_b
+
+
 def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int = 64):
     """Indices ``[b, h, budget]`` (ascending) of the tokens a baseline keeps."""
     b, h, n, _ = keys.shape
@@ -428,7 +464,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
            form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK,
-           allocation: str | None = None, rest: bool = False) -> ReducedCache:
+           allocation: str | None = None, rest: bool = False, fit: bool = False) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -462,7 +498,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     ``rest`` (the one-shot methods): each KV head that evicts tokens gives one of its entries to an atom standing
     for all of them - their mean key and value with log-weight log(count), so attention still sees the evicted
     tokens' mass to first order (the paper's masses on a selection); off by default (BENCHMARKS.md, "Reduce
-    tier", has what it measured)."""
+    tier", has what it measured).  ``fit`` (``kvzip`` only): after the selection, each head's log-weights and
+    values are refitted so that its attention reproduces the whole cache's - its mass and its output - on the
+    replay's queries (attention matching, :mod:`kvcodec.reduction.fit`); the keys stay the selected ones."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -493,6 +531,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                          "already")
     if prompt is not None and method != "kvzip":
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
+    if fit and method != "kvzip":
+        raise ValueError(f"fit= matches attention on kvzip's replay queries; method {method!r} has no replay")
     if method == "kvzip":
         if question is not None:
             raise ValueError("kvzip scores the cache by replaying it, so that no question is needed; a known "
@@ -505,6 +545,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         elif any(obs.peak.get(i) is None or tuple(obs.peak[i].shape) != (batch, cache.layers[i].keys.shape[1], n)
                  for i in full):
             raise ValueError("kvzip's observation= must be what replay_observation() returned for this cache")
+        if fit and any(getattr(obs, "reference", {}).get(i) is None for i in full):
+            raise ValueError("fit= needs the replay's reference queries: pass the observation replay_observation() "
+                             "returned (its .reference), or none")
     elif question is not None:
         if not need_q or method == "h2o":
             what = f"form {form!r}" if method in MERGE_REDUCE else f"method {method!r}"
@@ -554,6 +597,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             else:
                 idx = _select(method, keys, o, int(count.max()) - int(atom.any()), sinks)
             gk, gv, beta = _with_rest(keys, values, idx, present, atom) if rest else _gather(keys, values, idx, present)
+            if fit:
+                gv, beta = _fit_layer(keys, values, gk, gv, beta, obs.reference[i], scale[i])
             red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree

@@ -188,11 +188,14 @@ class Observation:
     ``peak[l]`` ``[b, kv_heads, end - start]``: the largest attention weight any query of the call gave each
     key ``start .. end - 1`` of those already in the cache (``peak_keys``; default all of them), over the query
     heads of the KV head's group (KVzip's score when the call replays the cache's own tokens); layers that do
-    not hold those keys (sliding windows) are skipped."""
+    not hold those keys (sliding windows) are skipped.  With ``stride`` (> 0), ``reference[l]``
+    ``[b, q_heads, ceil(s / stride), d]``: every ``stride``-th query of the call (post-RoPE), the reference
+    queries ``kvzip``'s ``fit`` matches attention on."""
 
-    def __init__(self, window: int, received: bool = True, chunk: int = 256, peak: bool = False):
+    def __init__(self, window: int, received: bool = True, chunk: int = 256, peak: bool = False, stride: int = 0):
         self.window, self.chunk, self.want_received, self.want_peak = window, chunk, received, peak
         self.queries, self.received, self.seen, self.scaling, self.peak, self.last = {}, {}, {}, {}, {}, {}
+        self.reference, self.stride = {}, stride
         self.peak_keys: tuple[int, int] | None = None
 
     @torch.no_grad()
@@ -207,6 +210,8 @@ class Observation:
         g = hq // hk
         self.scaling[li] = float(scaling)
         self.queries[li] = query[:, :, -self.window:].detach().float().clone()
+        if self.stride:
+            self.reference[li] = query[:, :, ::self.stride].detach().float().clone()
         q_last = query[:, :, -1:].detach().float().view(b, hk, g, 1, d)
         logits = float(scaling) * q_last @ key.detach().float()[:, :, None].transpose(-1, -2)
         self.last[li] = torch.softmax(logits, -1).reshape(b, hq, n)  # the last query sees every key
@@ -262,11 +267,12 @@ def prefill_mode(plan, handler):
 
 
 @contextmanager
-def observe(model, window: int = 64, received: bool = True, peak: bool = False):
+def observe(model, window: int = 64, received: bool = True, peak: bool = False, stride: int = 0):
     """Record queries (and, with ``received``, the attention each key received; with ``peak``, the largest
-    attention each key already in the cache receives) of every layer while ``model`` runs inside the block."""
+    attention each key already in the cache receives; with ``stride``, every ``stride``-th query) of every
+    layer while ``model`` runs inside the block."""
     enable(model)
-    obs = Observation(window, received, peak=peak)
+    obs = Observation(window, received, peak=peak, stride=stride)
     prev = getattr(_state, "observer", None)
     _state.observer = obs
     try:
