@@ -124,8 +124,8 @@ def cmd_encode(args) -> int:
                 kw["prompt"] = model[1](REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
             if args.reduce_allocation is not None:
                 kw["allocation"] = args.reduce_allocation
-            if args.reduce_fit:
-                kw["fit"] = True
+            if not args.reduce_fit:
+                kw["fit"] = False
             cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids, **kw)
             ids = None  # entries, not tokens: a reduced file stores no token ids
         kv = to_canonical(cache)
@@ -463,9 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lossless and lossy)")
     s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
                    help="--reduce: the reducer or baseline (default cluster)")
-    s.add_argument("--reduce-fit", action="store_true",
-                   help="--reduce with kvzip: refit each head's values and log-weights so that its attention matches "
-                        "the whole cache's on the replay's queries (attention matching)")
+    s.add_argument("--no-reduce-fit", dest="reduce_fit", action="store_false",
+                   help="--reduce with kvzip: keep the selected tokens' own values, without refitting each head's "
+                        "values and log-weights to the whole cache's attention on the replay's queries (the default "
+                        "fit: attention matching)")
     s.add_argument("--reduce-allocation", default=None, choices=["uniform", "layers", "ranks", "heads", "layer-heads"],
                    help="--reduce: entries per layer: the same in every layer (uniform) or spread by kvzip's replay "
                         "scores (kvzip only): heads (its default, KVzip's own rule) lets every KV head keep its own "

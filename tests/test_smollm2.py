@@ -191,7 +191,8 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
 def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, smollm2):
     """`kvz encode --reduce-method kvzip`: a 1.8 file (the heads of a layer keep different numbers: KVzip's
     default allocation) holding what kvcodec.reduce keeps with KVzip's repeat instruction in SmolLM2's tokens
-    (not what it keeps without it); with `--reduce-fit`, what reduce(fit=True) makes of the same selection."""
+    (not what it keeps without it), values and log-weights refitted (its default fit); with `--no-reduce-fit`
+    the same keys with the selected tokens' own values, log-weight 0."""
     from kvcodec.cli import main
     from kvcodec.reduction import REPEAT_PROMPT
 
@@ -220,19 +221,22 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
                  "kvzip", "--reduce-allocation", "uniform", "--tier", "lossless", "--dtype", "fp32", "-o", str(same),
                  "--json"]) == 0
     assert kvcodec.inspect(same)["reduce"]["entries_range"] == [info["reduce"]["entries"]] * 2
-    fitted = tmp_path / "f.kvz"  # --reduce-fit: the same keys, the values and log-weights of reduce(fit=True)
+    plain_file = tmp_path / "p.kvz"  # --no-reduce-fit: the same keys, the selected tokens' own values
     assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
-                 "kvzip", "--reduce-fit", "--tier", "lossless", "--dtype", "fp32", "-o", str(fitted), "--json"]) == 0
-    want_fit = kvcodec.reduce(cache, model, 0.25, "kvzip", tokens=ids, prompt=prompt, fit=True)
-    got_fit = kvcodec.load(fitted, model)
+                 "kvzip", "--no-reduce-fit", "--tier", "lossless", "--dtype", "fp32", "-o", str(plain_file),
+                 "--json"]) == 0
+    unfitted = kvcodec.reduce(cache, model, 0.25, "kvzip", tokens=ids, prompt=prompt, fit=False)
+    got_plain = kvcodec.load(plain_file, model)
 
     def beta(la):  # None: every entry at log-weight 0
         return la.beta if la.beta is not None else torch.zeros(la.keys.shape[:3])
 
-    for a, b, c in zip(got_fit.reduced_layers(), want_fit.reduced_layers(), want.reduced_layers()):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.keys, c.keys)
-        assert torch.equal(a.values, b.values) and torch.equal(beta(a), beta(b))
-    assert not all(torch.equal(a.values, c.values) for a, c in zip(got_fit.layers, want.layers))
+    for a, b, c, d in zip(got.reduced_layers(), want.reduced_layers(), got_plain.reduced_layers(),
+                          unfitted.reduced_layers()):
+        assert torch.equal(a.values, b.values) and torch.equal(beta(a), beta(b))  # the default: fitted
+        assert torch.equal(c.keys, a.keys) and torch.equal(c.values, d.values) and torch.equal(beta(c), beta(d))
+        assert not torch.isfinite(beta(c)).logical_and(beta(c) != 0).any()
+    assert not all(torch.equal(a.values, c.values) for a, c in zip(got.layers, got_plain.layers))
 
 
 def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smollm2):

@@ -144,11 +144,12 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
                 raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
             kw["question"] = question
             continue
-        if o in ("rest", "fit"):  # reduce(rest=True): the evicted tokens as one atom per head; reduce(fit=True)
-            kw[o] = True
+        if o in ("rest", "fit", "nofit"):  # reduce(rest=True): the evicted tokens as one atom per head;
+            kw["fit" if o == "nofit" else o] = o != "nofit"  # reduce(fit=...): kvzip's attention matching
             continue
         if key not in ("sinks", "window", "allocation"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit)")
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit, "
+                             "nofit)")
         kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None

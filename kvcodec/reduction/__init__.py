@@ -21,8 +21,8 @@ keeps reducing as decoding appends to it.  Methods:
   replays the cache's own tokens after it, optionally after a repeat instruction ``prompt``): one-shot
   selections of original tokens, the baselines; later tokens are appended raw.  ``snapkv``, ``h2o`` and
   ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see the queries;
-  ``kvzip`` runs the replay after a copy of the cache, and with ``fit=True`` refits its selection's values and
-  log-weights to the whole cache's attention on the replay's queries (:mod:`kvcodec.reduction.fit`).
+  ``kvzip`` runs the replay after a copy of the cache and, unless ``fit=False``, refits its selection's
+  values and log-weights to the whole cache's attention on the replay's queries (:mod:`kvcodec.reduction.fit`).
 
 Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
 :func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
@@ -464,7 +464,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
            form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK,
-           allocation: str | None = None, rest: bool = False, fit: bool = False) -> ReducedCache:
+           allocation: str | None = None, rest: bool = False, fit: bool | None = None) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -498,9 +498,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     ``rest`` (the one-shot methods): each KV head that evicts tokens gives one of its entries to an atom standing
     for all of them - their mean key and value with log-weight log(count), so attention still sees the evicted
     tokens' mass to first order (the paper's masses on a selection); off by default (BENCHMARKS.md, "Reduce
-    tier", has what it measured).  ``fit`` (``kvzip`` only): after the selection, each head's log-weights and
-    values are refitted so that its attention reproduces the whole cache's - its mass and its output - on the
-    replay's queries (attention matching, :mod:`kvcodec.reduction.fit`); the keys stay the selected ones."""
+    tier", has what it measured).  ``fit`` (``kvzip`` only; None: on for ``kvzip``): after the selection, each
+    head's log-weights and values are refitted so that its attention reproduces the whole cache's - its mass
+    and its output - on the replay's queries (attention matching, :mod:`kvcodec.reduction.fit`); the keys stay
+    the selected ones.  Measured on SmolLM2 (BENCHMARKS.md): far better at 5-10 % kept, level at 25-50 %;
+    ``fit=False`` keeps the selected tokens' own values with log-weight 0."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -531,6 +533,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
                          "already")
     if prompt is not None and method != "kvzip":
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
+    if fit is None:
+        fit = method == "kvzip"
     if fit and method != "kvzip":
         raise ValueError(f"fit= matches attention on kvzip's replay queries; method {method!r} has no replay")
     if method == "kvzip":
