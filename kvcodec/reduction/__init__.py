@@ -406,7 +406,9 @@ def _fit_layer(keys, values, gk, gv, beta, reference, scaling: float):
                 continue
             queries = reference[r, j * group:(j + 1) * group].reshape(-1, reference.shape[-1])
             x, lw = fit_head(keys[r, j], values[r, j], gk[r, j, sel], gv[r, j, sel], queries, scaling)
-            out_v[r, j, sel] = x.to(gv.dtype)
+            x = x.to(gv.dtype)
+            if bool(torch.isfinite(x).all()):  # (a fit beyond the cache dtype's range keeps the tokens' values)
+                out_v[r, j, sel] = x
             out_b[r, j, sel] = lw.float()
     return out_v, out_b
 
