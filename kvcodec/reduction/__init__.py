@@ -396,9 +396,9 @@ def _fit_layer(keys, values, gk, gv, beta, reference, scaling: float):
     b, h, width, _ = gk.shape
     n = int(keys.shape[2])
     group = reference.shape[1] // h
-    present = torch.ones(b, h, width, dtype=torch.bool) if beta is None else torch.isfinite(beta)
+    present = torch.ones(b, h, width, dtype=torch.bool, device=gk.device) if beta is None else torch.isfinite(beta)
     out_v = gv.clone()
-    out_b = torch.zeros(b, h, width) if beta is None else beta.clone().float()
+    out_b = torch.zeros(b, h, width, device=gk.device) if beta is None else beta.clone().float()
     for r in range(b):
         for j in range(h):
             sel = present[r, j].nonzero().squeeze(1)

@@ -17,8 +17,9 @@ block must reproduce both.  With the kept keys ``c_i`` fixed (a selection's, or 
    queries).
 
 A head that keeps every token is left as it is.  The reference queries are the replay's (KVzip's
-"repeat the previous context"; :func:`kvcodec.reduction.replay_observation`), taken from the whole cache, not
-layer by layer from the reduced one (the paper's "on-policy" variant).
+"repeat the previous context"; :func:`kvcodec.reduction.replay_observation`), all computed over the whole
+cache; the paper's "on-policy" variant, which recomputes each layer's queries through the layers below it
+once they are reduced, is not implemented.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ def _nnls(a: torch.Tensor, iterations: int) -> torch.Tensor:
     c = a.sum(0)
     total = g.sum()
     if not bool(total > 0):
-        return torch.ones(a.shape[1], dtype=a.dtype)
-    v = torch.ones(a.shape[1], dtype=a.dtype)
+        return torch.ones(a.shape[1], dtype=a.dtype, device=a.device)
+    v = torch.ones(a.shape[1], dtype=a.dtype, device=a.device)
     for _ in range(30):  # power iteration: g is entrywise non-negative, its Perron vector is near ones
         v = g @ v
         v = v / v.norm()
     lip = float(v @ (g @ v)) * 1.05 + 1e-30
-    w = torch.full((a.shape[1],), float(c.sum() / total), dtype=a.dtype)
+    w = torch.full((a.shape[1],), float(c.sum() / total), dtype=a.dtype, device=a.device)
     y, step = w, 1.0
     for _ in range(iterations):
         nxt = (y - (g @ y - c) / lip).clamp_min(0)
@@ -69,7 +70,7 @@ def _nnls(a: torch.Tensor, iterations: int) -> torch.Tensor:
 def _solve(g, b, kept_values, ridge):
     """``x`` minimising ``|P x - O|^2 + lam |x - kept_values|^2`` from ``g = P^T P`` and ``b = P^T O``."""
     lam = ridge * float(g.diagonal().mean()) + 1e-12
-    return torch.linalg.solve(g + lam * torch.eye(g.shape[0], dtype=g.dtype), b + lam * kept_values)
+    return torch.linalg.solve(g + lam * torch.eye(g.shape[0], dtype=g.dtype, device=g.device), b + lam * kept_values)
 
 
 @torch.no_grad()
@@ -80,9 +81,10 @@ def fit_head(keys, values, kept_keys, kept_values, queries, scaling: float, ridg
     ``[n, dv]`` on ``queries`` ``[m, d]`` (post-RoPE, all after the block); float64, see the module's text."""
     q = queries.float()
     m = q.shape[0]
-    top = torch.full((m, 1), float("-inf"))
-    mass = torch.zeros(m, dtype=torch.float64)  # M(q) / exp(top), over the keys so far
-    acc = torch.zeros(m, values.shape[-1], dtype=torch.float64)
+    dev = q.device
+    top = torch.full((m, 1), float("-inf"), device=dev)
+    mass = torch.zeros(m, dtype=torch.float64, device=dev)  # M(q) / exp(top), over the keys so far
+    acc = torch.zeros(m, values.shape[-1], dtype=torch.float64, device=dev)
     for a in range(0, int(keys.shape[0]), KEY_CHUNK):  # online softmax: memory m x KEY_CHUNK, whatever n is
         logits = scaling * (q @ keys[a:a + KEY_CHUNK].float().T)
         new_top = torch.maximum(top, logits.amax(1, keepdim=True))
