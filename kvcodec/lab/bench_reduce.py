@@ -147,9 +147,12 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
         if o in ("rest", "fit", "nofit"):  # reduce(rest=True): the evicted tokens as one atom per head;
             kw["fit" if o == "nofit" else o] = o != "nofit"  # reduce(fit=...): kvzip's attention matching
             continue
+        if o == "fit=policy":  # reduce(fit="policy"): fitted layer by layer on a second replay
+            kw["fit"] = "policy"
+            continue
         if key not in ("sinks", "window", "allocation"):
             raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit, "
-                             "nofit)")
+                             "fit=policy, nofit)")
         kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None
@@ -186,7 +189,7 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
             if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
                 t0 = time.perf_counter()
                 replay = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT))
-                obs.peak, obs.reference = replay.peak, replay.reference
+                obs.peak, obs.reference, obs.prompt = replay.peak, replay.reference, replay.prompt
                 t_replay = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:

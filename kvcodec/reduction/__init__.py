@@ -224,7 +224,33 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
         for li, v in got.items():
             out.peak[li][..., start:end] = v
     out.reference = {li: torch.cat(v, 2) for li, v in refs.items()}
+    out.prompt = p
     return out
+
+
+class _PolicyFitter:
+    """``reduce(fit="policy")``: called by the attention of each reduced layer while the model replays the cache
+    after the reduced cache; fits the layer's first ``widths[l]`` entries (its kept ones) to the whole layer's
+    attention on the queries it is given - computed through the layers below, already fitted - and has
+    attention use the fitted ones."""
+
+    def __init__(self, full_layers, widths: dict, scale: dict):
+        self.full, self.widths, self.scale, self.fitted = full_layers, widths, scale, {}
+
+    def __call__(self, module, query, key, value, beta):
+        li = getattr(module, "layer_idx", None)
+        width = self.widths.get(li)
+        if width is None or li in self.fitted:
+            return value, beta
+        b, h, total, _ = key.shape
+        if beta is None:
+            beta = torch.zeros(b, h, total, device=key.device)
+        ref = query[:, :, ::max(1, -(-int(query.shape[2]) // REFERENCE_QUERIES))].detach().float()
+        full = self.full[li]
+        v, bt = _fit_layer(full.keys, full.values, key[:, :, :width], value[:, :, :width], beta[:, :, :width], ref,
+                           self.scale[li])
+        self.fitted[li] = (v, bt)
+        return torch.cat([v, value[:, :, width:]], 2), torch.cat([bt.to(beta.dtype), beta[:, :, width:]], 2)
 
 
 ALLOCATIONS = ("uniform", "layers", "ranks", "heads", "layer-heads")
@@ -466,7 +492,7 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
 def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
            form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK,
-           allocation: str | None = None, rest: bool = False, fit: bool | None = None) -> ReducedCache:
+           allocation: str | None = None, rest: bool = False, fit: bool | str | None = None) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -504,7 +530,10 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     head's log-weights and values are refitted so that its attention reproduces the whole cache's - its mass
     and its output - on the replay's queries (attention matching, :mod:`kvcodec.reduction.fit`); the keys stay
     the selected ones.  Measured on SmolLM2 (BENCHMARKS.md): far better at 5-10 % kept, level at 25-50 %;
-    ``fit=False`` keeps the selected tokens' own values with log-weight 0."""
+    ``fit=False`` keeps the selected tokens' own values with log-weight 0.  ``fit="policy"``: the paper's
+    on-policy variant - the layers are fitted during a second replay over the reduced cache, each on queries
+    computed through the layers below it once those are fitted (the first ``replay_chunk`` tokens of the
+    replay; one more forward pass)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -537,6 +566,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         raise ValueError(f"prompt= is kvzip's repeat instruction; method {method!r} reads no prompt")
     if fit is None:
         fit = method == "kvzip"
+    if fit not in (True, False, "policy"):
+        raise ValueError(f"fit must be True, False or 'policy', got {fit!r}")
     if fit and method != "kvzip":
         raise ValueError(f"fit= matches attention on kvzip's replay queries; method {method!r} has no replay")
     if method == "kvzip":
@@ -577,7 +608,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         peaks = {i: obs.peak[i] for i in full}
         per_head = head_budgets(peaks, entries, sinks,
                                 rank_budgets(peaks, entries, sinks) if allocation == "layer-heads" else None)
-    layers, pending = [], {}
+    layers, pending, kept = [], {}, {}
     for i, layer in enumerate(cache.layers):
         if i not in full:
             layers.append(_copy_layer(layer))
@@ -603,11 +634,27 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             else:
                 idx = _select(method, keys, o, int(count.max()) - int(atom.any()), sinks)
             gk, gv, beta = _with_rest(keys, values, idx, present, atom) if rest else _gather(keys, values, idx, present)
-            if fit:
+            if fit is True:
                 gv, beta = _fit_layer(keys, values, gk, gv, beta, obs.reference[i], scale[i])
+            elif fit == "policy":
+                kept[i] = (gk, gv, beta)
             red.set_fixed(gk, gv, n, beta)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
         anchors = [g[3] for g in group] if form == "query" else None
         ingest([g[0] for g in group], [g[1] for g in group], [g[2] for g in group], anchors)
-    return ReducedCache(model, plan, layers=layers, method=method)
+    out = ReducedCache(model, plan, layers=layers, method=method)
+    if kept:  # fit="policy": a second replay over the reduced cache fits each layer on its way up
+        from ..tokens.plan import cache_kwarg
+        from .attention import fitting
+
+        ids = _cache_tokens(cache, model, tokens, batch, n)
+        lead = getattr(obs, "prompt", None)
+        lead = _per_row([] if lead is None else lead, batch, "prompt")
+        fitter = _PolicyFitter(cache.layers, {i: int(v[0].shape[2]) for i, v in kept.items()}, scale)
+        with fitting(fitter):
+            model(torch.cat([lead, ids[:, :replay_chunk]], -1), **{cache_kwarg(model): copy.deepcopy(out)})
+        for i, (gk, gv, beta) in kept.items():
+            gv, beta = fitter.fitted.get(i, (gv, beta))
+            layers[i].set_fixed(gk, gv, n, beta)
+    return out

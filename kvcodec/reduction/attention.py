@@ -91,6 +91,9 @@ def _wrapper(original: str):
         if obs is not None:
             obs.record(module, query, key, kwargs.get("scaling"))
         reduced, beta = _take_bias(getattr(module, "layer_idx", None), key)
+        fitter = getattr(_state, "fitter", None)
+        if fitter is not None and reduced:  # fit="policy": the layer's entries refitted to these queries first
+            value, beta = fitter(module, query, key, value, beta)
         mode = getattr(_state, "prefill", None)
         if mode is not None and beta is None and query.shape[2] == key.shape[2] > mode[0].sinks + mode[0].block:
             plan, handler = mode
@@ -264,6 +267,18 @@ def prefill_mode(plan, handler):
         yield
     finally:
         _state.prefill = prev
+
+
+@contextmanager
+def fitting(fitter):
+    """Inside the block, a reduced layer's attention first calls ``fitter(module, query, key, value, beta)``,
+    which returns the ``(value, beta)`` attention then uses (``reduce(fit="policy")``)."""
+    prev = getattr(_state, "fitter", None)
+    _state.fitter = fitter
+    try:
+        yield
+    finally:
+        _state.fitter = prev
 
 
 @contextmanager
