@@ -784,6 +784,34 @@ def test_fit_matches_the_whole_cache_s_attention_better_than_the_selection(alloc
         kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=bare)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fit_on_policy_refits_each_layer_on_queries_through_the_fitted_layers_below(kind):
+    """fit="policy": layer 0 sees the same queries as the replay (nothing below it changed), so its fit equals
+    fit=True's bit for bit; the layers above see queries computed through fitted layers, so theirs differ; the
+    keys are the selection's in every layer.  Bit for bit through a file; an unknown fit value is refused."""
+    import copy
+
+    from kvcodec.reduction import replay_observation
+
+    m = _model(kind)
+    ids = _ids(120)
+    cache = model_cache(m, ids)
+    obs = replay_observation(cache, m, ids, prompt=[5, 6, 7])
+    off = kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs)
+    pol = kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs, fit="policy")
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(off.layers, pol.layers))
+    assert torch.equal(off.layers[0].values, pol.layers[0].values) and torch.equal(_beta(off.layers[0]),
+                                                                                     _beta(pol.layers[0]))
+    assert not all(torch.equal(a.values, b.values) for a, b in zip(off.layers[1:], pol.layers[1:]))
+    back = kvcodec.decode(kvcodec.encode(pol), m)
+    for a, b in zip(pol.layers, back.layers):
+        assert torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
+    nxt = _ids(6, 7)
+    assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(pol)).logits)
+    with pytest.raises(ValueError, match="fit must be"):
+        kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs, fit="yes")
+
+
 def test_heads_headers_and_weights_are_checked():
     """spec section 14.2 (1.8): parts.heads lists each row's heads, each at most fixed, the longest fixed and some
     shorter; absent entries (and only they) have log-weight -inf; a file with heads stamped below 1.8 is
