@@ -18,8 +18,8 @@ block must reproduce both.  With the kept keys ``c_i`` fixed (a selection's, or 
 
 A head that keeps every token is left as it is.  The reference queries are the replay's (KVzip's
 "repeat the previous context"; :func:`kvcodec.reduction.replay_observation`), all computed over the whole
-cache; the paper's "on-policy" variant, which recomputes each layer's queries through the layers below it
-once they are reduced, is not implemented.
+cache, or, with ``reduce(fit="policy")`` (the paper's "on-policy" variant), those of a second replay over the
+reduced cache, each layer's computed through the layers below it once they are fitted.
 """
 
 from __future__ import annotations
