@@ -184,6 +184,11 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 REFERENCE_QUERIES = 1024
 
 
+def _reference_stride(queries: int) -> int:
+    """Every how many of ``queries`` queries one is kept as a reference query (at most REFERENCE_QUERIES)."""
+    return max(1, -(-queries // REFERENCE_QUERIES))
+
+
 def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK):
     """What ``kvzip`` scores with: an :class:`~kvcodec.reduction.attention.Observation` whose ``peak[l]``
     ``[b, kv_heads, n]`` holds the largest attention weight each cached key receives while the model, after a
@@ -207,7 +212,7 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
                             "positions, with any replay_chunk: the cache is too long to replay after itself"))
     starts = range(0, n, chunk)
     read = sum(p.shape[1] + min(REPLAY_LEAD, s) + min(chunk, n - s) for s in starts)  # queries of every pass
-    stride = max(1, -(-read // REFERENCE_QUERIES))
+    stride = _reference_stride(read)
     out, refs = None, {}
     for start in starts:
         end = min(n, start + chunk)
@@ -245,7 +250,7 @@ class _PolicyFitter:
         b, h, total, _ = key.shape
         if beta is None:
             beta = torch.zeros(b, h, total, device=key.device)
-        ref = query[:, :, ::max(1, -(-int(query.shape[2]) // REFERENCE_QUERIES))].detach().float()
+        ref = query[:, :, ::_reference_stride(int(query.shape[2]))].detach().float()
         full = self.full[li]
         v, bt = _fit_layer(full.keys, full.values, key[:, :, :width], value[:, :, :width], beta[:, :, :width], ref,
                            self.scale[li])
