@@ -176,19 +176,25 @@ def encode(words: np.ndarray, dtype: str, cfg: dict) -> bytes:
     k, ways = cfg["coded_bits"], cfg["ways"]
     lowbits = 8 * width - k
     w3 = np.ascontiguousarray(words).reshape(b * h, s, d)
-    syms = (w3 >> lowbits).astype(np.uint16)
-    low = rans.pack_low_bits(w3, lowbits, ways)
-    out = encode_symbols(syms, k, cfg) + low
+    syms = (w3 >> lowbits).astype(np.uint16, copy=False)
+    low = rans.pack_low_bits(w3, lowbits, ways, buffer=True)
+    # the parts joined once (each extra copy of a ~30 MB payload is a few ms of fresh pages)
+    out = b"".join([*symbol_parts(syms, k, cfg), low])
     if len(out) >= 1 + n * width:  # coding does not pay: store the words as they are
         return bytes([MODE_RAW]) + np.ascontiguousarray(words).astype(f"<u{width}", copy=False).tobytes()
     return out
 
 
 def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
+    """The coded part of a Mode 1 payload: :func:`symbol_parts` joined."""
+    return b"".join(symbol_parts(syms, k, cfg))
+
+
+def symbol_parts(syms: np.ndarray, k: int, cfg: dict) -> list:
     """The coded part of a Mode 1 payload (fixed fields, side information, rANS words) for a
     ``[rows, tokens]`` matrix of ``k``-bit symbols, or a ``[BH, tokens, D]`` array whose rows are its
     ``(bh, d)`` channels (a cache's own layout, which the vector encoder reads in place); the caller appends
-    the raw low bits."""
+    the raw low bits.  Returned as a list of bytes-like parts (the rANS words uncopied), to be joined."""
     sb, ways = cfg["scale_bits"], cfg["ways"]
     syms = np.ascontiguousarray(syms, dtype=np.uint16)
     n = syms.size
@@ -206,10 +212,8 @@ def encode_symbols(syms: np.ndarray, k: int, cfg: dict) -> bytes:
     words_out = rans.lanes_encode(syms, refs, ctx_map, freq, sb, ways, k, nclass)
     side = refs.astype("<u2").tobytes() + ctx_map.tobytes() + rans.pack_tables(freq)
     side_z = _side_compressor().compress(side)
-    return b"".join([
-        _FIXED.pack(MODE_CODED, k, sb, ways, nclass, 0, g, len(side_z), len(side), words_out.size),
-        side_z, words_out.astype("<u2").tobytes(),
-    ])
+    return [_FIXED.pack(MODE_CODED, k, sb, ways, nclass, 0, g, len(side_z), len(side), words_out.size),
+            side_z, np.ascontiguousarray(words_out, dtype="<u2")]
 
 
 _LOCAL = threading.local()

@@ -448,21 +448,23 @@ def pack_bits(values: np.ndarray, width: int) -> bytes:
     return _pack(np.ascontiguousarray(values).reshape(1, n, 1), width, 1)  # one row: the values in order
 
 
-def pack_low_bits(rows: np.ndarray, width: int, ways: int) -> bytes:
+def pack_low_bits(rows: np.ndarray, width: int, ways: int, *, buffer: bool = False) -> bytes:
     """``pack_bits(coding_order(rows & mask, ways), width)`` in one pass (the encoder's raw low bits).  ``rows``
     may also be a ``[BH, tokens, D]`` array whose row ``bh * D + d`` is ``rows[bh, :, d]`` (as for
-    :func:`lanes_encode`), read in place when ``D % ways == 0``."""
+    :func:`lanes_encode`), read in place when ``D % ways == 0``.  ``buffer``: return the bytes as a uint8
+    array (bytes-like, not copied into a ``bytes``)."""
     if width == 0 or rows.size == 0:
         return b""
     if rows.ndim == 3 and (rows.shape[2] % ways or backend() == "python"):  # lane groups straddle heads
         rows = rows_of(rows)
     if backend() == "python":
         return pack_bits(coding_order(rows & ((1 << width) - 1), ways), width)
-    return _pack(rows if rows.ndim == 3 else rows.T[None], width, ways)  # [rows, T] as a [1, T, rows] view
+    return _pack(rows if rows.ndim == 3 else rows.T[None], width, ways, buffer)  # [rows, T] as a [1, T, rows] view
 
 
-def _pack(words3: np.ndarray, width: int, ways: int) -> bytes:
-    """:func:`._rans_numba.pack_coding_order` into a fresh buffer: the packed bytes."""
+def _pack(words3: np.ndarray, width: int, ways: int, buffer: bool = False) -> bytes:
+    """:func:`._rans_numba.pack_coding_order` into a fresh buffer: the packed bytes (``buffer``: as the uint8
+    array itself)."""
     from ._rans_numba import pack_coding_order
 
     if not 0 < width <= 32:
@@ -471,7 +473,7 @@ def _pack(words3: np.ndarray, width: int, ways: int) -> bytes:
     out = np.empty((n + 3) // 4 * 4, dtype=np.uint8)
     got = pack_coding_order(words3, width, ways, out)
     assert got == n
-    return out[:n].tobytes()
+    return out[:n] if buffer else out[:n].tobytes()
 
 
 def rows_of(a3: np.ndarray) -> np.ndarray:
