@@ -16,6 +16,7 @@ from . import registry
 from .atomic import atomic_output
 from .cache import to_canonical
 from .container import layout as L
+from .container.writer import BytesSink
 from .errors import ConfigError, FallbackWarning, warn
 from .file import KvzFile, open_path
 from .tiers.base import DEFAULT_CHUNK_TOKENS, UNSET, EncodeJob, Fallback, Options
@@ -121,7 +122,7 @@ class Encoder:
 
     def encode(self, cache, model=None, **per_cache) -> bytes:
         """Encode ``cache`` to .kvz bytes; ``per_cache``: ``tokens``, ``schedule``, ``attention_mask``, ``info``."""
-        buf = _Parts()
+        buf = BytesSink()
         self.write(buf, cache, model, **per_cache)
         return buf.getvalue()
 
@@ -137,21 +138,6 @@ class Encoder:
                 return self.write(f, cache, model, **per_cache)
         with open_path(path, "wb") as f:
             return self.write(f, cache, model, **per_cache)
-
-
-class _Parts:
-    """A write-only sink that keeps the parts written and joins them once (a ``BytesIO`` copies each part into
-    a buffer it regrows, then once more in ``getvalue``)."""
-
-    def __init__(self):
-        self._parts = []
-
-    def write(self, b) -> int:
-        self._parts.append(b if isinstance(b, bytes) else bytes(b))  # the caller may reuse a mutable buffer
-        return len(self._parts[-1])
-
-    def getvalue(self) -> bytes:
-        return b"".join(self._parts)
 
 
 def _split(kwargs: dict) -> tuple[Encoder, dict]:
