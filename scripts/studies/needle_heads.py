@@ -9,7 +9,9 @@ Then, with the *full* cache, it reads the question and the answer's lead with ea
 head, the largest attention mass any of its query heads puts on the code's tokens at the last lead token (the
 step that emits the first digit): the heads that retrieve the needle.  For each needle it prints the eight
 strongest retrieval heads with the fraction of the code's tokens that KVzip keeps in each, and the
-retrieval-weighted kept fraction over all heads.  Diagnostic only: it reduces nothing and times nothing.
+retrieval-weighted kept fraction over all heads, and the replay's peak scores averaged over every layer and head
+per tenth of the context (a position bias of the scores would show there).  Diagnostic only: it reduces
+nothing and times nothing.
 """
 
 import argparse
@@ -74,6 +76,9 @@ def main():
               "budget, strongest heads")
         print("   " + "; ".join(f"L{li}H{h} {m:.2f} | {k:.2f} | {c}" for m, li, h, k, c in rows[:8]))
         print(f"   retrieval-weighted fraction of the code kept: {sum(r[0] * r[3] for r in rows) / w:.3f}")
+        mean = torch.stack([obs.peak[li][0] for li in layers]).mean((0, 1))  # [n]: over layers and heads
+        print("   replay's mean peak score per tenth of the context: "
+              + " ".join(f"{float(mean[n * t // 10:n * (t + 1) // 10].mean()):.3f}" for t in range(10)))
 
 
 if __name__ == "__main__":
