@@ -1265,6 +1265,10 @@ def test_bench_method_options_and_variant_pairs():
     asked, _ = br._reduced(m, "snapkv,question", cache, ids, 0.25, None, 0, question=q)
     assert torch.equal(asked.layers[0].keys, kvcodec.reduce(cache, m, 0.25, "snapkv", question=q).layers[0].keys)
     assert br._asks("cluster,question,sinks=0") and not br._asks("cluster,sinks=0")
+    for option, fit in (("nofit", False), ("fit=policy", "policy")):  # kvzip's fit options reach reduce()
+        got, _ = br._reduced(m, f"kvzip,{option}", cache, ids, 0.25, None, 0)
+        want = kvcodec.reduce(cache, m, 0.25, "kvzip", tokens=ids, fit=fit)
+        assert all(torch.equal(a.values, b.values) for a, b in zip(got.layers, want.layers))
     rows = []
     for i, (method, bits) in enumerate([("full", -1.0), ("cluster", -3.0), ("cluster,sinks=0", -5.0),
                                         ("streaming", -2.0)] * 2):

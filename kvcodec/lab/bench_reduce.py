@@ -124,6 +124,12 @@ def _asks(method: str) -> bool:
     return "question" in method.split(",")[1:]
 
 
+#: method options that set one of reduce()'s keywords: ``rest`` (the evicted tokens as one atom per head) and
+#: kvzip's attention matching - ``fit`` on the replay's queries (its default), ``nofit`` (the selection alone),
+#: ``fit=policy`` (fitted layer by layer on a second replay)
+FLAGS = {"rest": ("rest", True), "fit": ("fit", True), "nofit": ("fit", False), "fit=policy": ("fit", "policy")}
+
+
 def _reduced(model, method, full, ids, keep, obs, seed, question=None):
     """(the method's cache, bytes of its .kvz or None); ``question`` (token ids) for ``,question`` methods."""
     from ..api import decode, encode
@@ -144,11 +150,8 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
                 raise ValueError(f"method {method!r} is reduced knowing the question, and no question was given")
             kw["question"] = question
             continue
-        if o in ("rest", "fit", "nofit"):  # reduce(rest=True): the evicted tokens as one atom per head;
-            kw["fit" if o == "nofit" else o] = o != "nofit"  # reduce(fit=...): kvzip's attention matching
-            continue
-        if o == "fit=policy":  # reduce(fit="policy"): fitted layer by layer on a second replay
-            kw["fit"] = "policy"
+        if o in FLAGS:  # reduce(rest=True), reduce(fit=...)
+            kw[FLAGS[o][0]] = FLAGS[o][1]
             continue
         if key not in ("sinks", "window", "allocation"):
             raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit, "
