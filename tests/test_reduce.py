@@ -1269,6 +1269,20 @@ def test_bench_method_options_and_variant_pairs():
         got, _ = br._reduced(m, f"kvzip,{option}", cache, ids, 0.25, None, 0)
         want = kvcodec.reduce(cache, m, 0.25, "kvzip", tokens=ids, fit=fit)
         assert all(torch.equal(a.values, b.values) for a, b in zip(got.layers, want.layers))
+    # kvzip's replay in passes of N tokens: run by reduce(), or read from an observation replayed so
+    from kvcodec.reduction import replay_observation
+
+    want = kvcodec.reduce(cache, m, 0.25, "kvzip", tokens=ids, replay_chunk=32)
+    default = kvcodec.reduce(cache, m, 0.25, "kvzip", tokens=ids)
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(want.layers, default.layers))  # the option matters
+    obs = replay_observation(cache, m, ids, chunk=32)
+    assert obs.replay_chunk == 32 and br._replay_chunk("kvzip,nofit,chunk=32") == 32
+    for given in (None, obs):
+        got, _ = br._reduced(m, "kvzip,chunk=32", cache, ids, 0.25, given, 0)
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(got.layers, want.layers))
+    with pytest.raises(ValueError, match="passes of 64 tokens; the observation given was replayed in passes of 32"):
+        br._reduced(m, "kvzip,chunk=64", cache, ids, 0.25, obs, 0)
     rows = []
     for i, (method, bits) in enumerate([("full", -1.0), ("cluster", -3.0), ("cluster,sinks=0", -5.0),
                                         ("streaming", -2.0)] * 2):

@@ -153,9 +153,15 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
         if o in FLAGS:  # reduce(rest=True), reduce(fit=...)
             kw[FLAGS[o][0]] = FLAGS[o][1]
             continue
+        if key == "chunk":  # kvzip's replay in passes of N tokens: reduce() runs it, or obs is one made so
+            kw["replay_chunk"] = int(value)
+            if obs is not None and getattr(obs, "replay_chunk", None) != int(value):
+                raise ValueError(f"method {method!r} replays in passes of {value} tokens; the observation given was "
+                                 f"replayed in passes of {getattr(obs, 'replay_chunk', None)}")
+            continue
         if key not in ("sinks", "window", "allocation"):
-            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, question, rest, fit, "
-                             "fit=policy, nofit)")
+            raise ValueError(f"unknown method option {o!r} (sinks=N, window=F, allocation=A, chunk=N, question, "
+                             "rest, fit, fit=policy, nofit)")
         kw[key] = int(value) if key == "sinks" else value if key == "allocation" else float(value)
     if "question" in kw:
         obs = None
@@ -188,12 +194,11 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                 full = model(ids, **{ka: None}, use_cache=True)
             full = full["cache"] if "cache" in full else full["past_key_values"]
             t_prefill = time.perf_counter() - t0
-            t_replay = 0.0
-            if any(_base(m) == "kvzip" for m in methods):  # KVzip's replay, once for every budget
+            replays, t_replay = {}, {}
+            for c in sorted({_replay_chunk(m) for m in methods if _base(m) == "kvzip"}):  # once for every budget
                 t0 = time.perf_counter()
-                replay = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT))
-                obs.peak, obs.reference, obs.prompt = replay.peak, replay.reference, replay.prompt
-                t_replay = time.perf_counter() - t0
+                replays[c] = replay_observation(full, model, ids, _ids(tok, REPEAT_PROMPT), chunk=c)
+                t_replay[c] = time.perf_counter() - t0
             cont = None
             if text == doc["text"]:
                 cont = torch.tensor([doc["continuation"]])
@@ -207,8 +212,14 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     asks = _asks(m)
                     if not asks:
                         t1 = time.perf_counter()
-                        red, nbytes = _reduced(model, m, full, ids, keep, obs, seed)
-                        t_red = time.perf_counter() - t1 + (t_replay if _base(m) == "kvzip" else 0.0)
+                        mobs = obs
+                        if _base(m) == "kvzip":  # the prefill's observation with the replay this method reads
+                            mobs = copy.copy(obs)
+                            rep = replays[_replay_chunk(m)]
+                            for a in ("peak", "reference", "prompt", "replay_chunk"):
+                                setattr(mobs, a, getattr(rep, a))
+                        red, nbytes = _reduced(model, m, full, ids, keep, mobs, seed)
+                        t_red = time.perf_counter() - t1 + (t_replay[_replay_chunk(m)] if _base(m) == "kvzip" else 0.0)
                         got = red.entries() if hasattr(red, "entries") else n
                         held = got
                         if hasattr(red, "counted"):  # heads that keep fewer than their layer holds: padding
@@ -348,6 +359,16 @@ def summarise(rows, keeps, methods):
                        "ci95": _boot_ci(d), "sign_test_p": _sign_test(d),
                        "a_better": sum(x > 0 for x in d), "b_better": sum(x < 0 for x in d)})
     return out, vs
+
+
+def _replay_chunk(method: str) -> int:
+    """The replay's tokens per pass for a ``kvzip`` method: N of its ``chunk=N`` option, else reduce()'s default."""
+    from ..reduction import REPLAY_CHUNK
+
+    for o in method.split(",")[1:]:
+        if o.startswith("chunk="):
+            return int(o[len("chunk="):])
+    return REPLAY_CHUNK
 
 
 def _base(method: str) -> str:

@@ -171,14 +171,23 @@ def _observe_question(cache, model, question, batch: int):
     return obs
 
 
-#: context tokens per replay pass of ``kvzip`` (KVzip replays long contexts in chunks: the positions of a pass
-#: stay below n + prompt + chunk, and its attention scores take (chunk + prompt) x (n + chunk + prompt) floats)
-REPLAY_CHUNK = 4096
+#: context tokens per replay pass of ``kvzip``.  A pass sits after the whole cache, so it sees the tokens it
+#: replays from as far back as a question right after the cache sees them, plus at most one chunk: a question
+#: finds a token ``n - j`` positions back, the pass that replays it ``n - chunk start`` (+ prompt) back.  In one
+#: pass (KVzip's chunk of 2K or more on shorter caches) every token is seen from ~n back, and ``fit``, made on
+#: the replay's queries, matched the heads that read mostly nearby tokens to an attention no question produces:
+#: measured on SmolLM2, needles near the cache's end were lost (BENCHMARKS.md, "The replay in passes of 512
+#: tokens").  Passes also bound the positions (below
+#: n + prompt + chunk) and the scores' memory ((chunk + prompt) x (n + chunk + prompt) floats).
+REPLAY_CHUNK = 512
 #: tokens of the previous chunk read again after the prompt, before the next chunk (KVzip's lead-in)
 REPLAY_LEAD = 8
 #: KVzip's repeat instruction, for ``prompt=`` once tokenized with the model's tokenizer (kvpress's text for
 #: models without a chat template; ``kvz encode --reduce-method kvzip`` and ``kvz bench --reduce`` use it)
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+#: tokens of the cache that ``fit="policy"``'s second replay reads (all of a shorter cache; fewer where the
+#: model's positions end first)
+POLICY_READ = 4096
 #: at most this many of the replay's queries per query head and layer are kept as ``fit``'s reference queries
 #: (every ``ceil(replayed / REFERENCE_QUERIES)``-th of them)
 REFERENCE_QUERIES = 1024
@@ -229,7 +238,7 @@ def replay_observation(cache, model, ids, prompt=None, chunk: int = REPLAY_CHUNK
         for li, v in got.items():
             out.peak[li][..., start:end] = v
     out.reference = {li: torch.cat(v, 2) for li, v in refs.items()}
-    out.prompt = p
+    out.prompt, out.replay_chunk = p, chunk
     return out
 
 
@@ -514,7 +523,9 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     point is not to need one) refuse it.  ``prompt``: ``kvzip`` only, token ids read between the cache and its
     replay (KVzip's repeat instruction, e.g. the model's tokens of "\\n\\nRepeat the previous context
     exactly.\\n"); without it the replay follows the cache directly; ``replay_chunk``: context tokens per
-    replay pass (:func:`replay_observation`).  ``observation`` for ``kvzip`` is what
+    replay pass (:func:`replay_observation`; default :data:`REPLAY_CHUNK`, 512: a pass scores its tokens from
+    about as far back as a question after the cache would see them, which one pass over the whole cache does
+    not - measured on SmolLM2, BENCHMARKS.md).  ``observation`` for ``kvzip`` is what
     :func:`replay_observation` returned for this cache.  ``allocation``: ``"uniform"`` - every KV head of every
     layer keeps the same number of entries (the default of every method but ``kvzip``); ``"heads"`` (``kvzip``
     only, its default; KVzip's own rule) - the same total, spread over the layers and over the heads of each
@@ -537,8 +548,11 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     the selected ones.  Measured on SmolLM2 (BENCHMARKS.md): far better at 5-10 % kept, level at 25-50 %;
     ``fit=False`` keeps the selected tokens' own values with log-weight 0.  ``fit="policy"``: the paper's
     on-policy variant - the layers are fitted during a second replay over the reduced cache, each on queries
-    computed through the layers below it once those are fitted (the first ``replay_chunk`` tokens of the
-    replay; one more forward pass; measured on SmolLM2 no better than ``fit=True``, so not the default)."""
+    computed through the layers below it once those are fitted (the cache's first :data:`POLICY_READ`
+    tokens, after the prompt; one more forward pass; measured on SmolLM2 no better than ``fit=True``, so not
+    the default).  The fit's reference queries come from the replay's passes: with passes of 512 tokens the
+    last ones see the cache's end from as near as a question does (one pass over the whole cache lost needles
+    near its end, BENCHMARKS.md)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
     if not hasattr(cache, "layers"):
@@ -657,8 +671,12 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         lead = getattr(obs, "prompt", None)
         lead = _per_row([] if lead is None else lead, batch, "prompt")
         fitter = _PolicyFitter(cache.layers, {i: int(v[0].shape[2]) for i, v in kept.items()}, scale)
+        read = min(n, max(replay_chunk, POLICY_READ))
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(limit, int):  # (the first replay fitted min(replay_chunk, n) tokens after the cache)
+            read = max(min(read, limit - n - int(lead.shape[1])), min(replay_chunk, n))
         with fitting(fitter):
-            model(torch.cat([lead, ids[:, :replay_chunk]], -1), **{cache_kwarg(model): copy.deepcopy(out)})
+            model(torch.cat([lead, ids[:, :read]], -1), **{cache_kwarg(model): copy.deepcopy(out)})
         for i, (gk, gv, beta) in kept.items():
             gv, beta = fitter.fitted.get(i, (gv, beta))
             layers[i].set_fixed(gk, gv, n, beta)
