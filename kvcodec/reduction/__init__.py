@@ -549,7 +549,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     ``fit=False`` keeps the selected tokens' own values with log-weight 0.  ``fit="policy"``: the paper's
     on-policy variant - the layers are fitted during a second replay over the reduced cache, each on queries
     computed through the layers below it once those are fitted (the cache's first :data:`POLICY_READ`
-    tokens, after the prompt; one more forward pass; measured on SmolLM2 no better than ``fit=True``, so not
+    tokens in one pass after the prompt, so its queries see the cache's end from ~n away, as a one-pass replay's
+    did; one more forward pass; measured on SmolLM2, with one-pass replays, no better than ``fit=True``, so not
     the default).  The fit's reference queries come from the replay's passes: with passes of 512 tokens the
     last ones see the cache's end from as near as a question does (one pass over the whole cache lost needles
     near its end, BENCHMARKS.md)."""
@@ -673,8 +674,8 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         fitter = _PolicyFitter(cache.layers, {i: int(v[0].shape[2]) for i, v in kept.items()}, scale)
         read = min(n, max(replay_chunk, POLICY_READ))
         limit = getattr(model.config, "max_position_embeddings", None)
-        if isinstance(limit, int):  # (the first replay fitted min(replay_chunk, n) tokens after the cache)
-            read = max(min(read, limit - n - int(lead.shape[1])), min(replay_chunk, n))
+        if isinstance(limit, int):  # within the model's positions (the first replay was: at least 1 token fits)
+            read = max(1, min(read, limit - n - int(lead.shape[1])))
         with fitting(fitter):
             model(torch.cat([lead, ids[:, :read]], -1), **{cache_kwarg(model): copy.deepcopy(out)})
         for i, (gk, gv, beta) in kept.items():
