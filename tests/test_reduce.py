@@ -1283,6 +1283,8 @@ def test_bench_method_options_and_variant_pairs():
                    for a, b in zip(got.layers, want.layers))
     with pytest.raises(ValueError, match="passes of 64 tokens; the observation given was replayed in passes of 32"):
         br._reduced(m, "kvzip,chunk=64", cache, ids, 0.25, obs, 0)
+    with pytest.raises(ValueError, match="method 'snapkv' has no replay"):
+        br._reduced(m, "snapkv,chunk=64", cache, ids, 0.25, None, 0)
     rows = []
     for i, (method, bits) in enumerate([("full", -1.0), ("cluster", -3.0), ("cluster,sinks=0", -5.0),
                                         ("streaming", -2.0)] * 2):

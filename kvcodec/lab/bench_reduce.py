@@ -154,6 +154,8 @@ def _reduced(model, method, full, ids, keep, obs, seed, question=None):
             kw[FLAGS[o][0]] = FLAGS[o][1]
             continue
         if key == "chunk":  # kvzip's replay in passes of N tokens: reduce() runs it, or obs is one made so
+            if name != "kvzip":
+                raise ValueError(f"method option {o!r} sets kvzip's replay; method {name!r} has no replay")
             kw["replay_chunk"] = int(value)
             if obs is not None and getattr(obs, "replay_chunk", None) != int(value):
                 raise ValueError(f"method {method!r} replays in passes of {value} tokens; the observation given was "
@@ -212,14 +214,14 @@ def run_items(model, tok, docs, keeps, methods, seed=0, progress=print):
                     asks = _asks(m)
                     if not asks:
                         t1 = time.perf_counter()
-                        mobs = obs
+                        mobs, t_rep = obs, 0.0
                         if _base(m) == "kvzip":  # the prefill's observation with the replay this method reads
-                            mobs = copy.copy(obs)
-                            rep = replays[_replay_chunk(m)]
+                            c = _replay_chunk(m)
+                            mobs, t_rep = copy.copy(obs), t_replay[c]
                             for a in ("peak", "reference", "prompt", "replay_chunk"):
-                                setattr(mobs, a, getattr(rep, a))
+                                setattr(mobs, a, getattr(replays[c], a))
                         red, nbytes = _reduced(model, m, full, ids, keep, mobs, seed)
-                        t_red = time.perf_counter() - t1 + (t_replay[_replay_chunk(m)] if _base(m) == "kvzip" else 0.0)
+                        t_red = time.perf_counter() - t1 + t_rep
                         got = red.entries() if hasattr(red, "entries") else n
                         held = got
                         if hasattr(red, "counted"):  # heads that keep fewer than their layer holds: padding
