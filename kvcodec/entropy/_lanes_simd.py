@@ -37,10 +37,12 @@ _COMPILED: dict = {}
 MAX_LOWBITS = 25
 
 
-def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool = False) -> str:
+def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool = False, raw: bool = True) -> str:
     """The decoder of ``K`` streams of ``W`` lanes each (same shape and parameters, decoded in one loop so that
     their dependency chains overlap) writing ``ety`` (i16 / i32) words; see :func:`decode_many`.  ``narrow``:
-    a step's ``W * lowbits`` raw bits fit one 64-bit load after a shift of up to 7 (:func:`narrow_raw`)."""
+    a step's ``W * lowbits`` raw bits fit one 64-bit load after a shift of up to 7 (:func:`narrow_raw`).
+    ``raw`` False: the streams have no raw low bits (``lowbits`` 0, the lossy tier's index streams): the output
+    words are the symbols, and the raw bits' loads and shifts are left out of the loop."""
     V = f"<{W} x i32>"
     M = f"<{W} x i1>"
     P = f"<{W} x ptr>"
@@ -233,21 +235,10 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     a("  %tt = mul i64 %t, %dim")
     a("  %oi = add i64 %o0, %tt")
     for k in range(K):
-        a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
-        if narrow:  # one 64-bit load, each lane's field shifted out of it
-            a(f"  %r64.{k} = load i64, ptr %rbase.{k}, align 1")
-            a(f"  %r64s.{k} = lshr i64 %r64.{k}, %bpr64")
-            a(f"  %r64v.i.{k} = insertelement {V64} poison, i64 %r64s.{k}, i64 0")
-            a(f"  %r64v.{k} = shufflevector {V64} %r64v.i.{k}, {V64} poison, <{W} x i32> zeroinitializer")
-            a(f"  %r64f.{k} = lshr {V64} %r64v.{k}, %lanelb64")
-            a(f"  %rs.{k} = trunc {V64} %r64f.{k} to {V}")
-        else:  # a 32-bit load per lane at its byte
-            a(f"  %rp.{k} = getelementptr i8, ptr %rbase.{k}, {V} %bbyte")
-            a(f"  %rv.{k} = call {V} {gather}({P} %rp.{k}, i32 1, {ones}, {V} zeroinitializer)")
-            a(f"  %rs.{k} = lshr {V} %rv.{k}, %bsh")
-        a(f"  %low.{k} = and {V} %rs.{k}, {lmaskv}")
-        a(f"  %hsym.{k} = shl {V} %p.next.{k}, {lbv}")
-        a(f"  %ov.{k} = or {V} %hsym.{k}, %low.{k}")
+        if not raw:  # no raw bits: the word is the symbol
+            a(f"  %ov.{k} = or {V} %p.next.{k}, zeroinitializer")
+        else:
+            raw_bits(a, V, V64, W, gather, ones, k, narrow, lmaskv, lbv)
         a(f"  %optr.{k} = getelementptr {ety}, ptr %out.{k}, i64 %oi")
         if ety == "i32":
             a(f"  store {V} %ov.{k}, ptr %optr.{k}, align 4")
@@ -276,6 +267,29 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     a("  ret i32 1")
     a("}")
     return "\n".join(e) + "\n"
+
+
+def raw_bits(a, V: str, V64: str, W: int, gather: str, ones: str, k: int, narrow: bool, lmaskv: str,
+             lbv: str) -> None:
+    """Emit stream ``k``'s output words ``%ov.k``: its symbols ``%p.next.k`` above the lanes' raw low bits (lane
+    j's are bits ``bp + j lb ..`` of the packed stream, LSB first: one 64-bit load if ``narrow``, else a 32-bit
+    load per lane at its byte)."""
+    P = f"<{W} x ptr>"
+    a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
+    if narrow:  # one 64-bit load, each lane's field shifted out of it
+        a(f"  %r64.{k} = load i64, ptr %rbase.{k}, align 1")
+        a(f"  %r64s.{k} = lshr i64 %r64.{k}, %bpr64")
+        a(f"  %r64v.i.{k} = insertelement {V64} poison, i64 %r64s.{k}, i64 0")
+        a(f"  %r64v.{k} = shufflevector {V64} %r64v.i.{k}, {V64} poison, <{W} x i32> zeroinitializer")
+        a(f"  %r64f.{k} = lshr {V64} %r64v.{k}, %lanelb64")
+        a(f"  %rs.{k} = trunc {V64} %r64f.{k} to {V}")
+    else:  # a 32-bit load per lane at its byte
+        a(f"  %rp.{k} = getelementptr i8, ptr %rbase.{k}, {V} %bbyte")
+        a(f"  %rv.{k} = call {V} {gather}({P} %rp.{k}, i32 1, {ones}, {V} zeroinitializer)")
+        a(f"  %rs.{k} = lshr {V} %rv.{k}, %bsh")
+    a(f"  %low.{k} = and {V} %rs.{k}, {lmaskv}")
+    a(f"  %hsym.{k} = shl {V} %p.next.{k}, {lbv}")
+    a(f"  %ov.{k} = or {V} %hsym.{k}, %low.{k}")
 
 
 def class_constants(a, splat) -> tuple[str, str]:
@@ -349,23 +363,24 @@ def jit(key, build, symbol: str, restype, argtypes):
         return _COMPILED[key]
 
 
-def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
+def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
     feat, permd = PERMD.get(W, (None, None))
-    return jit(("lanes", W, K, ety, direct, narrow),
-               lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow),
+    return jit(("lanes", W, K, ety, direct, narrow, raw),
+               lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow,
+                                    raw),
                "dec", ctypes.c_int32, _ARGTYPES)
 
 
-def kernel(W: int, K: int, ety: str, direct: bool, narrow: bool = False):
+def kernel(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
     """The compiled decoder of ``K`` streams of ``W`` lanes, ``ety`` output words and the direct (one 32-bit
     entry per slot) or two-level (byte index, then 64-bit entry) tables, reading a step's raw bits with one load
-    if ``narrow``; compiled once per process for this CPU (~60 ms)."""
-    return _compiled(W, K, ety, direct, narrow)[0]
+    if ``narrow``, none if not ``raw`` (``lowbits`` 0); compiled once per process for this CPU (~60 ms)."""
+    return _compiled(W, K, ety, direct, narrow, raw)[0]
 
 
-def assembly(W: int, K: int, ety: str, direct: bool, narrow: bool = False) -> str:
+def assembly(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True) -> str:
     """The decoder's machine code for this CPU, as text."""
-    _, _, tm, mod = _compiled(W, K, ety, direct, narrow)
+    _, _, tm, mod = _compiled(W, K, ety, direct, narrow, raw)
     return tm.emit_assembly(mod)
 
 
@@ -436,7 +451,7 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
 
 
 def _run(ways, group, ety, direct, rows, ntok, dim, scale_bits, kbits, nclass, lowbits) -> list:
-    fn = kernel(ways, len(group), ety, direct, narrow_raw(ways, lowbits))
+    fn = kernel(ways, len(group), ety, direct, narrow_raw(ways, lowbits), lowbits > 0)
     ptrs = np.array([a.ctypes.data for st in group
                      for a in (st.words, st.refs, st.ctx, st.table, st.info, st.raw64, st.out)], dtype=np.uint64)
     nw = np.array([st.nwords for st in group], dtype=np.int64)
