@@ -612,3 +612,31 @@ def test_a_codebook_that_would_overflow_the_reconstruction_is_refused():
     with pytest.raises(kvcodec.FormatError) as ei:
         quant.decode(bytes(payload), (1, 2, 20, 64), "bfloat16")
     assert ei.value.field == "VQ.Codebook"
+
+
+def test_index_streams_scale_bits_follow_the_alphabet(monkeypatch):
+    """The reference encoder codes index streams of up to 2**8 symbols with Scale_Bits 8 (spec revision 1.8.3:
+    their tables fit a level-1 cache), wider ones (and CacheGen's) with 10; each stream states its own."""
+    from kvcodec.codecs import float_ctx_rans as floatctx
+
+    def scale_bits(data) -> dict:  # Symbol_Bits -> the Scale_Bits of the index streams (no raw bits) read
+        seen, real = {}, floatctx.parse_symbols
+
+        def spy(*args, **kwargs):
+            st, used = real(*args, **kwargs)
+            if st.lowbits == 0:
+                seen.setdefault(st.kbits, set()).add(st.scale_bits)
+            return st, used
+
+        monkeypatch.setattr(floatctx, "parse_symbols", spy)
+        kvcodec.decode(data, output="kvcache")
+        monkeypatch.setattr(floatctx, "parse_symbols", real)
+        return seen
+
+    kv = structured_cache(layers=1, heads=2, seq=64, dim=16, dtype=torch.float32)
+    narrow = scale_bits(kvcodec.encode(kv, tier="lossy", bits=2.0, sink=0))
+    assert narrow and all(k <= 8 and sb == {8} for k, sb in narrow.items())
+    wide = scale_bits(kvcodec.encode(kv, tier="lossy", step=0.03, sink=0))  # a fine step: >= 9-bit symbols
+    assert any(k > 8 for k in wide) and all(sb == ({10} if k > 8 else {8}) for k, sb in wide.items())
+    cachegen = scale_bits(kvcodec.encode(kv, tier="lossy", quantizer="cachegen", sink=0))
+    assert cachegen and all(sb == {10} for sb in cachegen.values())

@@ -281,18 +281,20 @@ def _index_scale_bits(data, monkeypatch) -> set:
     return seen
 
 
-def test_a_lossy_file_from_before_scale_bits_10_decodes(monkeypatch):
-    """Until spec revision 1.6.2 the reference encoder coded the lossy tier's index streams with Scale_Bits 12
-    (now 10; the format did not change): the lossy_uniform_window vector as it was then still decodes to its
-    recorded tensors, reading Scale_Bits 12, where the current vector reads 10."""
+@pytest.mark.parametrize("name, scale_bits", [("lossy_scale12", 12), ("lossy_scale10", 10)])
+def test_a_lossy_file_from_before_scale_bits_8_decodes(name, scale_bits, monkeypatch):
+    """Until spec revision 1.6.2 the reference encoder coded the lossy tier's index streams with Scale_Bits 12,
+    until 1.8.3 with 10 (now 8 for Symbol_Bits <= 8; the format did not change): the lossy_uniform_window
+    vector as it was then still decodes to its recorded tensors, reading the Scale_Bits it was made with, where
+    the current vector reads 8."""
     legacy = Path(__file__).resolve().parent / "data" / "legacy"
-    meta = json.loads((legacy / "lossy_scale12.json").read_text())
-    data = (legacy / "lossy_scale12.kvz").read_bytes()
+    meta = json.loads((legacy / f"{name}.json").read_text())
+    data = (legacy / f"{name}.kvz").read_bytes()
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
     kv = kvcodec.decode(data, output="kvcache")
     assert [sha(t) for t in kv.keys] == meta["keys_sha256"] and [sha(t) for t in kv.values] == meta["values_sha256"]
-    assert _index_scale_bits(data, monkeypatch) == {12}
-    assert _index_scale_bits((VECTORS / "lossy_uniform_window.kvz").read_bytes(), monkeypatch) == {10}
+    assert _index_scale_bits(data, monkeypatch) == {scale_bits}
+    assert _index_scale_bits((VECTORS / "lossy_uniform_window.kvz").read_bytes(), monkeypatch) == {8}
 
 
 @pytest.mark.parametrize("backend", ["numba", "python"])

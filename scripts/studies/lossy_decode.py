@@ -9,11 +9,14 @@
   kernel (``kvcodec/codecs/_rotate_simd.py``: one token per vector register, the rounding fused), checked
   bit-identical first; Mcomp/s;
 * **index streams**: the whole decode of the cache at 2 and 3 bits with the index streams coded at
-  ``Scale_Bits`` 12 (the reference encoder until spec revision 1.6.2), 11 and 10 (now), bytes and ms.  The
-  step comes from a rate loop over the coded sizes, so the variants' steps (and values) may differ by a hair.
+  ``Scale_Bits`` 12 (the reference encoder until spec revision 1.6.2), 10 (until 1.8.3) and 8 (now, for
+  symbols of up to 8 bits: all of these), bytes, ms and the ms of the index streams' vector kernel within it.
+  The step comes from a rate loop over the coded sizes, so the variants' steps (and values) may differ by a
+  hair.
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -27,6 +30,7 @@ os.environ.setdefault("KVCODEC_THREADS", "1")
 import kvcodec  # noqa: E402
 from kvcodec.codecs import _rotate_simd, _vq_numba, vq_rans  # noqa: E402
 from kvcodec.codecs.hadamard import signs  # noqa: E402
+from kvcodec.entropy import _lanes_simd  # noqa: E402
 from kvcodec.lab.common import corpus_caches, corpus_dir  # noqa: E402
 
 
@@ -74,19 +78,43 @@ def reconstruction(kv) -> dict:
 
 def index_streams(kv) -> list:
     rows = []
-    base = dict(vq_rans._CTX)  # the index coder's parameters (a study knob, not an option)
+    base, small = dict(vq_rans._CTX), vq_rans.SMALL_SCALE_BITS  # the index coder's parameters (study knobs)
+    kernel_s = collections.defaultdict(float)
+    current = [None]
+    run = _lanes_simd._run
+
+    def timed_run(*args):  # the index streams' vector kernel, timed per variant
+        t = time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            kernel_s[current[0]] += time.perf_counter() - t
+
+    rounds = 7
     try:
+        _lanes_simd._run = timed_run
         for bits in (2.0, 3.0):
             datas = {}
-            for sb in (12, 11, 10):
-                vq_rans._CTX = {**base, "scale_bits": sb}
+            for sb in (12, 10, 8):
+                vq_rans._CTX, vq_rans.SMALL_SCALE_BITS = {**base, "scale_bits": sb}, sb
                 datas[sb] = kvcodec.encode(kv, tier="lossy", bits=bits)
-            m = medians({sb: (lambda d=d: kvcodec.decode(d)) for sb, d in datas.items()})
+            vq_rans._CTX, vq_rans.SMALL_SCALE_BITS = base, small
+            kernel_s.clear()
+
+            def decode(sb, d):
+                current[0] = sb
+                kvcodec.decode(d)
+
+            m = medians({sb: (lambda sb=sb, d=d: decode(sb, d)) for sb, d in datas.items()}, rounds)
             for sb, d in datas.items():
                 rows.append({"bits": bits, "scale_bits": sb, "bytes": len(d), "bytes_vs_12": len(d) / len(datas[12]),
-                             "decode_ms": 1e3 * m[sb], "speed_vs_12": m[12] / m[sb]})
+                             "bytes_vs_10": len(d) / len(datas[10]), "decode_ms": 1e3 * m[sb],
+                             "speed_vs_12": m[12] / m[sb], "speed_vs_10": m[10] / m[sb],
+                             "kernel_ms": 1e3 * kernel_s[sb] / rounds,
+                             "kernel_speed_vs_10": kernel_s[10] / kernel_s[sb]})
     finally:
-        vq_rans._CTX = base
+        vq_rans._CTX, vq_rans.SMALL_SCALE_BITS = base, small
+        _lanes_simd._run = run
     return rows
 
 
@@ -108,7 +136,9 @@ def main() -> None:
           f"vector {r['vector_mcomps']:.0f} Mcomp/s ({r['speedup']:.1f}x)")
     for row in res["index_streams"]:
         print(f"{row['bits']:g} bits, Scale_Bits {row['scale_bits']}: {row['bytes']:,} B "
-              f"({row['bytes_vs_12']:.4f}x), decode {row['decode_ms']:.0f} ms ({row['speed_vs_12']:.2f}x)")
+              f"({row['bytes_vs_10']:.5f}x of 10), decode {row['decode_ms']:.0f} ms ({row['speed_vs_10']:.2f}x of 10; "
+              f"{row['speed_vs_12']:.2f}x of 12), index kernel {row['kernel_ms']:.1f} ms "
+              f"({row['kernel_speed_vs_10']:.2f}x of 10)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
