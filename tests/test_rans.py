@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcodec.entropy import rans
+from kvcodec.entropy import _lanes_simd, rans
 from kvcodec.entropy._rans_ref import unpack_bits_ref
 from kvcodec.errors import FormatError
 
@@ -302,9 +302,11 @@ def test_local_table_decoder_matches_the_reference(seed, bh, groups, ntok, kbits
             want = (f"vector_w{ways}/{table}" if vector == "1" else f"fast_w{ways}") if local else {
                 4: "decode_w4", 8: "decode_w8"}.get(ways, "generic")
             assert rans.decode_kernel(ways, dim, freq, sb, kbits, lowbits) == want
-            out = np.zeros_like(full)
-            rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
-            np.testing.assert_array_equal(out, full)
+            for table in (True, False):  # the refill offsets from a table (W <= 8) or from shifts and adds
+                mp.setattr(_lanes_simd, "PREFIX_TABLE", table)
+                out = np.zeros_like(full)
+                rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
+                np.testing.assert_array_equal(out, full)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_BACKEND", "python")
         ref = np.zeros_like(full)

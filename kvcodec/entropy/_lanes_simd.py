@@ -37,12 +37,15 @@ _COMPILED: dict = {}
 MAX_LOWBITS = 25
 
 
-def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool = False, raw: bool = True) -> str:
+def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool = False, raw: bool = True,
+        lut: bool = False) -> str:
     """The decoder of ``K`` streams of ``W`` lanes each (same shape and parameters, decoded in one loop so that
     their dependency chains overlap) writing ``ety`` (i16 / i32) words; see :func:`decode_many`.  ``narrow``:
     a step's ``W * lowbits`` raw bits fit one 64-bit load after a shift of up to 7 (:func:`narrow_raw`).
     ``raw`` False: the streams have no raw low bits (``lowbits`` 0, the lossy tier's index streams): the output
-    words are the symbols, and the raw bits' loads and shifts are left out of the loop."""
+    words are the symbols, and the raw bits' loads and shifts are left out of the loop.  ``lut``: the refilling
+    lanes' word offsets (an exclusive prefix sum of their flags) come from a table indexed by the flags' mask
+    (:func:`_expand_table`, ``W <= 8``) instead of log2(W) shifts and adds in registers."""
     V = f"<{W} x i32>"
     M = f"<{W} x i1>"
     P = f"<{W} x ptr>"
@@ -70,6 +73,8 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     a(f"declare {V64} @llvm.masked.gather.v{W}i64.v{W}p0({P}, i32, {M}, {V64})")
     if permd:
         a(f"declare {V} {permd}({V}, {V})")
+    if lut:
+        a(_expand_table(W))
     # args: per stream k, ptrs[7 k ..] = words, refs, ctx, tab, info, raw, out; nwords[k]; res[k] = final pos
     a("define i32 @dec(ptr noalias %ptrs, ptr noalias %nw, i64 %rows, i64 %ntok, i64 %dim, i32 %sb, i32 %kbits, "
       "i32 %lb, i32 %nclass, ptr noalias %res) {")
@@ -194,17 +199,24 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
             a(f"  %x1.{k} = sub {V} %m2.{k}, %cum.{k}")
         # renormalisation: the lanes below L take the next words in lane order (exclusive prefix sum)
         a(f"  %n.{k} = icmp ult {V} %x1.{k}, {Lv}")
-        a(f"  %nv.{k} = zext {M} %n.{k} to {V}")
-        acc = f"%nv.{k}"
-        sh = 1
-        while sh < W:
-            idx = ", ".join(f"i32 {W if j < sh else j - sh}" for j in range(W))
-            a(f"  %sh{sh}.{k} = shufflevector {V} {acc}, {V} zeroinitializer, <{W} x i32> <{idx}>")
-            a(f"  %ps{sh}.{k} = add {V} {acc}, %sh{sh}.{k}")
-            acc = f"%ps{sh}.{k}"
-            sh *= 2
-        a(f"  %excl.{k} = sub {V} {acc}, %nv.{k}")
         a(f"  %nb.{k} = bitcast {M} %n.{k} to {iW}")
+        if lut:  # the exclusive prefix sum of the flags: one row of @expand, indexed by the mask
+            a(f"  %nbx.{k} = zext {iW} %nb.{k} to i64")
+            a(f"  %erow.{k} = mul i64 %nbx.{k}, {W}")
+            a(f"  %eptr.{k} = getelementptr i8, ptr @expand, i64 %erow.{k}")
+            a(f"  %e8.{k} = load <{W} x i8>, ptr %eptr.{k}, align 1")
+            a(f"  %excl.{k} = zext <{W} x i8> %e8.{k} to {V}")
+        else:  # in registers: log2(W) shifts and adds
+            a(f"  %nv.{k} = zext {M} %n.{k} to {V}")
+            acc = f"%nv.{k}"
+            sh = 1
+            while sh < W:
+                idx = ", ".join(f"i32 {W if j < sh else j - sh}" for j in range(W))
+                a(f"  %sh{sh}.{k} = shufflevector {V} {acc}, {V} zeroinitializer, <{W} x i32> <{idx}>")
+                a(f"  %ps{sh}.{k} = add {V} {acc}, %sh{sh}.{k}")
+                acc = f"%ps{sh}.{k}"
+                sh *= 2
+            a(f"  %excl.{k} = sub {V} {acc}, %nv.{k}")
         a(f"  %cnt.{k} = call {iW} @llvm.ctpop.{iW}({iW} %nb.{k})")
         a(f"  %cnt64.{k} = zext {iW} %cnt.{k} to i64")
         a(f"  %wbase.{k} = getelementptr i16, ptr %words.{k}, i64 %pos.{k}")
@@ -269,6 +281,13 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
     return "\n".join(e) + "\n"
 
 
+def _expand_table(W: int) -> str:
+    """The constant ``@expand``: for each mask of refilling lanes, lane j's offset among them (the number of
+    refilling lanes below j), one byte per lane."""
+    body = ", ".join(f"i8 {bin(m & ((1 << j) - 1)).count('1')}" for m in range(1 << W) for j in range(W))
+    return f"@expand = private unnamed_addr constant [{W << W} x i8] [{body}], align 8"
+
+
 def raw_bits(a, V: str, V64: str, W: int, gather: str, ones: str, k: int, narrow: bool, lmaskv: str,
              lbv: str) -> None:
     """Emit stream ``k``'s output words ``%ov.k``: its symbols ``%p.next.k`` above the lanes' raw low bits (lane
@@ -326,6 +345,8 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, c
 PERMD = {8: ("+avx2", "@llvm.x86.avx2.permd"), 16: ("+avx512f", "@llvm.x86.avx512.permvar.si.512")}
 #: streams decoded together (one loop, independent chains: the gathers' latencies overlap)
 STREAMS = 3
+#: the refilling lanes' word offsets from a table (:func:`_expand_table`) when ``W <= 8``, else in registers
+PREFIX_TABLE = True
 
 
 def _target():
@@ -365,9 +386,10 @@ def jit(key, build, symbol: str, restype, argtypes):
 
 def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
     feat, permd = PERMD.get(W, (None, None))
-    return jit(("lanes", W, K, ety, direct, narrow, raw),
+    lut = PREFIX_TABLE and W <= 8
+    return jit(("lanes", W, K, ety, direct, narrow, raw, lut),
                lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow,
-                                    raw),
+                                    raw, lut),
                "dec", ctypes.c_int32, _ARGTYPES)
 
 
