@@ -640,3 +640,41 @@ def test_index_streams_scale_bits_follow_the_alphabet(monkeypatch):
     assert any(k > 8 for k in wide) and all(sb == ({10} if k > 8 else {8}) for k, sb in wide.items())
     cachegen = scale_bits(kvcodec.encode(kv, tier="lossy", quantizer="cachegen", sink=0))
     assert cachegen and all(sb == {10} for sb in cachegen.values())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_method_5_vector_dequantization_equals_the_numba_kernel(d, monkeypatch):
+    """Method 5's vector kernel (``_rotate_simd.dequant``) writes the bits of ``channel_dequant_into`` into a
+    slice of the output (float32 and bfloat16 words), for extreme float16 steps and offsets near the 32-bit
+    bound, and falls back to it when ``symbol + offset`` could leave 32 bits; a whole weighted file decodes to
+    the same tensors with KVCODEC_VECTOR=0."""
+    from kvcodec.codecs import _rotate_simd, _vq_numba
+
+    rng = np.random.default_rng(d)
+    h, t = 3, 37
+    syms = rng.integers(0, 4096, size=(2 * h, t, d)).astype(np.uint16)
+    steps = (rng.random((h, d)) + 0.01).astype(np.float16).astype(np.float32)
+    steps[0, :4] = [65504.0, 2.0 ** -24, 1.0, 2.0 ** -14]  # float16's largest, smallest subnormal, 1, smallest normal
+    if not _rotate_simd.dequant_usable(syms, 0, steps, np.zeros((2, h, t, d), np.uint16)):
+        pytest.skip("no vector kernels on this machine")
+    for word in (np.uint16, np.uint32):
+        for lo in (-2048, 0, -(2 ** 31), 2 ** 31 - 4096 - 65536):
+            want, got = np.zeros((2, h, t + 4, d), word), np.zeros((2, h, t + 4, d), word)
+            _vq_numba.channel_dequant_into(syms, lo, steps, want[:, :, 2:t + 2])
+            assert _rotate_simd.dequant_usable(syms, lo, steps, got[:, :, 2:t + 2])
+            _rotate_simd.dequant(syms, lo, steps, got[:, :, 2:t + 2])
+            assert np.array_equal(got, want), (word, lo)
+    assert not _rotate_simd.dequant_usable(syms, 2 ** 31 - 1000, steps, got[:, :, 2:t + 2])
+    cache, profile = _weighted_case(seq=50, dim=d)
+    calls, real = [], _rotate_simd.dequant
+    monkeypatch.setattr(_rotate_simd, "dequant", lambda *a: (calls.append(1), real(*a))[1])
+    for dtype in (torch.bfloat16, torch.float32):
+        cast = kvcodec.KVCache([k.to(dtype) for k in cache.keys], [v.to(dtype) for v in cache.values])
+        data = kvcodec.encode(cast, tier="lossy", quantizer="weighted", step=1.0, profile=profile)
+        calls.clear()
+        monkeypatch.delenv("KVCODEC_VECTOR", raising=False)
+        a = kvcodec.decode(data, output="kvcache")
+        assert calls, "the vector dequantization did not run"
+        monkeypatch.setenv("KVCODEC_VECTOR", "0")
+        b = kvcodec.decode(data, output="kvcache")
+        assert a.equal(b)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..entropy import _lanes_simd, rans
 
-__all__ = ["DIMS", "usable", "rotate", "forward_usable", "forward", "norms"]
+__all__ = ["DIMS", "usable", "rotate", "dequant_usable", "dequant", "forward_usable", "forward", "norms"]
 
 #: head dimensions compiled here (others take the Numba kernel)
 DIMS = (64, 128)
@@ -103,24 +103,32 @@ def _ir(d: int, bf16: bool) -> str:
     w("  %o12 = add i64 %o1, %o2")
     w("  %o = add i64 %o12, %o3")
     w("  %op = getelementptr i8, ptr %out, i64 %o")
-    if bf16:
-        def c(v):
-            return _vec(d, "i32", [v] * d)
-        w(f"  %wb = bitcast {F} %y3 to {I32}")
-        w(f"  %abs = and {I32} %wb, {c(0x7FFFFFFF)}")
-        w(f"  %isnan = icmp ugt {I32} %abs, {c(0x7F800000)}")
-        w(f"  %hi = lshr {I32} %wb, {c(16)}")
-        w(f"  %lsb = and {I32} %hi, {c(1)}")
-        w(f"  %rb = add {I32} %wb, {c(0x7FFF)}")
-        w(f"  %rb2 = add {I32} %rb, %lsb")
-        w(f"  %rn = lshr {I32} %rb2, {c(16)}")
-        w(f"  %qn = or {I32} %hi, {c(0x40)}")
-        w(f"  %sel = select <{d} x i1> %isnan, {I32} %qn, {I32} %rn")
-        w(f"  %bf = trunc {I32} %sel to {I16}")
-        w(f"  store {I16} %bf, ptr %op, align 2")
-    else:
-        w(f"  store {F} %y3, ptr %op, align 4")
+    _store(w, d, bf16, "%y3", "%op")
     return _row_loop_end(a)
+
+
+def _store(w, d: int, bf16: bool, value: str, ptr: str) -> None:
+    """Emit the store of ``value`` (``<d x float>``) at ``ptr``: as float32, or rounded to bfloat16 (nearest
+    even, :func:`kvcodec.codecs._vq_numba.f32_to_bf16`'s rule: a NaN stays a quiet NaN) in integer ops."""
+    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    if not bf16:
+        w(f"  store {F} {value}, ptr {ptr}, align 4")
+        return
+
+    def c(v):
+        return _vec(d, "i32", [v] * d)
+    w(f"  %wb = bitcast {F} {value} to {I32}")
+    w(f"  %abs = and {I32} %wb, {c(0x7FFFFFFF)}")
+    w(f"  %isnan = icmp ugt {I32} %abs, {c(0x7F800000)}")
+    w(f"  %hi = lshr {I32} %wb, {c(16)}")
+    w(f"  %lsb = and {I32} %hi, {c(1)}")
+    w(f"  %rb = add {I32} %wb, {c(0x7FFF)}")
+    w(f"  %rb2 = add {I32} %rb, %lsb")
+    w(f"  %rn = lshr {I32} %rb2, {c(16)}")
+    w(f"  %qn = or {I32} %hi, {c(0x40)}")
+    w(f"  %sel = select <{d} x i1> %isnan, {I32} %qn, {I32} %rn")
+    w(f"  %bf = trunc {I32} %sel to {I16}")
+    w(f"  store {I16} %bf, ptr {ptr}, align 2")
 
 
 def _kernel(d: int, bf16: bool):
@@ -172,6 +180,106 @@ def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
     fn = _kernel(d, out.dtype == np.uint16)
     fn(syms.ctypes.data, norms.ctypes.data, sign.ctypes.data, out.ctypes.data, rows, t, out.shape[1],
        out.strides[0], out.strides[1], out.strides[2], int(offset), float(step), float(inv_d))
+
+
+# --- Method 5: a step per head and channel ----------------------------------------------------------------------
+
+_DQ_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_int32]
+
+
+def _dequant_ir(d: int, bf16: bool) -> str:
+    """``void dq(i16* syms, float* steps, out*, rows, T, heads, nsteps, sB, sH, sT, i32 off)``: row ``r`` of
+    ``syms [rows, T, D]`` times the steps ``steps[r % nsteps]`` (``<D x float>``) is written at byte ``(r / heads)
+    * sB + (r % heads) * sH + t * sT`` of ``out``: ``float32(symbol + off) * step``, one binary32 product (the
+    Numba kernel's), stored as float32 or rounded to bfloat16."""
+    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    a = []
+    w = a.append
+    w("define void @dq(ptr %syms, ptr %steps, ptr %out, i64 %rows, i64 %T, i64 %heads, i64 %nsteps, i64 %sB, "
+      "i64 %sH, i64 %sT, i32 %off) {")
+    w("entry:")
+    w(f"  %offv.0 = insertelement {I32} poison, i32 %off, i64 0")
+    w(f"  %offv = shufflevector {I32} %offv.0, {I32} poison, <{d} x i32> zeroinitializer")
+    w("  %n = mul i64 %rows, %T")
+    w("  %empty = icmp eq i64 %n, 0")
+    w("  br i1 %empty, label %done, label %rloop")
+    w("rloop:")
+    w("  %r = phi i64 [0, %entry], [%r1, %rend]")
+    w("  %ob = udiv i64 %r, %heads")
+    w("  %oh = urem i64 %r, %heads")
+    w("  %o1 = mul i64 %ob, %sB")
+    w("  %o2 = mul i64 %oh, %sH")
+    w("  %o12 = add i64 %o1, %o2")
+    w("  %sr = urem i64 %r, %nsteps")
+    w(f"  %sri = mul i64 %sr, {d}")
+    w("  %stp = getelementptr float, ptr %steps, i64 %sri")
+    w(f"  %st = load {F}, ptr %stp, align 4")
+    w("  %ibase = mul i64 %r, %T")
+    w("  br label %loop")
+    w("loop:")
+    w("  %t = phi i64 [0, %rloop], [%t1, %loop]")
+    w("  %i = add i64 %ibase, %t")
+    w(f"  %si = mul i64 %i, {d}")
+    w("  %sp = getelementptr i16, ptr %syms, i64 %si")
+    w(f"  %s = load {I16}, ptr %sp, align 2")
+    w(f"  %s32 = zext {I16} %s to {I32}")
+    w(f"  %q = add {I32} %s32, %offv")
+    w(f"  %qf = sitofp {I32} %q to {F}")
+    w(f"  %y = fmul {F} %qf, %st")
+    w("  %o3 = mul i64 %t, %sT")
+    w("  %o = add i64 %o12, %o3")
+    w("  %op = getelementptr i8, ptr %out, i64 %o")
+    _store(w, d, bf16, "%y", "%op")
+    a += ["  %t1 = add i64 %t, 1", "  %tmore = icmp ult i64 %t1, %T", "  br i1 %tmore, label %loop, label %rend",
+          "rend:", "  %r1 = add i64 %r, 1", "  %rmore = icmp ult i64 %r1, %rows",
+          "  br i1 %rmore, label %rloop, label %done", "done:", "  ret void", "}"]
+    return "\n".join(a) + "\n"
+
+
+def _dequant_kernel(d: int, bf16: bool):
+    return _lanes_simd.jit(("dequant", d, bf16), lambda features: _dequant_ir(d, bf16), "dq", None, _DQ_ARGS)[0]
+
+
+def dequant_usable(syms, offset: int, steps, out) -> bool:
+    """Whether :func:`dequant` takes these arrays (a compiled ``D``, contiguous symbols and float32 steps
+    ``[H, D]``, rows contiguous in ``out`` of float32 / uint32 / uint16 words, ``symbol + offset`` inside 32 bits)
+    on this machine (``KVCODEC_VECTOR=0``: never)."""
+    if syms.ndim != 3 or syms.shape[2] not in DIMS or not (syms.flags.c_contiguous and syms.dtype == np.uint16):
+        return False
+    if steps.ndim != 2 or steps.shape[1] != syms.shape[2] or steps.dtype != np.float32 or steps.shape[0] < 1:
+        return False
+    if not steps.flags.c_contiguous or out.ndim != 4 or out.shape[3] != syms.shape[2]:
+        return False
+    if out.shape[0] * out.shape[1] != syms.shape[0] or out.shape[2] != syms.shape[1]:
+        return False
+    if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
+        return False
+    if not out.flags.writeable or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
+        return False
+    if not rans.vector_kernels():
+        return False
+    key = ("dequant", syms.shape[2], out.dtype == np.uint16)
+    if key not in _BUILT:
+        try:
+            _dequant_kernel(key[1], key[2])
+            _BUILT[key] = True
+        except Exception:  # noqa: BLE001 - any failure to build means: use the Numba kernel
+            _BUILT[key] = False
+    return _BUILT[key]
+
+
+def dequant(syms, offset: int, steps, out) -> None:
+    """Method 5's reconstruction of ``syms [B*H, T, D]`` (uint16) with ``steps [H, D]`` (float32; row ``r`` takes
+    ``steps[r % H]``) into ``out [B, H, T, D]`` (float32 or its uint32 bit patterns, or uint16 bfloat16 patterns
+    rounded to nearest even): :func:`kvcodec.codecs._vq_numba.channel_dequant_into`'s bits; callers check
+    :func:`dequant_usable` first."""
+    if not dequant_usable(syms, offset, steps, out):
+        raise ValueError(f"dequant: symbols {syms.shape} {syms.dtype}, steps {steps.shape} {steps.dtype}, output "
+                         f"{out.shape} {out.dtype} do not fit the vector kernel (check dequant_usable() first)")
+    rows, t, d = syms.shape
+    fn = _dequant_kernel(d, out.dtype == np.uint16)
+    fn(syms.ctypes.data, steps.ctypes.data, out.ctypes.data, rows, t, out.shape[1], steps.shape[0], out.strides[0],
+       out.strides[1], out.strides[2], int(offset))
 
 
 # --- the encoder's forward rotation -----------------------------------------------------------------------------

@@ -702,7 +702,10 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view=None):
     syms = np.empty((b * h, t, d), dtype=np.uint16)
     p += yield from _symbols(mv, p, syms, k, offset)
     if view is not None:
-        _vq_numba.channel_dequant_into(syms, lo, st, view)
+        if _rotate_simd.dequant_usable(syms, lo, st, view):  # the vector kernel: the same bits
+            _rotate_simd.dequant(syms, lo, st, view)
+        else:
+            _vq_numba.channel_dequant_into(syms, lo, st, view)
         return None, p
     out = np.empty((b * h, t, d), dtype=np.float32)
     _vq_numba.channel_dequant(syms, lo, st, out)
