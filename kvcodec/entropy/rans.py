@@ -348,7 +348,8 @@ def decode_kernel(ways: int, dim: int, freq: np.ndarray, scale_bits: int | None 
     * ``decode_w4/8`` (unrolled, any table), ``generic``, or ``python`` (the reference backend)."""
     if backend() == "python":
         return "python"
-    if ways in FAST_WAYS and dim % ways == 0 and int(np.count_nonzero(freq, axis=1).max()) <= 256:
+    if ways in FAST_WAYS and dim % ways == 0 and (min(freq.shape[1], 1 << (scale_bits or 15)) <= 256
+                                                  or int(np.count_nonzero(freq, axis=1).max()) <= 256):
         from . import _lanes_simd
 
         if lowbits <= _lanes_simd.MAX_LOWBITS and vector_kernels():
