@@ -8,6 +8,7 @@ checks, hands it the cache and handles the fallback to the lossless tier.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 
 import torch
@@ -16,7 +17,6 @@ from . import registry
 from .atomic import atomic_output
 from .cache import to_canonical
 from .container import layout as L
-from .container.writer import BytesSink
 from .errors import ConfigError, FallbackWarning, warn
 from .file import KvzFile, open_path
 from .tiers.base import DEFAULT_CHUNK_TOKENS, UNSET, EncodeJob, Fallback, Options
@@ -122,7 +122,10 @@ class Encoder:
 
     def encode(self, cache, model=None, **per_cache) -> bytes:
         """Encode ``cache`` to .kvz bytes; ``per_cache``: ``tokens``, ``schedule``, ``attention_mask``, ``info``."""
-        buf = BytesSink()
+        # a BytesIO, whose buffer takes each section as it comes (its getvalue shares the buffer): the encode's
+        # peak memory is about the file's size; keeping the sections to join them once was ~5 % faster and
+        # held the file twice (bf16 SmolLM2 cache: 57.1 against 37.3 MiB; BENCHMARKS "Encode speed")
+        buf = io.BytesIO()
         self.write(buf, cache, model, **per_cache)
         return buf.getvalue()
 

@@ -302,8 +302,8 @@ def test_local_table_decoder_matches_the_reference(seed, bh, groups, ntok, kbits
             want = (f"vector_w{ways}/{table}" if vector == "1" else f"fast_w{ways}") if local else {
                 4: "decode_w4", 8: "decode_w8"}.get(ways, "generic")
             assert rans.decode_kernel(ways, dim, freq, sb, kbits, lowbits) == want
-            for table in (True, False):  # the refill offsets from a table (W <= 8) or from shifts and adds
-                mp.setattr(_lanes_simd, "PREFIX_TABLE", table)
+            for prefix_table in ((True, False) if vector == "1" else (True,)):  # refill offsets: table or shifts
+                mp.setattr(_lanes_simd, "PREFIX_TABLE", prefix_table)
                 out = np.zeros_like(full)
                 rans.lanes_decode(words, refs, cmap, freq, sb, ways, kbits, nclass, lowbits, raw, out)
                 np.testing.assert_array_equal(out, full)
@@ -336,24 +336,31 @@ def test_vector_kernels_build_here():
     assert rans.vector_kernels()
 
 
-@pytest.mark.parametrize("vector", ["1", "0"])
+@pytest.mark.parametrize("vector", ["1", "0", "table-off"])
 @pytest.mark.parametrize("ways", rans.FAST_WAYS)
-@pytest.mark.parametrize("sb", [10, 12])
-def test_local_table_decoder_refuses_corrupt_streams(ways, vector, sb, monkeypatch):
-    monkeypatch.setenv("KVCODEC_VECTOR", vector)
+@pytest.mark.parametrize("sb, lowbits", [(8, 0), (10, 5), (12, 5)])
+def test_local_table_decoder_refuses_corrupt_streams(ways, vector, sb, lowbits, monkeypatch):
+    """Truncated, over-long and zero-state streams are refused by name by every local-table kernel: the vector
+    ones (refill offsets from a table or from shifts; with raw low bits, and without as index streams have
+    them) and the scalar ones."""
+    monkeypatch.setenv("KVCODEC_VECTOR", "0" if vector == "0" else "1")
+    monkeypatch.setattr(_lanes_simd, "PREFIX_TABLE", vector != "table-off")
     rng = np.random.default_rng(ways)
-    full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 40, ways, 6, 5, 6, 2, True)
+    full, syms, low, refs, cmap, counts = _words_problem(rng, 2, 40, ways, 6, lowbits, 6, 2, True)
     freq = rans.normalize_counts(counts, sb)
-    assert rans.decode_kernel(ways, ways, freq, sb, 6, 5) == (f"vector_w{ways}/direct" if vector == "1" else
-                                                              f"fast_w{ways}")
+    assert rans.decode_kernel(ways, ways, freq, sb, 6, lowbits) == (f"fast_w{ways}" if vector == "0" else
+                                                                    f"vector_w{ways}/direct")
     words = rans.lanes_encode(syms, refs, cmap, freq, sb, ways, 6, 6)
-    raw = rans.pack_bits(rans.coding_order(low, ways), 5)
+    raw = rans.pack_bits(rans.coding_order(low, ways), lowbits)
+    out = np.zeros_like(full)
+    rans.lanes_decode(words, refs, cmap, freq, sb, ways, 6, 6, lowbits, raw, out)
+    np.testing.assert_array_equal(out, full)
     zero_state = words.copy()
     zero_state[0] = 0
     for bad, what in ((words[:-1], "ended|final"), (np.concatenate([words, [7]]).astype(np.uint16), "left over"),
                       (zero_state, "initial")):
         with pytest.raises(FormatError, match=what):
-            rans.lanes_decode(bad, refs, cmap, freq, sb, ways, 6, 6, 5, raw, np.zeros_like(full))
+            rans.lanes_decode(bad, refs, cmap, freq, sb, ways, 6, 6, lowbits, raw, np.zeros_like(full))
 
 
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 12), ntok=st.integers(1, 50), kbits=st.integers(2, 12),

@@ -147,7 +147,7 @@ def usable(syms, offset: int, out) -> bool:
         return False
     if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
         return False
-    if not out.flags.writeable or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
+    if not (out.flags.writeable and out.flags.aligned) or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
         return False
     return rans.vector_kernels() and _builds(syms.shape[2], out.dtype == np.uint16)
 
@@ -254,9 +254,9 @@ def dequant_usable(syms, offset: int, steps, out) -> bool:
         return False
     if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
         return False
-    if not out.flags.writeable or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
+    if not (out.flags.writeable and out.flags.aligned) or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
         return False
-    if not rans.vector_kernels():
+    if not (syms.flags.aligned and steps.flags.aligned) or not rans.vector_kernels():
         return False
     key = ("dequant", syms.shape[2], out.dtype == np.uint16)
     if key not in _BUILT:

@@ -97,18 +97,3 @@ class KvzWriter:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-
-
-class BytesSink:
-    """A write-only sink that keeps the parts written and joins them once (a ``BytesIO`` copies each part into
-    a buffer it regrows, then once more in ``getvalue``)."""
-
-    def __init__(self):
-        self._parts = []
-
-    def write(self, b) -> int:
-        self._parts.append(b if isinstance(b, bytes) else bytes(b))  # the caller may reuse a mutable buffer
-        return len(self._parts[-1])
-
-    def getvalue(self) -> bytes:
-        return b"".join(self._parts)

@@ -56,8 +56,23 @@ def machine_info() -> dict:
     import numba
     import torch
 
-    return {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpus": os.cpu_count(),
+    parts = (platform.machine(), platform.processor(), _cpu())
+    return {"machine": " ".join(p for p in parts if p), "cpus": os.cpu_count(),
             "torch": torch.__version__, "numba": numba.__version__}
+
+
+def _cpu() -> str:
+    """The CPU as the vector kernels are compiled for it (LLVM's name and its widest vector extension, e.g.
+    ``znver4, AVX-512``): speeds of different runs compare only on the same one."""
+    try:
+        import llvmlite.binding as llvm
+
+        llvm.initialize_native_target()
+        feats = llvm.get_host_cpu_features().flatten().split(",")
+    except Exception:  # noqa: BLE001 - informative only
+        return ""
+    widest = "AVX-512" if "+avx512f" in feats else "AVX2" if "+avx2" in feats else "no AVX2"
+    return f"({llvm.get_host_cpu_name()}, {widest})"
 
 
 def corpus_caches(cdir: Path, genres, dtype_names, tokens: int):

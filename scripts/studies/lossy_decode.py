@@ -10,7 +10,8 @@
   bit-identical first; Mcomp/s;
 * **index streams**: the whole decode of the cache at 2 and 3 bits with the index streams coded at
   ``Scale_Bits`` 12 (the reference encoder until spec revision 1.6.2), 10 (until 1.8.3) and 8 (now, for
-  symbols of up to 8 bits: all of these), bytes, ms and the ms of the index streams' vector kernel within it.
+  symbols of up to 8 bits: all of these), bytes, ms and the ms of the index streams' vector kernel within it
+  (its mean over the rounds, after one untimed decode of each).
   The step comes from a rate loop over the coded sizes, so the variants' steps (and values) may differ by a
   hair.
 """
@@ -99,6 +100,8 @@ def index_streams(kv) -> list:
                 vq_rans._CTX, vq_rans.SMALL_SCALE_BITS = {**base, "scale_bits": sb}, sb
                 datas[sb] = kvcodec.encode(kv, tier="lossy", bits=bits)
             vq_rans._CTX, vq_rans.SMALL_SCALE_BITS = base, small
+            for d in datas.values():  # warm-up: every kernel variant compiled before the timed rounds
+                kvcodec.decode(d)
             kernel_s.clear()
 
             def decode(sb, d):
