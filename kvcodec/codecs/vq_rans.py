@@ -87,10 +87,11 @@ PREDICTED_KEY_RATIO = 0.07
 # 1.4x faster than at 12 for the same bytes (+0.00 %; BENCHMARKS.md); files made at 12 decode as before
 _CTX = {**floatctx.DEFAULTS, "scale_bits": 10}
 #: Scale_Bits of the index streams of Symbol_Bits <= 8 (spec revision 1.8.3; every stream states its own, so
-#: this is an encoder choice): 2**8 slots hold any such alphabet, and a stream's 32 direct tables then take
-#: 32 KiB, the size of a level-1 data cache, where at 10 they took 128 KiB.  Measured on SmolLM2 caches
-#: (BENCHMARKS.md, "The lossy tier's decode"): the same bytes to +-0.06 %, the index streams' kernel
-#: 1.17-1.22x faster, a whole decode 1.09-1.15x (two runs).  CacheGen's streams (Method 4, a peer's replica) stay at 10: +0.3 % at 8.
+#: this is an encoder choice): 2**8 slots hold any such alphabet, and the decoder's 32 direct tables of a
+#: stream (4 bytes a slot) then take 32 KiB, the size of a level-1 data cache, where at 10 they took 128 KiB.
+#: Measured on SmolLM2 caches (BENCHMARKS.md, "The lossy tier's decode"): the same bytes to +-0.06 %, the
+#: index streams' kernel 1.17-1.22x faster, a whole decode 1.09-1.15x (two runs).  CacheGen's streams (Method
+#: 4, a peer's replica) stay at 10: +0.3 % at 8.
 SMALL_SCALE_BITS = 8
 
 
