@@ -61,7 +61,7 @@ def _ir(d: int, bf16: bool) -> str:
     """``void rot(i16* syms, float* norms, float* sign, out*, rows, T, heads, sB, sH, sT, i32 off, float step,
     float inv_d)``: row ``i = r * T + t`` of ``syms [rows, T, D]`` (and ``norms [rows, T]``) is written at byte
     ``(r / heads) * sB + (r % heads) * sH + t * sT`` of ``out``, ``D`` float32 or bfloat16 words."""
-    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    F, I32 = f"<{d} x float>", f"<{d} x i32>"
     splat = f"<{d} x i32> zeroinitializer"
     a = []
     w = a.append
@@ -82,12 +82,7 @@ def _ir(d: int, bf16: bool) -> str:
     w("  %t = urem i64 %i, %T")
     w("  %ob = udiv i64 %r, %heads")
     w("  %oh = urem i64 %r, %heads")
-    w(f"  %si = mul i64 %i, {d}")
-    w("  %sp = getelementptr i16, ptr %syms, i64 %si")
-    w(f"  %s = load {I16}, ptr %sp, align 2")
-    w(f"  %s32 = zext {I16} %s to {I32}")
-    w(f"  %q = add {I32} %s32, %offv")
-    w(f"  %qf = sitofp {I32} %q to {F}")
+    _symbols(w, d)
     w(f"  %z0 = fmul {F} %qf, %stepv")
     k = _butterfly(w, d)
     w("  %np = getelementptr float, ptr %norms, i64 %i")
@@ -105,6 +100,18 @@ def _ir(d: int, bf16: bool) -> str:
     w("  %op = getelementptr i8, ptr %out, i64 %o")
     _store(w, d, bf16, "%y3", "%op")
     return _row_loop_end(a)
+
+
+def _symbols(w, d: int) -> None:
+    """Emit ``%qf`` (``<d x float>``): row ``%i`` of ``%syms`` (``d`` uint16 symbols) plus ``%offv``, converted
+    from 32-bit integers (exact as the spec's 64-bit sum whenever the sum fits 32 bits)."""
+    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    w(f"  %si = mul i64 %i, {d}")
+    w("  %sp = getelementptr i16, ptr %syms, i64 %si")
+    w(f"  %s = load {I16}, ptr %sp, align 2")
+    w(f"  %s32 = zext {I16} %s to {I32}")
+    w(f"  %q = add {I32} %s32, %offv")
+    w(f"  %qf = sitofp {I32} %q to {F}")
 
 
 def _store(w, d: int, bf16: bool, value: str, ptr: str) -> None:
@@ -192,7 +199,7 @@ def _dequant_ir(d: int, bf16: bool) -> str:
     ``syms [rows, T, D]`` times the steps ``steps[r % nsteps]`` (``<D x float>``) is written at byte ``(r / heads)
     * sB + (r % heads) * sH + t * sT`` of ``out``: ``float32(symbol + off) * step``, one binary32 product (the
     Numba kernel's), stored as float32 or rounded to bfloat16."""
-    F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
+    F, I32 = f"<{d} x float>", f"<{d} x i32>"
     a = []
     w = a.append
     w("define void @dq(ptr %syms, ptr %steps, ptr %out, i64 %rows, i64 %T, i64 %heads, i64 %nsteps, i64 %sB, "
@@ -219,12 +226,7 @@ def _dequant_ir(d: int, bf16: bool) -> str:
     w("loop:")
     w("  %t = phi i64 [0, %rloop], [%t1, %loop]")
     w("  %i = add i64 %ibase, %t")
-    w(f"  %si = mul i64 %i, {d}")
-    w("  %sp = getelementptr i16, ptr %syms, i64 %si")
-    w(f"  %s = load {I16}, ptr %sp, align 2")
-    w(f"  %s32 = zext {I16} %s to {I32}")
-    w(f"  %q = add {I32} %s32, %offv")
-    w(f"  %qf = sitofp {I32} %q to {F}")
+    _symbols(w, d)
     w(f"  %y = fmul {F} %qf, %st")
     w("  %o3 = mul i64 %t, %sT")
     w("  %o = add i64 %o12, %o3")
