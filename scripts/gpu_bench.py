@@ -1,4 +1,4 @@
-"""GPU benchmark of the lossy tier's Triton kernels (kernels/vq.py): achieved bandwidth vs the device's peak.
+"""GPU benchmark of the lossy tier's Triton kernels (kvcodec/_kernels/vq.py): achieved bandwidth vs the device's peak.
 
     python scripts/gpu_bench.py [--out bench_out] [--peak-gbs 4800]
 
@@ -8,7 +8,7 @@ Llama-sized one), times ``rotate_quantize`` (reads x, writes int32 indices + fp1
 after 5 warm-ups, and reports the bytes moved / time as GB/s and as a fraction of the peak.  The peak is
 taken from ``--peak-gbs`` or a table of known devices (H100 SXM 3350, H200 4800, A100 80GB 2039 GB/s).
 It also checks, on one case, that the GPU results equal the NumPy reference bit for bit.
-The entropy decoder (kernels/rans.py: the lossless tier's rANS streams, one program per stream, its lanes one
+The entropy decoder (kvcodec/_kernels/rans.py: the lossless tier's rANS streams, one program per stream, its lanes one
 vector) is timed on 60 streams of a SmolLM2-sized bf16 slice ([3, 2048, 64], structured like a cache: channel
 scales), checked against the CPU decoder, and reported as GB/s of decoded bf16 output.
 Results: OUT/gpu_bench.json and OUT/gpu_bench.md.
@@ -54,7 +54,6 @@ def main(argv=None):
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvcodec._kernels import vq
-
     from kvcodec.codecs import vq_rans as quant
 
     name = torch.cuda.get_device_name()
@@ -114,7 +113,6 @@ def _entropy_rows(rows, dev, peak, streams=60, shape=(1, 3, 2048, 64)) -> bool:
     """Time the Triton entropy decoder on ``streams`` lossless payloads of ``shape`` (bf16); True if its words
     equal the CPU decoder's."""
     from kvcodec._kernels import rans as kr
-
     from kvcodec.codecs import float_ctx_rans as fc
 
     b, h, s, d = shape

@@ -72,10 +72,6 @@ def _modules():
         if pkg:
             parts = parts[:-1]
         out[".".join(parts)] = (p, pkg)
-    kernels = ROOT / "kernels"  # shipped as kvcodec._kernels
-    for p in kernels.glob("*.py"):
-        name = "kvcodec._kernels" + ("" if p.stem == "__init__" else "." + p.stem)
-        out[name] = (p, p.stem == "__init__")
     return out
 
 

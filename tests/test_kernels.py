@@ -1,4 +1,4 @@
-"""kernels/ ships as kvcodec._kernels and never needs Triton to import."""
+"""kvcodec/_kernels (the Triton kernels) never needs Triton to import, and shadows no other package."""
 
 import importlib.util
 
@@ -9,8 +9,16 @@ from kvcodec import _kernels
 
 
 def test_kernels_package_is_inside_kvcodec():
+    """The kernels are ``kvcodec._kernels``; nothing in this checkout is importable as a top-level ``kernels``
+    (PyPI's `kernels`, which transformers imports when it is installed: a top-level ``kernels`` directory
+    shadowed it wherever the checkout's root was on sys.path, as under pytest, and broke every model load)."""
+    from pathlib import Path
+
     assert _kernels.__name__ == "kvcodec._kernels"
-    assert importlib.util.find_spec("kernels") is None or "kvcodec" not in (importlib.util.find_spec("kernels").origin or "")
+    root = Path(__file__).resolve().parents[1]
+    assert not (root / "kernels").exists()
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or root not in Path(spec.origin or "/").resolve().parents
 
 
 def test_require_triton_raises_backend_unavailable_without_triton():

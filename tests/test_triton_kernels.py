@@ -1,4 +1,4 @@
-"""Triton kernels (kernels/vq.py) against the NumPy reference of the lossy tier, bit for bit.
+"""Triton kernels (kvcodec/_kernels/vq.py) against the NumPy reference of the lossy tier, bit for bit.
 
 On machines without a GPU they run under TRITON_INTERPRET=1 (set in tests/conftest.py before Triton is
 imported); skipped where Triton is not installed.
@@ -136,7 +136,7 @@ def test_encoder_writes_the_same_bytes_through_the_kernel(dtype, monkeypatch):
     assert calls  # the kernel did the quantization
 
 
-# --- the entropy decoder (kernels/rans.py) -------------------------------------------------------------------
+# --- the entropy decoder (kvcodec/_kernels/rans.py) -------------------------------------------------------
 
 def _coded_payload(shape, dtype, ways, seed):
     """A float_ctx_rans Mode 1 payload of a structured tensor (channel scales, as caches have) and its words."""
@@ -161,7 +161,6 @@ def test_triton_entropy_decoder_is_bit_exact(dtype, ways, shape):
     """The Triton lane decoder gives the CPU decoder's words (symbols and raw low bits) for every dtype, lane
     count and group layout, several streams of one shape in one launch."""
     from kvcodec._kernels import rans as kr
-
     from kvcodec.codecs import float_ctx_rans as fc
 
     b, h, s, d = shape
@@ -178,7 +177,6 @@ def test_triton_entropy_decoder_fused_with_method5_dequantization():
     import struct
 
     from kvcodec._kernels import rans as kr
-
     from kvcodec.codecs import float_ctx_rans as fc
 
     shape = (1, 2, 48, 16)
@@ -211,7 +209,6 @@ def test_triton_entropy_decoder_refuses_corrupt_streams():
     """A stream with a word changed or a word missing: the Triton decoder raises FormatError wherever the CPU
     decoder does (final state, words left over or too few), and decodes the same words where it does not."""
     from kvcodec._kernels import rans as kr
-
     from kvcodec.codecs import float_ctx_rans as fc
     from kvcodec.entropy import rans
     from kvcodec.errors import FormatError

@@ -1,4 +1,4 @@
-"""The jitted kernels of kernels/vq.py (imported only when Triton is; see vq.py for what they compute)."""
+"""The jitted kernels of kvcodec/_kernels/vq.py (imported only when Triton is; see vq.py for what they compute)."""
 
 import triton
 import triton.language as tl

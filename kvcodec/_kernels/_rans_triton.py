@@ -1,4 +1,4 @@
-"""The jitted kernel of kernels/rans.py (imported only when Triton is; see rans.py for what it computes)."""
+"""The jitted kernel of kvcodec/_kernels/rans.py (imported only when Triton is; see rans.py for what it computes)."""
 
 import triton
 import triton.language as tl

@@ -21,7 +21,7 @@ output feeds the bitstream (encoder) or must equal every other decoder's (decode
   the float64 sums straddle a float16 rounding boundary (they differ by a few float64 ulps, ~2**-50
   relative: about one vector in 2**39).
 
-The ``_<op>_kernel`` (jitted) / ``<op>`` (host launcher) split follows ``kernels/__init__.py``.
+The ``_<op>_kernel`` (jitted) / ``<op>`` (host launcher) split follows ``kvcodec/_kernels/__init__.py``.
 """
 
 from __future__ import annotations
