@@ -185,6 +185,14 @@ class KVCache:
             if sw is not None:
                 layer.cumulative_length = self.cumulative_length[i]
             layers.append(layer)
+        # transformers >= 5.25: a linear-attention layer counts the tokens it has seen (its get_seq_length,
+        # which sets the next positions): the count the attention layers imply (to_canonical checked they agree)
+        seen = max((c for c, st in zip(self.cumulative_length, self.states) if st is None or st.kind != "linear"),
+                   default=0)
+        for layer in layers:
+            if layer is not None and isinstance(getattr(layer, "cumulative_length_linear", None), torch.Tensor):
+                layer.cumulative_length_linear = torch.tensor(seen, dtype=torch.int64,
+                                                              device=layer.device or "cpu")
         cache = DynamicCache()
         cache.layers = layers
         return cache
@@ -285,6 +293,16 @@ def to_canonical(cache) -> KVCache:
             else:
                 sw.append(None)
                 cum.append(int(layer.keys.shape[-2]))
+        # transformers >= 5.25 counts the tokens a linear-attention layer has seen (``cumulative_length_linear``,
+        # its get_seq_length): not stored, it is restored as the count the attention layers imply (0 without
+        # any), so a cache whose count says otherwise would come back different and is refused here
+        seen = max((c for c, st in zip(cum, states) if st is None or st.kind != "linear"), default=0)
+        for i, layer in enumerate(layers):
+            count = getattr(layer, "cumulative_length_linear", None)
+            if count is not None and states[i] is not None and int(count) != seen and (
+                    seen or any(st is None or st.kind != "linear" for st in states)):
+                raise UnsupportedCache(f"layer {i}: {type(layer).__name__} counts {int(count)} tokens seen, its "
+                                       f"cache's attention layers {seen}; kvcodec restores the latter")
         if placeholders:
             ref = next((k for k in keys if k is not None), None)
             if ref is None:  # state only (Mamba): the first state tensor gives dtype and batch

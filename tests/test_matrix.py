@@ -149,3 +149,22 @@ def test_offloaded_cache_is_read_after_its_copies_complete():
     data = kvcodec.encode(off, model)
     assert kvcodec.inspect(data)["tier"] == "exact"
     assert kvcodec.decode(data, model, output="kvcache").equal(kvcodec.to_canonical(plain))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "jamba"])
+def test_linear_attention_token_count_is_restored(arch):
+    """transformers >= 5.25 counts the tokens a linear-attention layer has seen (its get_seq_length, which sets
+    the next positions): not stored in the file, it comes back as the count the attention layers imply, and a
+    cache whose count disagrees with them is refused by name rather than restored different."""
+    model = tiny_model(arch)
+    cache, _, _ = _cache(model, "prefill")
+    linear = [la for la in cache.layers if hasattr(la, "cumulative_length_linear")]
+    if not linear:
+        pytest.skip("this transformers does not count a linear-attention layer's tokens (before 5.25)")
+    restored = kvcodec.decode(kvcodec.encode(cache))
+    assert restored.get_seq_length() == cache.get_seq_length() > 0
+    assert [int(la.cumulative_length_linear) for la in restored.layers if hasattr(la, "cumulative_length_linear")] \
+        == [int(la.cumulative_length_linear) for la in linear]
+    linear[0].cumulative_length_linear += 1
+    with pytest.raises(kvcodec.errors.UnsupportedCache, match="tokens seen"):
+        kvcodec.encode(cache)
