@@ -187,8 +187,7 @@ class KVCache:
             layers.append(layer)
         # transformers >= 5.25: a linear-attention layer counts the tokens it has seen (its get_seq_length,
         # which sets the next positions): the count the attention layers imply (to_canonical checked they agree)
-        seen = max((c for c, st in zip(self.cumulative_length, self.states) if st is None or st.kind != "linear"),
-                   default=0)
+        seen, _ = tokens_seen(self.cumulative_length, self.states)
         for layer in layers:
             if layer is not None and isinstance(getattr(layer, "cumulative_length_linear", None), torch.Tensor):
                 layer.cumulative_length_linear = torch.tensor(seen, dtype=torch.int64,
@@ -227,6 +226,14 @@ class KVCache:
             raise ConfigError("a reduced cache has no legacy form: its atoms' log-weights would be lost "
                               "(use output='dynamic')")
         return tuple((k, v) for k, v in zip(self.keys, self.values))
+
+
+def tokens_seen(cumulative_length, states) -> tuple[int, bool]:
+    """(the tokens a cache has seen as its attention layers count them, whether it has any attention layer):
+    the count a linear-attention layer of transformers >= 5.25 keeps (``cumulative_length_linear``), which
+    kvcodec does not store but restores from this (0 in a cache without attention layers)."""
+    counts = [c for c, st in zip(cumulative_length, states) if st is None or st.kind != "linear"]
+    return max(counts, default=0), bool(counts)
 
 
 def to_canonical(cache) -> KVCache:
@@ -296,11 +303,10 @@ def to_canonical(cache) -> KVCache:
         # transformers >= 5.25 counts the tokens a linear-attention layer has seen (``cumulative_length_linear``,
         # its get_seq_length): not stored, it is restored as the count the attention layers imply (0 without
         # any), so a cache whose count says otherwise would come back different and is refused here
-        seen = max((c for c, st in zip(cum, states) if st is None or st.kind != "linear"), default=0)
+        seen, attention = tokens_seen(cum, states)
         for i, layer in enumerate(layers):
             count = getattr(layer, "cumulative_length_linear", None)
-            if count is not None and states[i] is not None and int(count) != seen and (
-                    seen or any(st is None or st.kind != "linear" for st in states)):
+            if attention and count is not None and int(count) != seen:
                 raise UnsupportedCache(f"layer {i}: {type(layer).__name__} counts {int(count)} tokens seen, its "
                                        f"cache's attention layers {seen}; kvcodec restores the latter")
         if placeholders:

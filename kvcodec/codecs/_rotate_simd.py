@@ -142,13 +142,13 @@ def _kernel(d: int, bf16: bool):
     return _lanes_simd.jit(("rotate", d, bf16), lambda features: _ir(d, bf16), "rot", None, _ARGTYPES)[0]
 
 
-def usable(syms, offset: int, out) -> bool:
-    """Whether :func:`rotate` takes these arrays (a compiled ``D``, contiguous symbols, rows contiguous in
-    ``out``, float32 / uint32 / uint16 output, ``symbol + offset`` inside 32 bits) on this machine
-    (``KVCODEC_VECTOR=0``: never)."""
+def _layout(syms, offset: int, out) -> bool:
+    """What :func:`rotate` and :func:`dequant` both need: a compiled ``D``, aligned contiguous uint16 symbols
+    ``[B*H, T, D]``, an aligned writeable ``out [B, H, T, D]`` of float32 / uint32 / uint16 words with rows
+    contiguous, ``symbol + offset`` inside 32 bits, and the vector kernels on (``KVCODEC_VECTOR=0``: never)."""
     if syms.ndim != 3 or syms.shape[2] not in DIMS:
         return False
-    if not (syms.flags.c_contiguous and syms.dtype == np.uint16 and out.ndim == 4):
+    if not (syms.flags.c_contiguous and syms.flags.aligned and syms.dtype == np.uint16 and out.ndim == 4):
         return False
     if out.shape[3] != syms.shape[2] or out.shape[0] * out.shape[1] != syms.shape[0] or out.shape[2] != syms.shape[1]:
         return False
@@ -156,20 +156,27 @@ def usable(syms, offset: int, out) -> bool:
         return False
     if not (out.flags.writeable and out.flags.aligned) or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
         return False
-    return rans.vector_kernels() and _builds(syms.shape[2], out.dtype == np.uint16)
+    return rans.vector_kernels()
+
+
+def usable(syms, offset: int, out) -> bool:
+    """Whether :func:`rotate` takes these arrays (:func:`_layout`) on this machine."""
+    bf16 = out.dtype == np.uint16
+    return _layout(syms, offset, out) and _builds(("rotate", syms.shape[2], bf16),
+                                                  lambda: _kernel(syms.shape[2], bf16))
 
 
 _BUILT: dict = {}
 
 
-def _builds(d: int, bf16: bool) -> bool:
-    """Whether this machine compiles the kernel (checked once; a failure means: use the Numba kernels)."""
-    key = (d, bf16)
+def _builds(key, build) -> bool:
+    """Whether this machine compiles the kernel ``build()`` makes (checked once per ``key``; a failure means: use
+    the Numba kernels or the NumPy formulation)."""
     if key not in _BUILT:
         try:
-            _kernel(d, bf16)
+            build()
             _BUILT[key] = True
-        except Exception:  # noqa: BLE001 - any failure to build means: use the Numba kernels
+        except Exception:  # noqa: BLE001 - any failure to build means: use the other path
             _BUILT[key] = False
     return _BUILT[key]
 
@@ -243,31 +250,14 @@ def _dequant_kernel(d: int, bf16: bool):
 
 
 def dequant_usable(syms, offset: int, steps, out) -> bool:
-    """Whether :func:`dequant` takes these arrays (a compiled ``D``, contiguous symbols and float32 steps
-    ``[H, D]``, rows contiguous in ``out`` of float32 / uint32 / uint16 words, ``symbol + offset`` inside 32 bits)
-    on this machine (``KVCODEC_VECTOR=0``: never)."""
-    if syms.ndim != 3 or syms.shape[2] not in DIMS or not (syms.flags.c_contiguous and syms.dtype == np.uint16):
+    """Whether :func:`dequant` takes these arrays (:func:`_layout`, and aligned contiguous float32 steps
+    ``[H, D]``) on this machine."""
+    if steps.ndim != 2 or steps.shape[0] < 1 or steps.shape[1:] != syms.shape[2:] or steps.dtype != np.float32:
         return False
-    if steps.ndim != 2 or steps.shape[1] != syms.shape[2] or steps.dtype != np.float32 or steps.shape[0] < 1:
+    if not (steps.flags.c_contiguous and steps.flags.aligned) or not _layout(syms, offset, out):
         return False
-    if not steps.flags.c_contiguous or out.ndim != 4 or out.shape[3] != syms.shape[2]:
-        return False
-    if out.shape[0] * out.shape[1] != syms.shape[0] or out.shape[2] != syms.shape[1]:
-        return False
-    if out.dtype not in (np.float32, np.uint32, np.uint16) or out.strides[3] != out.itemsize:
-        return False
-    if not (out.flags.writeable and out.flags.aligned) or not -(2 ** 31) <= offset or offset + 65535 >= 2 ** 31:
-        return False
-    if not (syms.flags.aligned and steps.flags.aligned) or not rans.vector_kernels():
-        return False
-    key = ("dequant", syms.shape[2], out.dtype == np.uint16)
-    if key not in _BUILT:
-        try:
-            _dequant_kernel(key[1], key[2])
-            _BUILT[key] = True
-        except Exception:  # noqa: BLE001 - any failure to build means: use the Numba kernel
-            _BUILT[key] = False
-    return _BUILT[key]
+    bf16 = out.dtype == np.uint16
+    return _builds(("dequant", syms.shape[2], bf16), lambda: _dequant_kernel(syms.shape[2], bf16))
 
 
 def dequant(syms, offset: int, steps, out) -> None:
@@ -343,16 +333,7 @@ def _forward_kernel(d: int):
 
 def forward_usable(d: int) -> bool:
     """Whether :func:`forward` runs for head dimension ``d`` on this machine (``KVCODEC_VECTOR=0``: never)."""
-    if d not in DIMS or not rans.vector_kernels():
-        return False
-    key = ("forward", d)
-    if key not in _BUILT:
-        try:
-            _forward_kernel(d)
-            _BUILT[key] = True
-        except Exception:  # noqa: BLE001 - any failure to build means: use the NumPy formulation
-            _BUILT[key] = False
-    return _BUILT[key]
+    return d in DIMS and rans.vector_kernels() and _builds(("forward", d), lambda: _forward_kernel(d))
 
 
 def forward(x: np.ndarray, n32: np.ndarray, sign: np.ndarray, step=None):

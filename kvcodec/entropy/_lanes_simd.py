@@ -250,7 +250,7 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
         if not raw:  # no raw bits: the word is the symbol
             a(f"  %ov.{k} = or {V} %p.next.{k}, zeroinitializer")
         else:
-            raw_bits(a, V, V64, W, gather, ones, k, narrow, lmaskv, lbv)
+            _raw_bits(a, W, k, narrow, lmaskv, lbv)
         a(f"  %optr.{k} = getelementptr {ety}, ptr %out.{k}, i64 %oi")
         if ety == "i32":
             a(f"  store {V} %ov.{k}, ptr %optr.{k}, align 4")
@@ -288,12 +288,12 @@ def _expand_table(W: int) -> str:
     return f"@expand = private unnamed_addr constant [{W << W} x i8] [{body}], align 8"
 
 
-def raw_bits(a, V: str, V64: str, W: int, gather: str, ones: str, k: int, narrow: bool, lmaskv: str,
-             lbv: str) -> None:
-    """Emit stream ``k``'s output words ``%ov.k``: its symbols ``%p.next.k`` above the lanes' raw low bits (lane
-    j's are bits ``bp + j lb ..`` of the packed stream, LSB first: one 64-bit load if ``narrow``, else a 32-bit
-    load per lane at its byte)."""
-    P = f"<{W} x ptr>"
+def _raw_bits(a, W: int, k: int, narrow: bool, lmaskv: str, lbv: str) -> None:
+    """Emit stream ``k``'s output words ``%ov.k`` (in :func:`_ir`'s loop, ``W`` lanes): its symbols ``%p.next.k``
+    above the lanes' raw low bits (lane j's are bits ``bp + j lb ..`` of the packed stream, LSB first: one 64-bit
+    load if ``narrow``, else a 32-bit load per lane at its byte)."""
+    V, V64, P = f"<{W} x i32>", f"<{W} x i64>", f"<{W} x ptr>"
+    gather, ones = f"@llvm.masked.gather.v{W}i32.v{W}p0", f"<{W} x i1> splat (i1 true)"
     a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
     if narrow:  # one 64-bit load, each lane's field shifted out of it
         a(f"  %r64.{k} = load i64, ptr %rbase.{k}, align 1")

@@ -348,12 +348,13 @@ def decode_kernel(ways: int, dim: int, freq: np.ndarray, scale_bits: int | None 
     * ``decode_w4/8`` (unrolled, any table), ``generic``, or ``python`` (the reference backend)."""
     if backend() == "python":
         return "python"
-    if ways in FAST_WAYS and dim % ways == 0 and (min(freq.shape[1], 1 << (scale_bits or 15)) <= 256
+    sb = MAX_SCALE_BITS if scale_bits is None else scale_bits
+    # a table holds at most min(its alphabet, 2**sb) symbols: counted only when that bound exceeds 256
+    if ways in FAST_WAYS and dim % ways == 0 and (min(freq.shape[1], 1 << sb) <= 256
                                                   or int(np.count_nonzero(freq, axis=1).max()) <= 256):
         from . import _lanes_simd
 
         if lowbits <= _lanes_simd.MAX_LOWBITS and vector_kernels():
-            sb = 15 if scale_bits is None else scale_bits
             direct = kbits is not None and _lanes_simd.direct_fits(sb, kbits)
             return f"vector_w{ways}/{'direct' if direct else 'indexed'}"
         return f"fast_w{ways}"

@@ -90,6 +90,16 @@ def corpus_caches(cdir: Path, genres, dtype_names, tokens: int):
             yield dname, g, m, ids, to_canonical(prefill(m, ids))
 
 
+def text_cache(text: str, tokens: int, dtype: str = "bfloat16"):
+    """``(model, ids [1, n], canonical cache)``: SmolLM2's cache of the first ``tokens`` tokens of the corpus file
+    ``text`` (a study's one cache; :func:`corpus_caches`); SystemExit when ``$KVCODEC_CORPUS`` names no corpus."""
+    cdir = corpus_dir(None)
+    if cdir is None:
+        raise SystemExit("set KVCODEC_CORPUS to the corpus folder")
+    _, _, model, ids, kv = next(corpus_caches(cdir, [text], [dtype], tokens))
+    return model, ids, kv
+
+
 def median_time(fn, repeats: int) -> tuple[float, object]:
     """Median wall time of ``repeats`` calls of ``fn``, and the last result."""
     times, out = [], None

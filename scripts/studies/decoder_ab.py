@@ -31,7 +31,7 @@ os.environ.setdefault("KVCODEC_THREADS", "1")
 import kvcodec  # noqa: E402
 from kvcodec.codecs import _rotate_simd, _vq_numba, vq_rans  # noqa: E402
 from kvcodec.entropy import _lanes_simd  # noqa: E402
-from kvcodec.lab.common import corpus_caches, corpus_dir, machine_info  # noqa: E402
+from kvcodec.lab.common import machine_info, text_cache  # noqa: E402
 
 
 def ab(data: bytes, old, new, parts, rounds: int) -> dict:
@@ -96,10 +96,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cdir = corpus_dir(None)
-    if cdir is None:
-        raise SystemExit("set KVCODEC_CORPUS to the corpus folder")
-    _, _, model, ids, kv = next(corpus_caches(cdir, [args.text], ["bfloat16"], args.tokens))
+    model, ids, kv = text_cache(args.text, args.tokens)
     from kvcodec.calibrate import calibrate
 
     profile = calibrate(model, ids[:, :128])

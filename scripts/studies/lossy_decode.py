@@ -32,7 +32,7 @@ import kvcodec  # noqa: E402
 from kvcodec.codecs import _rotate_simd, _vq_numba, vq_rans  # noqa: E402
 from kvcodec.codecs.hadamard import signs  # noqa: E402
 from kvcodec.entropy import _lanes_simd  # noqa: E402
-from kvcodec.lab.common import corpus_caches, corpus_dir  # noqa: E402
+from kvcodec.lab.common import text_cache  # noqa: E402
 
 
 def medians(fns: dict, rounds: int = 7) -> dict:
@@ -128,10 +128,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cdir = corpus_dir(None)
-    if cdir is None:
-        raise SystemExit("set KVCODEC_CORPUS to the corpus folder")
-    _, _, _, _, kv = next(corpus_caches(cdir, [args.text], ["bfloat16"], args.tokens))
+    _, _, kv = text_cache(args.text, args.tokens)
     res = {"text": args.text, "tokens": args.tokens, "reconstruction": reconstruction(kv),
            "index_streams": index_streams(kv)}
     r = res["reconstruction"]
