@@ -470,23 +470,30 @@ def test_bf16_rounding_equals_torch_on_every_non_nan():
     assert not out[:, :, :7].any() and not out[:, :, 507:].any()
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
-def test_vector_reconstruction_equals_the_scalar_kernels(d):
+def test_vector_reconstruction_equals_the_scalar_kernels(d, fused, monkeypatch):
     """The vector reconstruction (``_rotate_simd``: one token per vector register) gives the scalar kernels' bits
     - float32, and bfloat16 rounded to nearest even - written into a strided slice of a larger output, including
-    values that overflow to infinity and butterflies that make NaN (a hostile Step)."""
+    all-zero tokens, values that overflow to infinity and butterflies that make NaN (a hostile Step: the bfloat16
+    kernel with its NaN case; the others take the one without); the butterfly as fused multiply-adds (where the
+    CPU has them) and as adds, subtracts and blends."""
     from kvcodec.codecs import _rotate_simd, _vq_numba
     from kvcodec.codecs.hadamard import signs
+
+    monkeypatch.setattr(_rotate_simd, "FUSED", fused)
 
     if not _rotate_simd.usable(np.zeros((1, 1, d), np.uint16), 0, np.zeros((1, 1, 1, d), np.uint16)):
         pytest.skip("no vector kernels on this machine")
     rng = np.random.default_rng(d)
     b, h, t = 2, 3, 45
     sign = signs(0x6B767A, d)
-    for step, lo, top in [(0.3183, -7, 16), (1.7e-3, -300, 700), (3.0e38, -2, 4), (0.05, 2**31 - 65536, 65535)]:
+    for step, lo, top in [(0.3183, -7, 16), (1.7e-3, -300, 700), (3.0e38, -2, 4), (0.05, 2**31 - 65536, 65535),
+                          (0.5, 0, 1)]:
         syms = rng.integers(0, top, size=(b * h, t, d)).astype(np.uint16)
         norms = (rng.random((b * h, t)) * 60000).astype(np.float16).astype(np.float32)
         norms[0, :3] = [0.0, 6.1e-5, 65504.0]
+        assert _rotate_simd._finite(lo, step, norms) == (step < 1e38)
         want = np.empty((b * h * t, d), np.float32)
         _vq_numba.rotate_back(syms.reshape(-1, d), lo, np.float32(step), np.zeros(1, np.float32), False, sign,
                               np.float32(1.0 / d), norms.reshape(-1), want)
@@ -538,14 +545,17 @@ def test_rate_search_counts_like_numpy(monkeypatch):
             assert quant._index_entropy(z, st, z.min(), z.max()) == want
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
-def test_vector_forward_rotation_equals_the_numpy_formulation(d, monkeypatch):
+def test_vector_forward_rotation_equals_the_numpy_formulation(d, fused, monkeypatch):
     """The encoder's forward rotation as vector code (``_rotate_simd.norms``: the binary64 norms in NumPy's
     pairwise order; ``_rotate_simd.forward``: divide by the float16 norm, signs, Walsh-Hadamard butterfly,
     ``rint(z / step)`` ties to even, in one pass) gives the NumPy formulation's bits:
     rows of every scale, a zero row, norms that round to float16 subnormals or overflow to infinity, exact ties
-    of ``z / step`` at .5, and steps from tiny to huge."""
+    of ``z / step`` at .5, and steps from tiny to huge; the butterfly fused or not (:func:`_rotate_simd._butterfly`)."""
     from kvcodec.codecs import _rotate_simd
+
+    monkeypatch.setattr(_rotate_simd, "FUSED", fused)
 
     if not _rotate_simd.forward_usable(d):
         pytest.skip("no vector kernels on this machine")

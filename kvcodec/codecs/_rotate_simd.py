@@ -40,31 +40,43 @@ def _row_loop_end(a: list) -> str:
     return "\n".join(a) + "\n"
 
 
-def _butterfly(w, d: int) -> int:
+def _butterfly(w, d: int, fma: bool = False) -> int:
     """Emit the unnormalised Walsh-Hadamard butterfly of ``%z0`` (``<d x float>``): stage ``h`` is ``p = z[j ^ h]``
     then ``z[j] + p`` where bit ``h`` of ``j`` is clear and ``p - z[j]`` where it is set (the pair ``(a + b, a -
-    b)``); the result is ``%z{k}`` for the returned ``k``."""
+    b)``); the result is ``%z{k}`` for the returned ``k``.  ``fma``: each stage is one fused multiply-add
+    ``fma(z[j], +-1, p)`` (``@llvm.fma``; the caller declares it): ``z[j] * +-1`` is exact, so its one rounding is
+    that of ``z[j] + p`` or ``p - z[j]`` (the same bits, signed zeros included), in one instruction where the
+    other form takes an add, a subtract and a blend."""
     F = f"<{d} x float>"
     h, k = 1, 0
     while h < d:
         perm = _vec(d, "i32", [j ^ h for j in range(d)])
-        bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
         w(f"  %p{k} = shufflevector {F} %z{k}, {F} poison, <{d} x i32> {perm}")
-        w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
-        w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
-        w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
+        if fma:
+            pm = _vec(d, "float", ["-1.0" if j & h else "1.0" for j in range(d)])
+            w(f"  %z{k + 1} = call {F} @llvm.fma.v{d}f32({F} %z{k}, {F} {pm}, {F} %p{k})")
+        else:
+            bits = _vec(d, "i1", ["true" if j & h else "false" for j in range(d)])
+            w(f"  %add{k} = fadd {F} %z{k}, %p{k}")
+            w(f"  %sub{k} = fsub {F} %p{k}, %z{k}")
+            w(f"  %z{k + 1} = select <{d} x i1> {bits}, {F} %sub{k}, {F} %add{k}")
         h, k = 2 * h, k + 1
     return k
 
 
-def _ir(d: int, bf16: bool) -> str:
+def _ir(d: int, bf16: bool, fma: bool = False, finite: bool = False) -> str:
     """``void rot(i16* syms, float* norms, float* sign, out*, rows, T, heads, sB, sH, sT, i32 off, float step,
     float inv_d)``: row ``i = r * T + t`` of ``syms [rows, T, D]`` (and ``norms [rows, T]``) is written at byte
-    ``(r / heads) * sB + (r % heads) * sH + t * sT`` of ``out``, ``D`` float32 or bfloat16 words."""
+    ``(r / heads) * sB + (r % heads) * sH + t * sT`` of ``out``, ``D`` float32 or bfloat16 words.  ``fma``: the
+    butterfly's stages as fused multiply-adds (:func:`_butterfly`), and ``(z * sign) * (1 / D)`` as ``z * (sign *
+    (1 / D))`` (``sign`` is +-1 and rounding is symmetric in sign: the same bits).  ``finite``: no value is NaN
+    (:func:`_finite`), so the bfloat16 rounding leaves out its NaN case."""
     F, I32 = f"<{d} x float>", f"<{d} x i32>"
     splat = f"<{d} x i32> zeroinitializer"
     a = []
     w = a.append
+    if fma:
+        w(f"declare {F} @llvm.fma.v{d}f32({F}, {F}, {F})")
     w("define void @rot(ptr %syms, ptr %norms, ptr %sign, ptr %out, i64 %rows, i64 %T, i64 %heads, i64 %sB, "
       "i64 %sH, i64 %sT, i32 %off, float %step, float %invd) {")
     w("entry:")
@@ -73,6 +85,7 @@ def _ir(d: int, bf16: bool) -> str:
         vt = I32 if ty == "i32" else F
         w(f"  %{name}.0 = insertelement {vt} poison, {ty} {val}, i64 0")
         w(f"  %{name} = shufflevector {vt} %{name}.0, {vt} poison, {splat}")
+    w(f"  %sgi = fmul {F} %sg, %invdv")
     w("  %n = mul i64 %rows, %T")
     w("  %empty = icmp eq i64 %n, 0")
     w("  br i1 %empty, label %done, label %loop")
@@ -84,13 +97,16 @@ def _ir(d: int, bf16: bool) -> str:
     w("  %oh = urem i64 %r, %heads")
     _symbols(w, d)
     w(f"  %z0 = fmul {F} %qf, %stepv")
-    k = _butterfly(w, d)
+    k = _butterfly(w, d, fma)
     w("  %np = getelementptr float, ptr %norms, i64 %i")
     w("  %nr = load float, ptr %np, align 4")
     w(f"  %nrv.0 = insertelement {F} poison, float %nr, i64 0")
     w(f"  %nrv = shufflevector {F} %nrv.0, {F} poison, {splat}")
-    w(f"  %y1 = fmul {F} %z{k}, %sg")
-    w(f"  %y2 = fmul {F} %y1, %invdv")
+    if fma:
+        w(f"  %y2 = fmul {F} %z{k}, %sgi")
+    else:
+        w(f"  %y1 = fmul {F} %z{k}, %sg")
+        w(f"  %y2 = fmul {F} %y1, %invdv")
     w(f"  %y3 = fmul {F} %y2, %nrv")
     w("  %o1 = mul i64 %ob, %sB")
     w("  %o2 = mul i64 %oh, %sH")
@@ -98,7 +114,7 @@ def _ir(d: int, bf16: bool) -> str:
     w("  %o12 = add i64 %o1, %o2")
     w("  %o = add i64 %o12, %o3")
     w("  %op = getelementptr i8, ptr %out, i64 %o")
-    _store(w, d, bf16, "%y3", "%op")
+    _store(w, d, bf16, "%y3", "%op", finite)
     return _row_loop_end(a)
 
 
@@ -114,9 +130,10 @@ def _symbols(w, d: int) -> None:
     w(f"  %qf = sitofp {I32} %q to {F}")
 
 
-def _store(w, d: int, bf16: bool, value: str, ptr: str) -> None:
+def _store(w, d: int, bf16: bool, value: str, ptr: str, finite: bool = False) -> None:
     """Emit the store of ``value`` (``<d x float>``) at ``ptr``: as float32, or rounded to bfloat16 (nearest
-    even, :func:`kvcodec.codecs._vq_numba.f32_to_bf16`'s rule: a NaN stays a quiet NaN) in integer ops."""
+    even, :func:`kvcodec.codecs._vq_numba.f32_to_bf16`'s rule: a NaN stays a quiet NaN) in integer ops; with
+    ``finite`` (the caller knows no value is NaN) without the NaN case."""
     F, I32, I16 = f"<{d} x float>", f"<{d} x i32>", f"<{d} x i16>"
     if not bf16:
         w(f"  store {F} {value}, ptr {ptr}, align 4")
@@ -125,21 +142,44 @@ def _store(w, d: int, bf16: bool, value: str, ptr: str) -> None:
     def c(v):
         return _vec(d, "i32", [v] * d)
     w(f"  %wb = bitcast {F} {value} to {I32}")
-    w(f"  %abs = and {I32} %wb, {c(0x7FFFFFFF)}")
-    w(f"  %isnan = icmp ugt {I32} %abs, {c(0x7F800000)}")
     w(f"  %hi = lshr {I32} %wb, {c(16)}")
     w(f"  %lsb = and {I32} %hi, {c(1)}")
     w(f"  %rb = add {I32} %wb, {c(0x7FFF)}")
     w(f"  %rb2 = add {I32} %rb, %lsb")
     w(f"  %rn = lshr {I32} %rb2, {c(16)}")
-    w(f"  %qn = or {I32} %hi, {c(0x40)}")
-    w(f"  %sel = select <{d} x i1> %isnan, {I32} %qn, {I32} %rn")
-    w(f"  %bf = trunc {I32} %sel to {I16}")
+    sel = "%rn"
+    if not finite:
+        w(f"  %abs = and {I32} %wb, {c(0x7FFFFFFF)}")
+        w(f"  %isnan = icmp ugt {I32} %abs, {c(0x7F800000)}")
+        w(f"  %qn = or {I32} %hi, {c(0x40)}")
+        w(f"  %sel = select <{d} x i1> %isnan, {I32} %qn, {I32} %rn")
+        sel = "%sel"
+    w(f"  %bf = trunc {I32} {sel} to {I16}")
     w(f"  store {I16} %bf, ptr {ptr}, align 2")
 
 
-def _kernel(d: int, bf16: bool):
-    return _lanes_simd.jit(("rotate", d, bf16), lambda features: _ir(d, bf16), "rot", None, _ARGTYPES)[0]
+#: the butterflies as fused multiply-adds where the CPU has them (the same bits; a study knob: False builds the
+#: add / subtract / blend form everywhere)
+FUSED = True
+
+
+def _fused(features: str) -> bool:
+    """Whether the kernels built for a CPU with these (comma-separated) features use fused multiply-adds:
+    without the instruction LLVM would call a library function per element."""
+    return FUSED and "+fma" in features.split(",")
+
+
+def _kernel(d: int, bf16: bool, finite: bool = False):
+    return _lanes_simd.jit(("rotate", d, bf16, finite, FUSED), lambda features: _ir(d, bf16, _fused(features), finite),
+                           "rot", None, _ARGTYPES)[0]
+
+
+def _finite(offset: int, step, norms) -> bool:
+    """Whether no reconstructed value can be NaN (nor infinite): finite ``norms`` (float16 values widened, so below
+    65536) and ``|symbol + offset| * step < 2**110`` for every 16-bit symbol; then ``|z| < 2**118`` after the
+    butterfly (``D <= 128`` stages of sums, roundings included), ``|z / D| < 2**111`` and the result, times a norm,
+    stays below ``2**127``.  Any file with a sane Step passes; a hostile one takes the kernel with the NaN case."""
+    return (max(abs(offset), abs(offset + 65535)) * float(step) < 2.0 ** 110 and bool(np.isfinite(norms).all()))
 
 
 def _layout(syms, offset: int, out) -> bool:
@@ -163,7 +203,7 @@ def usable(syms, offset: int, out) -> bool:
     """Whether :func:`rotate` takes these arrays (:func:`_layout`) on this machine."""
     bf16 = out.dtype == np.uint16
     return _layout(syms, offset, out) and _builds(("rotate", syms.shape[2], bf16),
-                                                  lambda: _kernel(syms.shape[2], bf16))
+                                                  lambda: _kernel(syms.shape[2], bf16, bf16))
 
 
 _BUILT: dict = {}
@@ -184,14 +224,15 @@ def _builds(key, build) -> bool:
 def rotate(syms, offset: int, step, sign, inv_d, norms, out) -> None:
     """Method 1's reconstruction of ``syms [B*H, T, D]`` (uint16) with ``norms [B*H, T]`` into ``out [B, H, T,
     D]`` (float32 or its uint32 bit patterns, or uint16 bfloat16 patterns rounded to nearest even); callers check
-    :func:`usable` first."""
+    :func:`usable` first; ``sign`` is +-1."""
     rows, t, d = syms.shape
     norms = np.ascontiguousarray(norms, dtype=np.float32)
     sign = np.ascontiguousarray(sign, dtype=np.float32)
-    if not usable(syms, offset, out) or norms.shape != (rows, t) or sign.shape != (d,):
+    if not usable(syms, offset, out) or norms.shape != (rows, t) or sign.shape != (d,) or (abs(sign) != 1).any():
         raise ValueError(f"rotate: symbols {syms.shape} {syms.dtype}, norms {norms.shape}, signs {sign.shape}, "
                          f"output {out.shape} {out.dtype} do not fit the vector kernel (check usable() first)")
-    fn = _kernel(d, out.dtype == np.uint16)
+    bf16 = out.dtype == np.uint16
+    fn = _kernel(d, bf16, bf16 and _finite(offset, step, norms))
     fn(syms.ctypes.data, norms.ctypes.data, sign.ctypes.data, out.ctypes.data, rows, t, out.shape[1],
        out.strides[0], out.strides[1], out.strides[2], int(offset), float(step), float(inv_d))
 
@@ -279,7 +320,7 @@ def dequant(syms, offset: int, steps, out) -> None:
 _FWD_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float]
 
 
-def _forward_ir(d: int) -> str:
+def _forward_ir(d: int, fma: bool = False) -> str:
     """``void fwd(float* x, float* norms, float* sign, float* z, float* q, i64 n, float step)``: for each row
     ``i`` of ``x [n, D]``, ``u = x / (norm if norm > 0 else 1)`` (0 where the norm is 0), ``z = WHT(u * sign)``
     (unnormalised, the butterfly of :func:`kvcodec.codecs.hadamard.fwht`) and ``q = rint(z / step)`` (ties to
@@ -290,6 +331,8 @@ def _forward_ir(d: int) -> str:
     a = []
     w = a.append
     w(f"declare {F} @llvm.roundeven.v{d}f32({F})")
+    if fma:
+        w(f"declare {F} @llvm.fma.v{d}f32({F}, {F}, {F})")
     w("define void @fwd(ptr %x, ptr %norms, ptr %sign, ptr %zout, ptr %qout, i64 %n, float %step) {")
     w("entry:")
     w(f"  %sg = load {F}, ptr %sign, align 4")
@@ -312,7 +355,7 @@ def _forward_ir(d: int) -> str:
     w("  %zero = fcmp oeq float %nr, 0.0")
     w(f"  %u1 = select i1 %zero, {F} zeroinitializer, {F} %u0")
     w(f"  %z0 = fmul {F} %u1, %sg")
-    k = _butterfly(w, d)
+    k = _butterfly(w, d, fma)
     w("  %zp = getelementptr float, ptr %zout, i64 %xi")
     w(f"  store {F} %z{k}, ptr %zp, align 4")
     w("  %hasq = icmp ne ptr %qout, null")
@@ -328,7 +371,8 @@ def _forward_ir(d: int) -> str:
 
 
 def _forward_kernel(d: int):
-    return _lanes_simd.jit(("forward", d), lambda features: _forward_ir(d), "fwd", None, _FWD_ARGS)[0]
+    return _lanes_simd.jit(("forward", d, FUSED), lambda features: _forward_ir(d, _fused(features)), "fwd", None,
+                           _FWD_ARGS)[0]
 
 
 def forward_usable(d: int) -> bool:
