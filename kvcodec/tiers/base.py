@@ -217,6 +217,22 @@ def take_slice(t, where: Slice):
     return torch.cat(got, 2) if isinstance(t, torch.Tensor) else np.concatenate(got, 2)
 
 
+def output_block(shapes: dict, dtype) -> dict:
+    """``{key: array of shape}``: uninitialised C-contiguous arrays of ``dtype``, all views of one allocation (each
+    starting on a 64-byte boundary).  One large allocation is mapped in large pages where the system allows it
+    (NumPy asks for them from 4 MiB); a fresh allocation per layer tensor costs a page fault per 4 KiB instead,
+    measured at half of a lossy decode's time here (BENCHMARKS.md, "The lossy tier's decode")."""
+    item = np.dtype(dtype).itemsize
+    starts, total = {}, 0
+    for key, shape in shapes.items():
+        starts[key] = total
+        total += -(-int(np.prod(shape)) * item // 64) * 64
+    block = np.empty(total + 64, dtype=np.uint8)
+    base = -block.ctypes.data % 64
+    return {key: block[base + starts[key]:base + starts[key] + int(np.prod(shape)) * item].view(dtype).reshape(shape)
+            for key, shape in shapes.items()}
+
+
 def put_slice(out, arr, where: Slice) -> None:
     """Write a slice's entries ``arr`` into its place in layer tensor ``out`` (the inverse of :func:`take_slice`)."""
     if where.row is None:
@@ -421,12 +437,15 @@ class _DirectDecoder:
     def layers(self, layers, progress=None) -> dict:
         f, h = self.f, self.f.header
         dt = DTYPES[h.dtype]
-        outs, jobs = {}, []
+        jobs = []
+        shapes = {(li, p): (h.batch, h.layers[li].kv_heads, h.layers[li].seq_len, h.layers[li].dim(p))
+                  for li in layers for p in (L.PART_KEYS, L.PART_VALUES)}
+        outs = output_block(shapes, dt.uint)
         for li in layers:
             lay = h.layers[li]
-            for p in (L.PART_KEYS, L.PART_VALUES):  # (1.8) the absent entries of heads holding fewer: zero
-                alloc = np.empty if lay.heads is None else np.zeros
-                outs[li, p] = alloc((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dt.uint)
+            if lay.heads is not None:  # (1.8) the absent entries of heads holding fewer: zero
+                outs[li, L.PART_KEYS][...] = 0
+                outs[li, L.PART_VALUES][...] = 0
             for c in range(lay.chunks(h.chunk_tokens)):
                 jobs += [(li, L.PART_KEYS, c), (li, L.PART_VALUES, c)]
 
