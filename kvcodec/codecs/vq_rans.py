@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import struct
-import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -543,58 +542,23 @@ def decode_many(items: list) -> list:
     kernels run several streams in one loop).  ``dest`` (optional): the slice's output bit patterns ``[B, H, T,
     D]`` (uint16 for bfloat16, uint32 for float32), into which Method 1's tokens are written directly when the
     vector reconstruction takes them (:mod:`._rotate_simd`; the result's ``values`` is then ``None``)."""
-    scratch = _Scratch()
-    try:
-        steps = [_decode_steps(*item, scratch=scratch) for item in items]
-        results: list = [None] * len(steps)
-        wanted = {}
-        for i, g in enumerate(steps):
+    steps = [_decode_steps(*item) for item in items]
+    results: list = [None] * len(steps)
+    wanted = {}
+    for i, g in enumerate(steps):
+        try:
+            wanted[i] = next(g)
+        except StopIteration as e:
+            results[i] = e.value
+    while wanted:
+        rans.lanes_decode_many(list(wanted.values()))
+        decoded, wanted = wanted, {}
+        for i in decoded:
             try:
-                wanted[i] = next(g)
+                wanted[i] = steps[i].send(None)
             except StopIteration as e:
                 results[i] = e.value
-        while wanted:
-            rans.lanes_decode_many(list(wanted.values()))
-            decoded, wanted = wanted, {}
-            for i in decoded:
-                try:
-                    wanted[i] = steps[i].send(None)
-                except StopIteration as e:
-                    results[i] = e.value
-        return results
-    finally:
-        scratch.close()
-
-
-class _Scratch:
-    """The index symbols of one :func:`decode_many` call, carved out of a buffer its thread keeps between calls
-    (each slice's symbols live only until its reconstruction, inside the call).  A fresh array per slice (786 KiB
-    for a SmolLM2 slice of 2,048 tokens) is mapped by the system page by page: measured here, fresh symbol arrays
-    cost a quarter of a lossy decode (BENCHMARKS.md, "The lossy tier's decode").  A call that needs more than the
-    buffer holds gets fresh arrays, and the buffer grows for the next call, up to :data:`SCRATCH_BYTES`."""
-
-    _local = threading.local()
-
-    def __init__(self):
-        self.buf = getattr(self._local, "buf", None)
-        self.used = 0
-
-    def array(self, shape: tuple, dtype) -> np.ndarray:
-        """An uninitialised C-contiguous array (64-byte aligned when it comes from the buffer)."""
-        n = -(-math.prod(shape) * np.dtype(dtype).itemsize // 64) * 64
-        start, self.used = self.used, self.used + n
-        if self.buf is None or self.used > self.buf.size:
-            return np.empty(shape, dtype=dtype)
-        return self.buf[start:start + math.prod(shape) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-
-    def close(self) -> None:
-        if self.used > (0 if self.buf is None else self.buf.size) and self.used <= SCRATCH_BYTES:
-            block = np.empty(self.used + 64, dtype=np.uint8)
-            self._local.buf = block[-block.ctypes.data % 64:][:self.used]
-
-
-#: the most memory a decoding thread keeps for index symbols between calls (:class:`_Scratch`)
-SCRATCH_BYTES = 64 << 20
+    return results
 
 
 def _symbols(mv, p: int, syms: np.ndarray, k: int, offset: int):
@@ -606,9 +570,9 @@ def _symbols(mv, p: int, syms: np.ndarray, k: int, offset: int):
 
 
 def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset: int = 0, minor: int = 99,
-                  dest=None, *, scratch: _Scratch):
+                  dest=None):
     """:func:`decode` as a generator: it yields each index stream ``(rans.Stream, out)`` it needs decoded and
-    returns the :class:`Decoded` (:func:`decode_many` drives it); the index symbols live in ``scratch``."""
+    returns the :class:`Decoded` (:func:`decode_many` drives it)."""
     mv = memoryview(payload)
     b, h, t, d = shape
     if dest is not None and (dest.shape != tuple(shape) or dest.dtype != DTYPES[dtype].uint
@@ -668,7 +632,7 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     elif tq and method == METHOD_CACHEGEN:
         out, p = _decode_cachegen(mv, p, (b, h, tq, d), k, offset)
     elif tq and method == METHOD_CHANNEL:
-        out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset, view, scratch)
+        out, p = yield from _decode_channel(mv, p, (b, h, tq, d), k, lo, offset, view)
     elif tq:
         if method == METHOD_UNIFORM and not (math.isfinite(st) and st > 0):
             raise FormatError(f"Step {st} is not a positive finite number", field="VQ.Step", offset=offset + 16)
@@ -691,7 +655,7 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
                               offset=offset + 20)
         norms = floatctx.decode(mv[p:p + norms_len], (b, h, tq, 1), "float16", offset=offset + p)
         p += norms_len
-        syms = scratch.array((b * h, tq, d), np.uint16)
+        syms = np.empty((b * h, tq, d), dtype=np.uint16)
         p += yield from _symbols(mv, p, syms, k, offset)
         n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
         if not np.isfinite(n32).all():
@@ -722,7 +686,7 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     return Decoded(out, tail, exact, head, head_tokens)
 
 
-def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view, scratch: _Scratch):
+def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view=None):
     """Method 5: ``float32(symbol + Index_Offset) * Channel_Steps[h, d]`` (one binary32 product); a generator
     (its index stream is decoded by :func:`decode_many`'s driver).  With ``view`` (the output slice's uint32
     float32 or uint16 bfloat16 bit patterns) the values are written there, rounded (bfloat16), and the
@@ -736,7 +700,7 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view, scrat
         raise FormatError("a channel step is not a positive finite number", field="VQ.Channel_Steps",
                           offset=offset + p)
     p += n
-    syms = scratch.array((b * h, t, d), np.uint16)
+    syms = np.empty((b * h, t, d), dtype=np.uint16)
     p += yield from _symbols(mv, p, syms, k, offset)
     if view is not None:
         if _rotate_simd.dequant_usable(syms, lo, st, view):  # the vector kernel: the same bits
