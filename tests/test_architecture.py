@@ -169,3 +169,24 @@ def test_restore_bench_names_a_peer_it_cannot_run(tmp_path, monkeypatch):
                                     "repeats": 1, "cases": [{"text": "x", "dtype": "bf16", "tokens": 16,
                                                              "raw_bytes": 1, "rows": rows}]})
     assert "peer quanto | 1 | - | failed: not set up" in md
+
+
+def test_lossless_bench_times_zstd_in_both_forms():
+    """kvz bench: zstd's decode timed as ``decompress()`` and into a new NumPy block, the faster compared; the
+    block form gives zstd's bytes (a decode that stopped short would raise)."""
+    import zstandard
+
+    from kvcodec.cache import to_canonical
+    from kvcodec.lab import bench
+
+    from .common import random_cache
+
+    kv = to_canonical(random_cache())
+    rows = {r["method"]: r for r in bench.bench_cache(kv, 1, False)}
+    z = rows["zstd -3"]
+    assert z["dec_s"] == min(z["dec_s_bytes"], z["dec_s_block"]) > 0
+    raw = bench._raw_bytes(kv)
+    frame = zstandard.ZstdCompressor(level=3).compress(raw)
+    assert bench._zstd_block(zstandard.ZstdDecompressor(), frame, len(raw)).tobytes() == raw
+    with pytest.raises(ValueError, match="shorter"):
+        bench._zstd_block(zstandard.ZstdDecompressor(), frame, len(raw) + 1)
