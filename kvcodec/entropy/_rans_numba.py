@@ -458,6 +458,19 @@ def unpack_tables(buf, scale_bits, freq):
 
 
 @nb.njit(cache=True, nogil=True)
+def max_symbols(freq):
+    """The most non-zero entries in one row of ``freq`` (``np.count_nonzero(freq, axis=1).max()``, 0 for no
+    rows)."""
+    best = 0
+    for c in range(freq.shape[0]):
+        n = 0
+        for s in range(freq.shape[1]):
+            n += freq[c, s] != 0
+        best = max(best, n)
+    return best
+
+
+@nb.njit(cache=True, nogil=True)
 def build_direct_table(freq, scale_bits, table):
     """The vector decoder's one-level table: ``table[c << scale_bits | slot]`` = ``freq - 1 | (slot - cum) <<
     scale_bits | symbol << 2 scale_bits`` of the symbol that owns the slot in table c (needs ``2 scale_bits +
