@@ -425,3 +425,12 @@ def test_a_corrupt_stream_among_others_is_named(bad):
     with pytest.raises(FormatError, match="ended|final") as e:
         rans.lanes_decode_many(jobs)
     assert e.value.offset == 1000 * (bad + 1)
+
+
+def test_max_symbols_counts_like_numpy():
+    """decode_kernel's count of the largest table's symbols (compiled) is NumPy's count along the rows."""
+    rng = np.random.default_rng(3)
+    for shape in [(1, 1), (32, 1024), (5, 300), (0, 7)]:
+        freq = (rng.random(shape) < rng.random()).astype(np.uint32) * rng.integers(1, 9, shape, dtype=np.uint32)
+        want = int(np.count_nonzero(freq, axis=1).max()) if shape[0] else 0
+        assert rans._max_symbols(freq) == want
