@@ -13,7 +13,9 @@ Speeds are raw (uncompressed) megabytes per second, the median of
 ``--repeats`` runs (zstd -19 encode: one run).  zstd's decode is timed in two
 forms, ``decompress()`` (a new ``bytes``) and into a new NumPy block of the raw
 size (the output kvz's decoder makes: one allocation, which the system maps in
-large pages where it can), and its faster median is the one compared.  Peak memory is the tracemalloc
+large pages where it can), and its faster median is the one compared; zstd -3's
+decodes and kvz's alternate round by round, so their ratio is measured under
+the same load.  Peak memory is the tracemalloc
 peak of one separate, untimed run (NumPy buffers are traced; the cache tensors
 themselves are not counted).  Results: ``OUT/bench.json`` and ``OUT/bench.md``.
 """
@@ -76,23 +78,28 @@ def _zstd_block(dctx, z: bytes, n: int) -> np.ndarray:
     return out
 
 
-def zstd_decode_times(dctx, z: bytes, n: int, repeats: int) -> tuple[float, float]:
-    """(median seconds of ``dctx.decompress(z)``, of :func:`_zstd_block`), the two forms alternating."""
-    times = ([], [])
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """``{key: median seconds}`` of the calls ``fns[key]()``, every function once per round, ``repeats`` rounds:
+    ratios of two of them are measured under the same load."""
+    times = {key: [] for key in fns}
     for _ in range(max(1, repeats)):
-        for i, fn in enumerate((lambda: dctx.decompress(z), lambda: _zstd_block(dctx, z, n))):
+        for key, fn in fns.items():
             t = time.perf_counter()
             fn()
-            times[i].append(time.perf_counter() - t)
-    return statistics.median(times[0]), statistics.median(times[1])
+            times[key].append(time.perf_counter() - t)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
-def _zstd_row(method: str, dctx, z: bytes, n: int, repeats: int, enc_s: float) -> dict:
-    """A zstd row: ``dec_s`` the faster decode form (:func:`zstd_decode_times`), both forms recorded."""
+def _zstd_forms(dctx, z: bytes, n: int) -> dict:
+    """zstd's two decode forms of frame ``z`` (``n`` bytes), for :func:`interleaved_medians`."""
     assert _zstd_block(dctx, z, n).nbytes == n
-    as_bytes, as_block = zstd_decode_times(dctx, z, n, repeats)
-    return {"method": method, "bytes": len(z), "enc_s": enc_s, "dec_s": min(as_bytes, as_block),
-            "dec_s_bytes": as_bytes, "dec_s_block": as_block}
+    return {"bytes": lambda: dctx.decompress(z), "block": lambda: _zstd_block(dctx, z, n)}
+
+
+def _zstd_row(method: str, z: bytes, enc_s: float, times: dict) -> dict:
+    """A zstd row: ``dec_s`` the faster decode form, both forms recorded (``times``: their medians)."""
+    return {"method": method, "bytes": len(z), "enc_s": enc_s, "dec_s": min(times["bytes"], times["block"]),
+            "dec_s_bytes": times["bytes"], "dec_s_block": times["block"]}
 
 
 def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
@@ -106,26 +113,34 @@ def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
         bound = int(_entropy0(raw, width) * n / width / 8)
         rows.append({"method": "order-0 entropy of the 16-bit words", "bytes": bound})
     cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
-    te, z = median_time(lambda: cctx.compress(raw), repeats)
-    rows.append({**_zstd_row("zstd -3", dctx, z, n, repeats, te),
-                 "peak_enc_mib": _peak(lambda: cctx.compress(raw)), "peak_dec_mib": _peak(lambda: dctx.decompress(z))})
+    te3, z = median_time(lambda: cctx.compress(raw), repeats)
+    z3 = {"method": "zstd -3", "peak_enc_mib": _peak(lambda: cctx.compress(raw)),
+          "peak_dec_mib": _peak(lambda: dctx.decompress(z))}
+    rows.append(z3)  # filled below: its decode is timed interleaved with kvz's
     if zstd19:
         c19 = zstandard.ZstdCompressor(level=19)
         te, z19 = median_time(lambda: c19.compress(raw), 1)
-        rows.append(_zstd_row("zstd -19", dctx, z19, n, repeats, te))
+        rows.append(_zstd_row("zstd -19", z19, te, interleaved_medians(_zstd_forms(dctx, z19, n), repeats)))
     te, zg = median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)
-    rows.append(_zstd_row("zstd -3, byte-grouped", dctx, zg, n, repeats, te))
+    rows.append(_zstd_row("zstd -3, byte-grouped", zg, te, interleaved_medians(_zstd_forms(dctx, zg, n), repeats)))
     from ..entropy import rans
 
+    encoded = {}
     for threads in thread_counts():
         api.decode(api.encode(kv, threads=threads), output="kvcache", threads=threads)  # JIT warm-up
         rans.ENCODE_SYMBOLS.clear()
         te, data = median_time(lambda: api.encode(kv, threads=threads), repeats)
-        enc_kernels = dict(rans.ENCODE_SYMBOLS)
-        rans.KERNEL_SYMBOLS.clear()
-        td, back = median_time(lambda: api.decode(data, output="kvcache", threads=threads), repeats)
-        kernels = dict(rans.KERNEL_SYMBOLS)
-        assert back.equal(kv), "lossless round trip failed"
+        encoded[threads] = (te, data, dict(rans.ENCODE_SYMBOLS))
+    # the decodes, zstd -3's two forms and kvz's at every thread count, interleaved round by round
+    rans.KERNEL_SYMBOLS.clear()
+    dec = interleaved_medians({**_zstd_forms(dctx, z, n), **{
+        threads: (lambda data=data, threads=threads: api.decode(data, output="kvcache", threads=threads))
+        for threads, (_, data, _) in encoded.items()}}, repeats)
+    kernels = dict(rans.KERNEL_SYMBOLS)
+    z3.update(_zstd_row("zstd -3", z, te3, dec))
+    for threads, (te, data, enc_kernels) in encoded.items():
+        td = dec[threads]
+        assert api.decode(data, output="kvcache", threads=threads).equal(kv), "lossless round trip failed"
         rows.append({"method": f"kvz lossless, {threads} thread{'s' if threads > 1 else ''}", "bytes": len(data),
                      "enc_s": te, "dec_s": td, "threads": threads,
                      "kernel": ", ".join(sorted(kernels, key=kernels.get, reverse=True)),
