@@ -12,7 +12,8 @@ time from the file on disk to a ``DynamicCache`` the model takes as ``past_key_v
   recompute there is);
 * with ``--peers``, the peer packages' decoders on the same cache (:func:`peer_rows`).
 
-The direct tiers' rows also time the encoder (the cache to ``.kvz`` bytes, same thread count). Quantizer
+The rows of one thread count are timed round by round (each once per round), so their ratios are measured under
+the same load.  The direct tiers' rows also time the encoder (the cache to ``.kvz`` bytes, same thread count). Quantizer
 ``weighted`` and its predictors are calibrated on the cache's own text (128 and ``--tokens`` tokens): these
 rows measure speed, not quality (``kvz bench --lossy`` calibrates on other texts).
 
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .bench import interleaved_medians
 from .common import median_time, missing_corpus, write_report
 
 DEFAULT_GENRES = ["prose_en_austen_pride_and_prejudice.txt"]
@@ -88,14 +90,28 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
     raw = kv.nbytes()
     rows = []
 
+    pending = []  # the rows of one thread count, timed together by run_pending()
+
     def add(name, path, fn, threads, check=None):
         _set_threads(threads)
         out = fn()  # warm-up: Numba compilation, first-touch allocations
         if check is not None:
             check(out)
-        t, _ = median_time(fn, repeats)
-        rows.append({"method": name, "threads": threads, "bytes": path.stat().st_size if path else None,
-                     "restore_s": t, "mb_s": raw / t / 1e6})
+        del out
+        pending.append((name, path, fn, threads))
+
+    def run_pending():
+        """Time the pending rows round by round (each once per round): their ratios are measured under the same
+        load, which on a shared machine drifts by tens of percent within a minute."""
+        if not pending:
+            return
+        _set_threads(pending[0][3])
+        fns = {i: fn for i, (_, _, fn, _) in enumerate(pending)}
+        times = interleaved_medians(fns, repeats)
+        for i, (name, path, _, threads) in enumerate(pending):
+            rows.append({"method": name, "threads": threads, "bytes": path.stat().st_size if path else None,
+                         "restore_s": times[i], "mb_s": raw / times[i] / 1e6})
+        pending.clear()
 
     def same_as(ref):
         def check(out):
@@ -159,18 +175,25 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
         add("raw safetensors, zstd -3", zst_path, from_zst, threads, same)
         files = write_files(threads)
         pred = calibrated.get("predictors")
+        encoders = {}
         for name, (p, ref, exact, enc) in files.items():
             add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads, predictors=pred), threads,
                 same_as(ref) if exact else None)
-            if enc is not None:  # the encoder of a direct tier, same thread count
-                rows[-1]["encode_s"], _ = median_time(lambda enc=enc: api.encode(kv, tokens=ids, threads=threads,
-                                                                                 **enc), repeats)
+            if enc is not None:  # the encoder of a direct tier, same thread count (timed after the restores)
+                encoders[f"kvz {name}"] = enc
 
         def recompute():  # the cheapest recompute: the cache, and the logits of the last position only
             with torch.no_grad():
                 return model(ids, use_cache=True, logits_to_keep=1).past_key_values
 
         add("recompute (one prefill)", None, recompute, threads)
+        run_pending()
+        for row in rows:
+            enc = encoders.get(row["method"]) if row["threads"] == threads else None
+            if enc is not None:
+                _set_threads(threads)
+                row["encode_s"], _ = median_time(lambda enc=enc: api.encode(kv, tokens=ids, threads=threads, **enc),
+                                                 repeats)
         if peers is not None:
             rows += peer_rows(peers, kv, folder, threads, repeats)
     _set_threads(os.cpu_count() or 1)
