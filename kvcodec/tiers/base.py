@@ -222,8 +222,8 @@ def output_block(shapes: dict, dtype) -> dict:
     starting on a 64-byte boundary).  A decode's output is new memory (the caller usually still holds the previous
     cache), which the system maps on first touch: one large allocation is mapped in large pages where the system
     allows it (NumPy asks for them from 4 MiB), one allocation per layer tensor page by page (4 KiB each).
-    Measured here: filling 60 fresh arrays of 786 KiB 31 ms, one fresh 47 MB block 5.9 ms (BENCHMARKS.md, "The
-    lossy tier's decode")."""
+    Measured here: filling 60 fresh arrays of 786 KiB 31 ms, one fresh 47 MB block 5.9 ms (BENCHMARKS.md,
+    "Decode, fifth pass")."""
     item = np.dtype(dtype).itemsize
     starts, total = {}, 0
     for key, shape in shapes.items():
