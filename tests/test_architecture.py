@@ -194,3 +194,30 @@ def test_lossless_bench_times_zstd_in_both_forms():
     assert bench._zstd_block(zstandard.ZstdDecompressor(), frame, len(raw)).tobytes() == raw
     with pytest.raises(ValueError, match="shorter"):
         bench._zstd_block(zstandard.ZstdDecompressor(), frame, len(raw) + 1)
+
+
+def test_output_block_views_are_aligned_and_disjoint():
+    """A decode's layer tensors are views of one allocation: each C-contiguous, of its shape, the non-empty ones
+    64-byte aligned and none overlapping another, and writable through torch as a cache is."""
+    import torch
+
+    from kvcodec.dtypes import from_bit_patterns
+    from kvcodec.tiers.base import output_block
+
+    shapes = {(0, 0): (1, 3, 7, 64), (0, 1): (1, 3, 7, 48), (1, 0): (2, 1, 0, 64), (1, 1): (1, 5, 3, 1)}
+    outs = output_block(shapes, np.uint16)
+    spans = []
+    for key, shape in shapes.items():
+        a = outs[key]
+        assert a.shape == shape and a.dtype == np.uint16 and a.flags.c_contiguous and a.flags.writeable
+        if a.size:  # (NumPy gives an empty view a pointer of its own)
+            assert a.ctypes.data % 64 == 0, key
+            spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+        a[...] = sum(key) + 1
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    for key in shapes:  # nothing written through one view shows in another
+        assert (outs[key] == sum(key) + 1).all()
+    t = from_bit_patterns(outs[0, 0], torch.bfloat16)
+    t.zero_()
+    assert not outs[0, 0].any() and (outs[0, 1] == 2).all()

@@ -517,6 +517,20 @@ def test_vector_reconstruction_equals_the_scalar_kernels(d, fused, monkeypatch):
     assert not _rotate_simd.usable(syms, 0, frozen)  # never written through a pointer
     with pytest.raises(ValueError, match="usable"):
         _rotate_simd.rotate(syms, 0, np.float32(1.0), sign, 1.0 / d, norms, got32)  # the whole array: wrong shape
+    with pytest.raises(ValueError, match="usable"):  # signs must be +-1 (the fused form folds them into 1 / D)
+        _rotate_simd.rotate(syms, 0, np.float32(1.0), sign * 2, 1.0 / d, norms, view)
+    # the kernel without the NaN case only for a positive finite step within the bound and finite norms
+    for step, lo in ((-0.5, 0), (float("nan"), 0), (float("inf"), 0), (2.0 ** 95, 0), (2.0 ** 80, -(2 ** 31))):
+        assert not _rotate_simd._finite(lo, step, norms), (step, lo)
+    assert not _rotate_simd._finite(0, 1.0, np.array([[1.0, np.inf]], np.float32))
+    assert _rotate_simd._finite(-(2 ** 31), 2.0 ** 78, norms)
+    # where the CPU has FMA, the fused form is what runs: the compiled kernel holds fused multiply-adds
+    from kvcodec.entropy import _lanes_simd
+
+    _rotate_simd._kernel(d, True, True)
+    _, _, tm, mod = _lanes_simd._COMPILED[("rotate", d, True, True, fused)]
+    features = _lanes_simd._target()[1].split(",")
+    assert ("vfmadd" in tm.emit_assembly(mod)) == (fused and "+fma" in features)
 
 
 def test_rate_search_counts_like_numpy(monkeypatch):

@@ -179,7 +179,9 @@ def _finite(offset: int, step, norms) -> bool:
     65536) and ``|symbol + offset| * step < 2**110`` for every 16-bit symbol; then ``|z| < 2**118`` after the
     butterfly (``D <= 128`` stages of sums, roundings included), ``|z / D| < 2**111`` and the result, times a norm,
     stays below ``2**127``.  Any file with a sane Step passes; a hostile one takes the kernel with the NaN case."""
-    return (max(abs(offset), abs(offset + 65535)) * float(step) < 2.0 ** 110 and bool(np.isfinite(norms).all()))
+    step = float(step)
+    return (0 < step and max(abs(offset), abs(offset + 65535)) * step < 2.0 ** 110
+            and bool(np.isfinite(norms).all()))
 
 
 def _layout(syms, offset: int, out) -> bool:

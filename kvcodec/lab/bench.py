@@ -75,6 +75,8 @@ def _zstd_block(dctx, z: bytes, n: int) -> np.ndarray:
             if not k:
                 raise ValueError("zstd frame shorter than the raw bytes")
             got += k
+        if r.read(1):
+            raise ValueError("zstd frame longer than the raw bytes")
     return out
 
 
@@ -90,9 +92,11 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def _zstd_forms(dctx, z: bytes, n: int) -> dict:
-    """zstd's two decode forms of frame ``z`` (``n`` bytes), for :func:`interleaved_medians`."""
-    assert _zstd_block(dctx, z, n).nbytes == n
+def _zstd_forms(dctx, z: bytes, raw: bytes) -> dict:
+    """zstd's two decode forms of frame ``z`` of ``raw``, for :func:`interleaved_medians` (checked first)."""
+    n = len(raw)
+    if _zstd_block(dctx, z, n).tobytes() != raw or dctx.decompress(z) != raw:
+        raise RuntimeError("zstd round trip failed")
     return {"bytes": lambda: dctx.decompress(z), "block": lambda: _zstd_block(dctx, z, n)}
 
 
@@ -120,9 +124,10 @@ def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
     if zstd19:
         c19 = zstandard.ZstdCompressor(level=19)
         te, z19 = median_time(lambda: c19.compress(raw), 1)
-        rows.append(_zstd_row("zstd -19", z19, te, interleaved_medians(_zstd_forms(dctx, z19, n), repeats)))
-    te, zg = median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)
-    rows.append(_zstd_row("zstd -3, byte-grouped", zg, te, interleaved_medians(_zstd_forms(dctx, zg, n), repeats)))
+        rows.append(_zstd_row("zstd -19", z19, te, interleaved_medians(_zstd_forms(dctx, z19, raw), repeats)))
+    te, zg = median_time(lambda: cctx.compress(_byte_grouped(raw, width)), repeats)  # the grouping included
+    grouped = _zstd_forms(dctx, zg, _byte_grouped(raw, width))
+    rows.append(_zstd_row("zstd -3, byte-grouped", zg, te, interleaved_medians(grouped, repeats)))
     from ..entropy import rans
 
     encoded = {}
@@ -133,14 +138,15 @@ def bench_cache(kv, repeats: int, zstd19: bool) -> list[dict]:
         encoded[threads] = (te, data, dict(rans.ENCODE_SYMBOLS))
     # the decodes, zstd -3's two forms and kvz's at every thread count, interleaved round by round
     rans.KERNEL_SYMBOLS.clear()
-    dec = interleaved_medians({**_zstd_forms(dctx, z, n), **{
+    dec = interleaved_medians({**_zstd_forms(dctx, z, raw), **{
         threads: (lambda data=data, threads=threads: api.decode(data, output="kvcache", threads=threads))
         for threads, (_, data, _) in encoded.items()}}, repeats)
     kernels = dict(rans.KERNEL_SYMBOLS)
     z3.update(_zstd_row("zstd -3", z, te3, dec))
     for threads, (te, data, enc_kernels) in encoded.items():
         td = dec[threads]
-        assert api.decode(data, output="kvcache", threads=threads).equal(kv), "lossless round trip failed"
+        if not api.decode(data, output="kvcache", threads=threads).equal(kv):
+            raise RuntimeError("lossless round trip failed")
         rows.append({"method": f"kvz lossless, {threads} thread{'s' if threads > 1 else ''}", "bytes": len(data),
                      "enc_s": te, "dec_s": td, "threads": threads,
                      "kernel": ", ".join(sorted(kernels, key=kernels.get, reverse=True)),

@@ -177,8 +177,9 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
         pred = calibrated.get("predictors")
         encoders = {}
         for name, (p, ref, exact, enc) in files.items():
-            add(f"kvz {name}", p, lambda p=p: api.load(p, model, threads=threads, predictors=pred), threads,
-                same_as(ref) if exact else None)
+            add(f"kvz {name}", p,
+                lambda p=p, threads=threads, pred=pred: api.load(p, model, threads=threads, predictors=pred),
+                threads, same_as(ref) if exact else None)
             if enc is not None:  # the encoder of a direct tier, same thread count (timed after the restores)
                 encoders[f"kvz {name}"] = enc
 
