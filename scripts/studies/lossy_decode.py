@@ -10,11 +10,12 @@
   with the butterfly as adds, subtracts and blends and the bfloat16 rounding's NaN case (``plain``, until
   spec revision 1.8.3's code) and as fused multiply-adds without the NaN case (``fused``, now), checked
   bit-identical first; Mcomp/s, bfloat16 and float32 output;
-* **output allocation**: whole decodes of the 2-bit file with the layer tensors as views of one allocation
-  (now) against one fresh array per layer and part (before), alternating, the previous result held as a
-  caller holds it, with 1 and 2 threads, in this process (which holds the model and the cache) and in a
-  fresh process that only decodes (what the page faults of new memory cost depends on the memory a process
-  has freed before);
+* **output allocation**: whole decodes of the 2-bit file (1 thread) with the layer tensors as views of one
+  allocation (now) against one fresh array per layer and part (before), with the previous result of the same
+  kind held during the decode (a caller that keeps its cache) or freed before it (outside the timing), the
+  four kinds in an order that rotates every round, in this process (which holds the model and the cache) and
+  in a fresh process that only decodes (what the page faults of new memory cost depends on the memory a
+  process has freed before);
 * **index streams**: the whole decode of the cache at 2 and 3 bits with the index streams coded at
   ``Scale_Bits`` 12 (the reference encoder until spec revision 1.6.2), 10 (until 1.8.3) and 8 (now, for
   symbols of up to 8 bits: all of these), bytes, ms and the ms of the index streams' vector kernel within it
@@ -126,24 +127,30 @@ def _allocation_rows(data: bytes, raw: int, rounds: int) -> list:
     def per_array(shapes, dtype):
         return {key: np.empty(shape, dtype=dtype) for key, shape in shapes.items()}
 
-    times = collections.defaultdict(list)
-    held = [None]  # the previous result, held while the next decode runs (as a caller holds its cache)
+    kinds = [(name, prev) for name in ("per layer", "one block") for prev in ("held", "freed")]
+    times = {kind: [] for kind in kinds}
+    held = dict.fromkeys(kinds)  # each kind's previous result: kept during its next decode, or freed before it
     try:
         for r in range(rounds + 1):
-            for name, alloc in (("per layer", per_array), ("one block", real)):
-                for threads in (1, 2):
-                    base.output_block = alloc
-                    t = time.perf_counter()
-                    held[0] = kvcodec.decode(data, output="kvcache", threads=threads)
-                    if r:  # round 0 warms up
-                        times[name, threads].append(time.perf_counter() - t)
+            for i in range(len(kinds)):
+                kind = kinds[(i + r) % len(kinds)]  # the order rotates: no kind always follows the same one
+                base.output_block = per_array if kind[0] == "per layer" else real
+                if kind[1] == "freed":
+                    held[kind] = None
+                t = time.perf_counter()
+                out = kvcodec.decode(data, output="kvcache", threads=1)
+                dt = time.perf_counter() - t
+                held[kind] = out if kind[1] == "held" else None
+                del out
+                if r:  # round 0 warms up
+                    times[kind].append(dt)
     finally:
         base.output_block = real
     rows = []
-    for (name, threads), v in times.items():
+    for (name, prev), v in times.items():
         m = statistics.median(v)
-        rows.append({"output": name, "threads": threads, "decode_ms": 1e3 * m, "mb_s": raw / m / 1e6,
-                     "speedup": statistics.median(times["per layer", threads]) / m})
+        rows.append({"output": name, "previous": prev, "threads": 1, "decode_ms": 1e3 * m, "mb_s": raw / m / 1e6,
+                     "speedup": statistics.median(times["per layer", prev]) / m})
     return rows
 
 
@@ -207,8 +214,8 @@ def main() -> None:
           f"(fp32 {r['fused_fp32_mcomps']:.0f}): fused / plain {r['fused_vs_plain_bf16']:.2f}x bf16, "
           f"{r['fused_vs_plain_fp32']:.2f}x fp32")
     for row in res["allocation"]:
-        print(f"{row['process']}: output {row['output']}, {row['threads']} thread(s): {row['decode_ms']:.1f} ms, "
-              f"{row['mb_s']:.0f} MB/s ({row['speedup']:.2f}x)")
+        print(f"{row['process']}: output {row['output']}, previous result {row['previous']}: "
+              f"{row['decode_ms']:.1f} ms, {row['mb_s']:.0f} MB/s ({row['speedup']:.2f}x)")
     for row in res["index_streams"]:
         print(f"{row['bits']:g} bits, Scale_Bits {row['scale_bits']}: {row['bytes']:,} B "
               f"({row['bytes_vs_10']:.5f}x of 10), decode {row['decode_ms']:.0f} ms ({row['speed_vs_10']:.2f}x of 10; "
