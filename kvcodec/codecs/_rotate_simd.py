@@ -85,7 +85,8 @@ def _ir(d: int, bf16: bool, fma: bool = False, finite: bool = False) -> str:
         vt = I32 if ty == "i32" else F
         w(f"  %{name}.0 = insertelement {vt} poison, {ty} {val}, i64 0")
         w(f"  %{name} = shufflevector {vt} %{name}.0, {vt} poison, {splat}")
-    w(f"  %sgi = fmul {F} %sg, %invdv")
+    if fma:
+        w(f"  %sgi = fmul {F} %sg, %invdv")
     w("  %n = mul i64 %rows, %T")
     w("  %empty = icmp eq i64 %n, 0")
     w("  br i1 %empty, label %done, label %loop")
