@@ -23,7 +23,6 @@ themselves are not counted).  Results: ``OUT/bench.json`` and ``OUT/bench.md``.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 import tracemalloc
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .common import median_time, missing_corpus, write_report
+from .common import interleaved_medians, median_time, missing_corpus, write_report
 
 DEFAULT_GENRES = [
     "prose_en_austen_pride_and_prejudice.txt",
@@ -78,19 +77,6 @@ def _zstd_block(dctx, z: bytes, n: int) -> np.ndarray:
         if r.read(1):
             raise ValueError("zstd frame longer than the raw bytes")
     return out
-
-
-def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """``{key: median seconds}`` of the calls ``fns[key]()``, every function once per round, ``repeats`` rounds:
-    ratios of two of them are measured under the same load.  A call's result is freed after its time is taken."""
-    times = {key: [] for key in fns}
-    for _ in range(max(1, repeats)):
-        for key, fn in fns.items():
-            t = time.perf_counter()
-            out = fn()
-            times[key].append(time.perf_counter() - t)
-            del out
-    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def _zstd_forms(dctx, z: bytes, raw: bytes) -> dict:

@@ -35,8 +35,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .bench import interleaved_medians
-from .common import median_time, missing_corpus, write_report
+from .common import interleaved_medians, median_time, missing_corpus, write_report
 
 DEFAULT_GENRES = ["prose_en_austen_pride_and_prejudice.txt"]
 

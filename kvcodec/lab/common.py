@@ -110,6 +110,19 @@ def median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """``{key: median seconds}`` of the calls ``fns[key]()``, every function once per round, ``repeats`` rounds:
+    ratios of two of them are measured under the same load.  A call's result is freed after its time is taken."""
+    times = {key: [] for key in fns}
+    for _ in range(max(1, repeats)):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            out = fn()
+            times[key].append(time.perf_counter() - t)
+            del out
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def write_report(out_dir, stem: str, results: dict, markdown: str) -> Path:
     """Write ``OUT/stem.json`` and ``OUT/stem.md``, the output of a bench / claims / eval command."""
     out = Path(out_dir)

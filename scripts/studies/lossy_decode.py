@@ -40,17 +40,7 @@ import kvcodec  # noqa: E402
 from kvcodec.codecs import _rotate_simd, _vq_numba, vq_rans  # noqa: E402
 from kvcodec.codecs.hadamard import signs  # noqa: E402
 from kvcodec.entropy import _lanes_simd  # noqa: E402
-from kvcodec.lab.common import machine_info, text_cache  # noqa: E402
-
-
-def medians(fns: dict, rounds: int = 7) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+from kvcodec.lab.common import interleaved_medians, machine_info, text_cache  # noqa: E402
 
 
 def reconstruction(kv) -> dict:
@@ -91,7 +81,7 @@ def reconstruction(kv) -> dict:
     for key, out in outs.items():
         want = want32 if key.endswith("fp32") else outs["numba"]
         assert np.array_equal(out, want), f"the vector reconstruction ({key}) differs from the Numba kernels"
-    m = medians(fns)
+    m = interleaved_medians(fns, 7)
     comps = syms.size
     return {"components": comps, **{f"{k}_mcomps": comps / v / 1e6 for k, v in m.items()},
             "fused_vs_plain_bf16": m["plain_bf16"] / m["fused_bf16"],
@@ -185,7 +175,7 @@ def index_streams(kv) -> list:
                 current[0] = sb
                 kvcodec.decode(d)
 
-            m = medians({sb: (lambda sb=sb, d=d: decode(sb, d)) for sb, d in datas.items()}, rounds)
+            m = interleaved_medians({sb: (lambda sb=sb, d=d: decode(sb, d)) for sb, d in datas.items()}, rounds)
             for sb, d in datas.items():
                 rows.append({"bits": bits, "scale_bits": sb, "bytes": len(d), "bytes_vs_12": len(d) / len(datas[12]),
                              "bytes_vs_10": len(d) / len(datas[10]), "decode_ms": 1e3 * m[sb],
