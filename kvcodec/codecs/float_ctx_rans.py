@@ -300,7 +300,7 @@ def decode_many(items: list) -> list:
             continue
         out = _output(out, tuple(shape), width)
         flat = out.reshape(b * h, s, d)
-        st, _ = parse_symbols(mv, flat.shape, 8 * width, offset=offset, exact_payload=True)
+        st, _ = parse_symbols(mv, flat.shape, 8 * width, offset=offset, exact_payload=True, dense=False)
         coded.append((st, flat))
         results.append(out)
     rans.lanes_decode_many(coded)
@@ -325,10 +325,13 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
 
 
 def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *, offset: int = 0,
-                  exact_payload: bool = True, coded_bits: int | None = None) -> tuple[rans.Stream, int]:
+                  exact_payload: bool = True, coded_bits: int | None = None,
+                  dense: bool = True) -> tuple[rans.Stream, int]:
     """(the stream, bytes used) of a Mode 1 payload's coded part for ``[bh, tokens, dim]`` words of
     ``word_bits`` bits: every field validated as :func:`decode_symbols` does, nothing decoded yet (the Triton
-    decoder takes the same stream)."""
+    decoder takes the same stream).  Not ``dense``: the frequency tables are left packed (the stream's
+    ``tables``, ``freq`` None), to be validated as they are built into a decoder's tables
+    (:func:`~kvcodec.entropy.rans.lanes_decode_many`, or :meth:`~kvcodec.entropy.rans.Stream.dense`)."""
     bh, s, d = shape
     n = bh * s * d
     if len(mv) < FIXED_SIZE:
@@ -389,11 +392,13 @@ def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *
     ctx_map = np.frombuffer(side, dtype=np.uint8, count=rows * nclass, offset=2 * rows).reshape(rows, nclass)
     if ctx_map.size and int(ctx_map.max()) >= g:
         raise FormatError(f"context map names table {int(ctx_map.max())} of {g}", field="Side", offset=offset + p)
-    freq = rans.unpack_tables(side[2 * rows + rows * nclass:], g, 1 << k, sb, field="Side", offset=offset + p)
+    tables = np.frombuffer(side, dtype=np.uint8, offset=2 * rows + rows * nclass)
+    freq = rans.unpack_tables(tables, g, 1 << k, sb, field="Side", offset=offset + p) if dense else None
+    tables_offset = offset + p
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
     return rans.Stream(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
-                       offset + p, offset + p + 2 * nwords), expect
+                       offset + p, offset + p + 2 * nwords, None if dense else tables, g, tables_offset), expect
 
 
 @register_codec

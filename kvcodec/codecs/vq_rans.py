@@ -564,7 +564,8 @@ def decode_many(items: list) -> list:
 def _symbols(mv, p: int, syms: np.ndarray, k: int, offset: int):
     """Parse the index stream at ``p`` (``floatctx.decode_symbols``' checks) and ask the driver of
     :func:`_decode_steps` to decode it into ``syms``; the bytes it used."""
-    st, used = floatctx.parse_symbols(mv[p:], syms.shape, k, offset=offset + p, exact_payload=False, coded_bits=k)
+    st, used = floatctx.parse_symbols(mv[p:], syms.shape, k, offset=offset + p, exact_payload=False, coded_bits=k,
+                                      dense=False)
     yield st, syms
     return used
 

@@ -75,20 +75,22 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
         a(f"declare {V} {permd}({V}, {V})")
     if lut:
         a(_expand_table(W))
-    # args: per stream k, ptrs[7 k ..] = words, refs, ctx, tab, info, raw, out; nwords[k]; res[k] = final pos
+    # args: per stream k, ptrs[8 k ..] = words, refs, ctx, tab, info, raw, out, rtail; nw[3 k ..] = nwords, rlim,
+    # rts (the raw bits' tail copy, :class:`Prepared`); res[k] = final pos
     a("define i32 @dec(ptr noalias %ptrs, ptr noalias %nw, i64 %rows, i64 %ntok, i64 %dim, i32 %sb, i32 %kbits, "
       "i32 %lb, i32 %nclass, ptr noalias %res) {")
     a("entry:")
-    names = ("words", "refs", "ctx", "tab", "info", "raw", "out")
+    names = ("words", "refs", "ctx", "tab", "info", "raw", "out", "rtail")
     even = ", ".join(f"i32 {2 * j}" for j in range(W))
     odd = ", ".join(f"i32 {2 * j + 1}" for j in range(W))
     for k in range(K):
         for i, nm in enumerate(names):
-            a(f"  %{nm}.{k}.p = getelementptr ptr, ptr %ptrs, i64 {7 * k + i}")
+            a(f"  %{nm}.{k}.p = getelementptr ptr, ptr %ptrs, i64 {8 * k + i}")
             a(f"  %{nm}.{k} = load ptr, ptr %{nm}.{k}.p, align 8")
-        a(f"  %nwords.{k}.p = getelementptr i64, ptr %nw, i64 {k}")
-        a(f"  %nwords.{k} = load i64, ptr %nwords.{k}.p, align 8")
-        a(f"  %w0.{k} = load <{2 * W} x i16>, ptr %words.{k}, align 2")
+        for i, nm in enumerate(("nwords", "rlim", "rts")):
+            a(f"  %{nm}.{k}.p = getelementptr i64, ptr %nw, i64 {3 * k + i}")
+            a(f"  %{nm}.{k} = load i64, ptr %{nm}.{k}.p, align 8")
+        a(f"  %w0.{k} = load <{2 * W} x i16>, ptr %words.{k}, align 1")
         a(f"  %hi.{k} = shufflevector <{2 * W} x i16> %w0.{k}, <{2 * W} x i16> poison, <{W} x i32> <{even}>")
         a(f"  %lo.{k} = shufflevector <{2 * W} x i16> %w0.{k}, <{2 * W} x i16> poison, <{W} x i32> <{odd}>")
         a(f"  %hi32.{k} = zext <{W} x i16> %hi.{k} to {V}")
@@ -221,12 +223,12 @@ def _ir(W: int, K: int, ety: str, direct: bool, permd: str | None, narrow: bool 
         a(f"  %cnt64.{k} = zext {iW} %cnt.{k} to i64")
         a(f"  %wbase.{k} = getelementptr i16, ptr %words.{k}, i64 %pos.{k}")
         if permd:  # the next W words in one load, moved to their lanes by a variable permutation
-            a(f"  %wnext.{k} = load <{W} x i16>, ptr %wbase.{k}, align 2")
+            a(f"  %wnext.{k} = load <{W} x i16>, ptr %wbase.{k}, align 1")
             a(f"  %wn32.{k} = zext <{W} x i16> %wnext.{k} to {V}")
             a(f"  %wl.{k} = call {V} {permd}({V} %wn32.{k}, {V} %excl.{k})")
         else:
             a(f"  %wptr.{k} = getelementptr i16, ptr %wbase.{k}, {V} %excl.{k}")
-            a(f"  %wv.{k} = call {V} {gather}({P} %wptr.{k}, i32 2, {M} %n.{k}, {V} zeroinitializer)")
+            a(f"  %wv.{k} = call {V} {gather}({P} %wptr.{k}, i32 1, {M} %n.{k}, {V} zeroinitializer)")
             a(f"  %wl.{k} = and {V} %wv.{k}, splat (i32 65535)")
         a(f"  %xsh.{k} = shl {V} %x1.{k}, splat (i32 16)")
         a(f"  %xo.{k} = or {V} %xsh.{k}, %wl.{k}")
@@ -294,7 +296,12 @@ def _raw_bits(a, W: int, k: int, narrow: bool, lmaskv: str, lbv: str) -> None:
     load if ``narrow``, else a 32-bit load per lane at its byte)."""
     V, V64, P = f"<{W} x i32>", f"<{W} x i64>", f"<{W} x ptr>"
     gather, ones = f"@llvm.masked.gather.v{W}i32.v{W}p0", f"<{W} x i1> splat (i1 true)"
-    a(f"  %rbase.{k} = getelementptr i8, ptr %raw.{k}, i64 %bpq")
+    # the raw bits in place while a step's loads stay inside them (byte bpq <= rlim), else their tail's copy
+    a(f"  %rin.{k} = icmp sle i64 %bpq, %rlim.{k}")
+    a(f"  %rtq.{k} = sub i64 %bpq, %rts.{k}")
+    a(f"  %rq.{k} = select i1 %rin.{k}, i64 %bpq, i64 %rtq.{k}")
+    a(f"  %rptr0.{k} = select i1 %rin.{k}, ptr %raw.{k}, ptr %rtail.{k}")
+    a(f"  %rbase.{k} = getelementptr i8, ptr %rptr0.{k}, i64 %rq.{k}")
     if narrow:  # one 64-bit load, each lane's field shifted out of it
         a(f"  %r64.{k} = load i64, ptr %rbase.{k}, align 1")
         a(f"  %r64s.{k} = lshr i64 %r64.{k}, %bpr64")
@@ -429,15 +436,18 @@ _AVAILABLE: bool | None = None
 class Prepared(NamedTuple):
     """One stream as the vector kernels take it:
 
-    * ``words`` with ``ways + 2`` zero words after the stream's ``nwords``; ``refs`` (uint16 per row);
+    * ``words``: the stream's ``nwords`` words and at least ``ways + 2`` readable words after them (a padded
+      copy, or the payload's own raw bits that follow them, :func:`extend_words`); ``refs`` (uint16 per row);
     * ``ctx`` the context map (uint8 ``[rows, nclass]``, 3 bytes of padding: row r's table for the previous
       symbol's class; the scalar ``fast_w*`` kernels take ``cbase[6 r + class]`` = that table times
       ``2**scale_bits``, uint32, instead);
     * ``table`` the direct table (uint32, :func:`._rans_numba.build_direct_table`; ``info`` unused) or the byte
       index per slot with 3 bytes of padding and ``info`` the 64-bit entry per symbol
       (:func:`._rans_numba.build_local_tables`);
-    * ``raw64`` the raw bits with 16 zero bytes after them; ``out[bh, t, d]`` uint16 / uint32, C-contiguous,
-      ``d % ways == 0``."""
+    * ``raw`` the raw bits, read in place (:func:`raw_tail`; the scalar kernels take them as uint64 words with 16
+      zero bytes after them instead), ``rtail`` a copy of their last bytes from byte ``rts`` on, zero-padded,
+      which a step reads from when its loads would pass the raw bits' end (its byte > ``rlim``);
+    * ``out[bh, t, d]`` uint16 / uint32, C-contiguous, ``d % ways == 0``."""
 
     words: np.ndarray
     nwords: int
@@ -445,8 +455,41 @@ class Prepared(NamedTuple):
     ctx: np.ndarray
     table: np.ndarray
     info: np.ndarray
-    raw64: np.ndarray
+    raw: np.ndarray
     out: np.ndarray
+    rtail: np.ndarray | None = None
+    rlim: int = 0
+    rts: int = 0
+
+
+def step_span(ways: int, lowbits: int) -> int:
+    """Bytes a step's raw-bit loads read from its first byte on: one 64-bit load (:func:`narrow_raw`), else a
+    32-bit load per lane at the byte of its field."""
+    return 8 if narrow_raw(ways, lowbits) else ((7 + (ways - 1) * lowbits) >> 3) + 4
+
+
+def raw_tail(raw: np.ndarray, ways: int, lowbits: int) -> tuple[np.ndarray, int, int]:
+    """``(rtail, rlim, rts)`` of :class:`Prepared` for the raw bits ``raw`` (uint8): a step whose first byte is
+    at most ``rlim`` reads inside ``raw``; later ones read ``rtail``, the bytes from ``rts`` on and 72 zero
+    bytes: a step's first byte is at most ``len(raw)`` and it reads at most 51 bytes (16 lanes of 25 bits), and
+    ``rts <= rlim + 1``."""
+    n = raw.shape[0]
+    rts = max(0, n - 64)
+    rtail = np.zeros(n - rts + 72, dtype=np.uint8)
+    rtail[:n - rts] = raw[rts:]
+    return rtail, n - step_span(ways, lowbits), rts
+
+
+def extend_words(words: np.ndarray, raw: np.ndarray, ways: int) -> np.ndarray | None:
+    """``words`` (uint16) seen with the ``ways + 2`` words after them, when the raw bits ``raw`` follow them in
+    memory and hold that many bytes (a payload's coded part: the kernels then read the words in place); else
+    ``None``."""
+    extra = ways + 2
+    if words.ndim != 1 or words.strides[0] != 2 or raw.shape[0] < 2 * extra:
+        return None
+    if words.ctypes.data + 2 * words.shape[0] != raw.ctypes.data:
+        return None
+    return np.lib.stride_tricks.as_strided(words, shape=(words.shape[0] + extra,), strides=(2,), writeable=False)
 
 
 def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: int, streams: list) -> list:
@@ -463,6 +506,9 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
         assert (st.table.dtype == np.uint32) == direct and st.ctx.dtype == np.uint8 and nclass in (1, 6)
         assert st.ctx.shape[0] >= bh * dim * nclass + 3 and st.refs.shape[0] == bh * dim
         assert st.refs.dtype == np.uint16 and st.words.dtype == np.uint16 and st.words.shape[0] >= st.nwords + ways + 2
+        assert st.raw.dtype == np.uint8 and st.rtail is not None and st.rtail.dtype == np.uint8
+        assert st.rts <= st.raw.shape[0] and st.rlim <= st.raw.shape[0] - step_span(ways, lowbits)
+        assert st.rtail.shape[0] >= st.raw.shape[0] - st.rts + 72 and st.rts <= max(0, st.rlim + 1)
     results = []
     i = 0
     while i < len(streams):
@@ -475,8 +521,9 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
 def _run(ways, group, ety, direct, rows, ntok, dim, scale_bits, kbits, nclass, lowbits) -> list:
     fn = kernel(ways, len(group), ety, direct, narrow_raw(ways, lowbits), lowbits > 0)
     ptrs = np.array([a.ctypes.data for st in group
-                     for a in (st.words, st.refs, st.ctx, st.table, st.info, st.raw64, st.out)], dtype=np.uint64)
-    nw = np.array([st.nwords for st in group], dtype=np.int64)
+                     for a in (st.words, st.refs, st.ctx, st.table, st.info, st.raw, st.out, st.rtail)],
+                    dtype=np.uint64)
+    nw = np.array([v for st in group for v in (st.nwords, st.rlim, st.rts)], dtype=np.int64)
     res = np.zeros(len(group), dtype=np.int64)
     status = fn(ptrs.ctypes.data, nw.ctypes.data, rows, ntok, dim, scale_bits, kbits, lowbits, nclass,
                 res.ctypes.data)

@@ -216,15 +216,31 @@ class Stream(NamedTuple):
     raw: object
     offset: int | None = None
     raw_offset: int | None = None
+    #: the frequency tables as the payload packs them, when ``freq`` is ``None`` (``parse_symbols(...,
+    #: dense=False)``: the vector decoders' tables are built from them in one pass, :func:`lanes_decode_many`)
+    tables: np.ndarray | None = None
+    ntables: int = 0
+    tables_offset: int | None = None
+
+    def dense(self) -> "Stream":
+        """This stream with its dense frequency tables (:func:`unpack_tables`; raises :class:`FormatError` for
+        invalid ones)."""
+        if self.freq is not None:
+            return self
+        freq = unpack_tables(self.tables, self.ntables, 1 << self.kbits, self.scale_bits, field="Side",
+                             offset=self.tables_offset)
+        return self._replace(freq=freq, tables=None)
 
 
 def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int, lowbits: int,
                  raw, rows: int, n: int, *, field: str = "Words", offset: int | None = None,
-                 raw_offset: int | None = None):
+                 raw_offset: int | None = None, ranges: bool = True):
     """Check what a lane decoder indexes by and the stream's fixed facts (:class:`FormatError`): at least
-    ``2 * ways`` words with initial states >= 2**16, refs and map entries in range, ``raw`` exactly
+    ``2 * ways`` words with initial states >= 2**16, refs and map entries in range (unless not ``ranges``: the
+    caller checked them against the tables' count, as ``parse_symbols`` does), ``raw`` exactly
     ``packed_size(n, lowbits)`` bytes with zero padding bits.  Returns (words uint16, refs uint16, ctx_map uint8,
-    freq uint32, raw uint8) as the kernels take them (the CPU kernels and the Triton one)."""
+    freq uint32, raw uint8) as the kernels take them (the CPU kernels and the Triton one; ``freq`` may be
+    ``None`` only without ``ranges``, and is returned as it is then)."""
     _check_args(scale_bits, ways)
     words = np.ascontiguousarray(words, dtype=np.uint16)
     nwords = words.shape[0]
@@ -241,13 +257,13 @@ def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     if raw.shape[0] != packed_size(n, lowbits):
         raise FormatError(f"raw bits: {raw.shape[0]} bytes, {packed_size(n, lowbits)} expected", field="Raw_Bits",
                           offset=raw_offset)
-    if rows and (int(refs.max()) >> (kbits - 1) or int(ctx_map.max()) >= freq.shape[0]):
+    if ranges and rows and (int(refs.max()) >> (kbits - 1) or int(ctx_map.max()) >= freq.shape[0]):
         raise FormatError("a reference or a context map entry is out of range", field=field, offset=offset)
     used = (n * lowbits) % 8
     if used and int(raw[-1]) >> used:
         raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
                           offset=raw_offset)
-    return words, refs, ctx_map, np.ascontiguousarray(freq, dtype=np.uint32), raw
+    return words, refs, ctx_map, None if freq is None else np.ascontiguousarray(freq, dtype=np.uint32), raw
 
 
 def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
@@ -369,38 +385,62 @@ def _max_symbols(freq: np.ndarray) -> int:
     return int(max_symbols(np.ascontiguousarray(freq)))
 
 
-def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, raw, out):
-    """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
-    <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`)."""
-    from ._lanes_simd import Prepared
-    from ._rans_numba import build_direct_table, build_local_tables
+#: the vector kernels read a stream's words and raw bits where the payload holds them (:class:`._lanes_simd.Prepared`);
+#: False: from padded copies, as before (the same words; for A/B timings)
+IN_PLACE = True
+#: the arguments :func:`._rans_numba.packed_local_tables` does not write for one kind of table (one compiled
+#: form for both)
+_NO_TABLE, _NO_SLOTS, _NO_INFO = np.empty(0, np.uint32), np.empty(4, np.uint8), np.empty(0, np.uint64)
 
-    g = freq.shape[0]
-    raw64 = np.empty((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)  # 16 zero bytes after the raw bits
-    r8 = raw64.view(np.uint8)
-    r8[:raw.shape[0]] = raw
-    r8[raw.shape[0]:] = 0
-    padded = np.concatenate([words, np.zeros(ways + 2, dtype=np.uint16)])
+
+def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, packed=None):
+    """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
+    <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``packed``: instead of ``freq``,
+    ``(the packed tables, their count, Coded_Bits)`` (:attr:`Stream.tables`), parsed and validated while the
+    tables are built (:func:`._rans_numba.packed_local_tables`); then returns ``(code, context, a, b)``, the
+    parser's result, with the prepared stream when the code is 0, else ``None``."""
+    from ._lanes_simd import Prepared, extend_words, raw_tail
+    from ._rans_numba import build_direct_table, build_local_tables, packed_local_tables
+
+    g = freq.shape[0] if packed is None else packed[1]
+    padded = extend_words(words, raw, ways) if IN_PLACE and kernel.startswith("vector") else None
+    if padded is None:
+        padded = np.concatenate([words, np.zeros(ways + 2, dtype=np.uint16)])
     if kernel.startswith("fast"):  # the scalar kernels: cbase[6 r + class] = the table times 2**scale_bits
         ctx6 = ctx_map if nclass == 6 else np.repeat(ctx_map[:, :1], 6, axis=1)
         ctx = (ctx6.astype(np.uint32) << np.uint32(scale_bits)).ravel()
-    else:  # the vector kernels read the map itself (32-bit gathers: 3 bytes of padding)
+        raw64 = np.empty((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)  # 16 zero bytes after the raw bits
+        r8 = raw64.view(np.uint8)
+        r8[:raw.shape[0]] = raw
+        r8[raw.shape[0]:] = 0
+        rawargs = (raw64,)
+    else:  # the vector kernels read the map itself (32-bit gathers: 3 bytes of padding), the raw bits in place
         ctx = np.concatenate([ctx_map.ravel(), np.zeros(3, dtype=np.uint8)])
-    if kernel.endswith("/direct"):
-        table = np.empty(g << scale_bits, dtype=np.uint32)
+        if not IN_PLACE:
+            raw = np.concatenate([raw, np.zeros(72, dtype=np.uint8)])[:raw.shape[0]]
+        rawargs = (raw, *raw_tail(raw, ways, lowbits))
+    direct = kernel.endswith("/direct")
+    if direct:
+        table = info = np.empty(g << scale_bits, dtype=np.uint32)
+    else:
+        table = np.zeros((g << scale_bits) + 4, dtype=np.uint8)  # 32-bit gathers read 3 bytes past a slot
+        info = np.empty(g << 8, dtype=np.uint64)
+    prepared = Prepared(padded, words.shape[0], refs, ctx, table, info, rawargs[0], out, *rawargs[1:])
+    if packed is not None:
+        args = (table, _NO_SLOTS, _NO_INFO) if direct else (_NO_TABLE, table, info)
+        code, c, a, b = packed_local_tables(packed[0], 1 << packed[2], scale_bits, direct, *args)
+        return (int(code), int(c), int(a), int(b)), prepared if code == 0 else None
+    if direct:
         build_direct_table(freq, scale_bits, table)
-        return Prepared(padded, words.shape[0], refs, ctx, table, table, raw64, out)
-    slot8 = np.zeros((g << scale_bits) + 4, dtype=np.uint8)  # 32-bit gathers read 3 bytes past a slot
-    info = np.empty(g << 8, dtype=np.uint64)
-    if not build_local_tables(freq, scale_bits, slot8, info):  # the info table's bound; decode_kernel checked it
+    elif not build_local_tables(freq, scale_bits, table, info):  # the info table's bound; decode_kernel checked
         raise ValueError("a table has more than 256 symbols: not a local-table stream")
-    return Prepared(padded, words.shape[0], refs, ctx, slot8, info, raw64, out)
+    return prepared
 
 
 def _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
                  offset) -> None:
     """Decode one local-table stream (:func:`decode_kernel` chose ``kernel``)."""
-    st = _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, raw, out)
+    st = _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out)
     if kernel.startswith("vector"):
         from . import _lanes_simd
 
@@ -410,7 +450,7 @@ def _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nc
 
         fast = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
         status, pos = fast(st.words, st.nwords, refs, st.ctx, st.table, st.info, scale_bits, kbits, lowbits,
-                           st.raw64, out)
+                           st.raw, out)
     _check_status(status, pos, st.nwords, field, offset)
 
 
@@ -430,6 +470,14 @@ def lanes_decode_many(jobs) -> None:
     batches: dict = {}
     for s, out in jobs:
         bh, ntok, dim = out.shape
+        if s.freq is None:  # packed tables: built into the vector kernels' ones as they are parsed
+            prepared = _prepare_packed(s, out) if PACKED_TABLES else None
+            if prepared is not None:
+                kernel, prepared = prepared
+                key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
+                batches.setdefault(key, []).append((prepared, s.offset))
+                continue
+            s = s.dense()
         kernel = decode_kernel(s.ways, dim, s.freq, s.scale_bits, s.kbits, s.lowbits)
         if not kernel.startswith("vector"):
             lanes_decode(s.words, s.refs, s.ctx_map, s.freq, s.scale_bits, s.ways, s.kbits, s.nclass, s.lowbits,
@@ -439,13 +487,46 @@ def lanes_decode_many(jobs) -> None:
                                                        s.kbits, s.nclass, s.lowbits, s.raw, bh * dim, out.size,
                                                        offset=s.offset, raw_offset=s.raw_offset)
         _count(kernel, out.size)
-        prepared = _local_tables(kernel, words, refs, ctx_map, freq, s.scale_bits, s.ways, s.nclass, raw, out)
+        prepared = _local_tables(kernel, words, refs, ctx_map, freq, s.scale_bits, s.ways, s.nclass, s.lowbits, raw,
+                                 out)
         key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
         batches.setdefault(key, []).append((prepared, s.offset))
     for (kernel, ways, sb, kbits, nclass, lowbits, _, _), items in batches.items():
         results = _lanes_simd.decode_many(ways, sb, kbits, nclass, lowbits, [p for p, _ in items])
         for (p, offset), (status, pos) in zip(items, results):
             _check_status(status, pos, p.nwords, "Words", offset)
+
+
+#: streams parsed with packed tables (:attr:`Stream.tables`) have them parsed into the vector kernels' tables
+#: in one pass; False: unpacked to dense frequencies first, as other streams (the same words; for A/B timings)
+PACKED_TABLES = True
+
+
+def _prepare_packed(s: Stream, out: np.ndarray):
+    """``(kernel, Prepared)`` of a stream with packed tables that a vector kernel decodes, its tables validated
+    and built in one pass (:func:`._rans_numba.packed_local_tables`), or ``None`` when another kernel decodes it
+    (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
+    :func:`decode_kernel`'s rules, the tables' size checked as they are parsed)."""
+    bh, ntok, dim = out.shape
+    if s.ways not in FAST_WAYS or dim % s.ways or backend() == "python" or not vector_kernels():
+        return None
+    from . import _lanes_simd
+
+    if s.lowbits > _lanes_simd.MAX_LOWBITS:
+        return None
+    # the refs' and the map's ranges were checked against the tables' count when the stream was parsed
+    words, refs, ctx_map, _, raw = check_stream(s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.kbits,
+                                                s.nclass, s.lowbits, s.raw, bh * dim, out.size, offset=s.offset,
+                                                raw_offset=s.raw_offset, ranges=False)
+    direct = _lanes_simd.direct_fits(s.scale_bits, s.kbits)
+    kernel = f"vector_w{s.ways}/{'direct' if direct else 'indexed'}"
+    (code, c, a, b), prepared = _local_tables(kernel, words, refs, ctx_map, None, s.scale_bits, s.ways, s.nclass,
+                                              s.lowbits, raw, out, packed=(s.tables, s.ntables, s.kbits))
+    if code == 5:  # a table of more than 256 symbols: not for the local-table kernels
+        return None
+    _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
+    _count(kernel, out.size)
+    return kernel, prepared
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
@@ -598,6 +679,13 @@ def unpack_tables(buf: bytes, nctx: int, nsym: int, scale_bits: int, *,
         from ._rans_numba import unpack_tables as _unpack
 
         code, c, a, b = _unpack(raw, scale_bits, freq)
+    _tables_error(code, c, a, b, nsym, scale_bits, field, offset)
+    return freq
+
+
+def _tables_error(code: int, c: int, a: int, b: int, nsym: int, scale_bits: int, field: str, offset) -> None:
+    """Raise the :class:`FormatError` of :func:`unpack_tables`' parser result ``(code, c, a, b)`` (nothing for
+    code 0)."""
     if code == 1:
         raise FormatError(f"frequency table {c}: ends early", field=field, offset=offset)
     if code == 2:
@@ -607,7 +695,6 @@ def unpack_tables(buf: bytes, nctx: int, nsym: int, scale_bits: int, *,
         raise FormatError(f"frequency table {c}: sums to {a}, not 2**{scale_bits}", field=field, offset=offset)
     if code == 4:
         raise FormatError(f"frequency tables: {a} bytes left over", field=field, offset=offset)
-    return freq
 
 
 def _unpack_tables_py(buf: np.ndarray, scale_bits: int, freq: np.ndarray) -> tuple[int, int, int, int]:

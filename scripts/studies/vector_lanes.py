@@ -40,9 +40,9 @@ def streams(kv_layers, dtype_name):
                                                                 b * h * d, w.size)
             res = np.empty((b * h, s, d), dtype=w.dtype)
             vec = rans._local_tables("vector_w8/direct", words, refs, ctx_map, freq, st.scale_bits, st.ways,
-                                     st.nclass, raw, res)
-            sca = rans._local_tables("fast_w8", words, refs, ctx_map, freq, st.scale_bits, st.ways, st.nclass, raw,
-                                     np.empty_like(res))
+                                     st.nclass, st.lowbits, raw, res)
+            sca = rans._local_tables("fast_w8", words, refs, ctx_map, freq, st.scale_bits, st.ways, st.nclass,
+                                     st.lowbits, raw, np.empty_like(res))
             out.append((st, vec, sca, w.reshape(b * h, s, d)))
     return out
 
@@ -65,7 +65,7 @@ def main():
         def scalar():
             for st, _, p, _w in ss:
                 U.fast_w8(p.words, p.nwords, p.refs, p.ctx, p.table, p.info, st.scale_bits, st.kbits, st.lowbits,
-                          p.raw64, p.out)
+                          p.raw, p.out)
 
         def vector(k):
             def run():
