@@ -165,19 +165,21 @@ def test_tables_from_counts_match_numpy(seed, nctx, nsym, sb, kind):
 
 
 @pytest.mark.parametrize("backend", ["numba", "python"])
-def test_corrupt_streams_raise_format_error(monkeypatch, backend):
+@pytest.mark.parametrize("rows,ways", [(4, 4), (3, 4), (11, 8), (5, 8)])  # full groups, partial ones
+def test_corrupt_streams_raise_format_error(monkeypatch, backend, rows, ways):
     monkeypatch.setenv("KVCODEC_BACKEND", backend)
     rng = np.random.default_rng(1)
-    syms, refs, cmap, counts = _problem(rng, 4, 30, 6, 6, 2, True)
+    syms, refs, cmap, counts = _problem(rng, rows, 30, 6, 6, 2, True)
     freq = rans.normalize_counts(counts, 10)
-    words = rans.lanes_encode(syms, refs, cmap, freq, 10, 4, 6, 6)
+    words = rans.lanes_encode(syms, refs, cmap, freq, 10, ways, 6, 6)
+    np.testing.assert_array_equal(decode_syms(words, refs, cmap, freq, 10, ways, 6, 6, rows, 30), syms)
     for bad in (words[:-1], words[:3], np.concatenate([words, [7]]).astype(np.uint16)):
         with pytest.raises(FormatError):
-            decode_syms(bad, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
+            decode_syms(bad, refs, cmap, freq, 10, ways, 6, 6, rows, 30)
     zero_state = words.copy()
     zero_state[0] = 0
     with pytest.raises(FormatError):
-        decode_syms(zero_state, refs, cmap, freq, 10, 4, 6, 6, 4, 30)
+        decode_syms(zero_state, refs, cmap, freq, 10, ways, 6, 6, rows, 30)
 
 
 def test_single_bit_flips_are_mostly_caught_by_the_stream_itself():

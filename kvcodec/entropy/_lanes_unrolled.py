@@ -7,15 +7,22 @@ unrolled for a fixed number of ways.  Same bitstream, same status codes.
 import numba as nb
 import numpy as np
 
-from ._rans_numba import ERR_FINAL_STATE, ERR_STREAM_SHORT, OK, RANS_L, lanes_decode_tail
+from ._rans_numba import ERR_FINAL_STATE, ERR_STREAM_LONG, ERR_STREAM_SHORT, OK, RANS_L
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _used(bp):
+    """Raw bytes holding the first ``bp`` raw bits."""
+    return np.int64((bp + np.uint64(7)) >> np.uint64(3))
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_w4(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, raw, out):
+def decode_w4(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, raw64, out):
     """Fused decode with 4 ways: symbols + raw low bits -> ``out[bh, t, d]``.
 
     ``words`` carries 4 zero words of padding after its ``nwords`` real ones;
-    ``raw`` carries 8 zero bytes of padding.  Returns (status, pos, rp).
+    ``raw64`` the raw bytes as little-endian 64-bit words plus two zero words.
+    Returns (status, pos, rp), ``rp`` the raw bytes used.
     """
     bh_n, ntok, dim = out.shape
     rows = bh_n * dim
@@ -32,9 +39,7 @@ def decode_w4(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
     use_cls = 1 if nclass > 1 else 0
     lmask = np.uint64((1 << lowbits) - 1)
     lb = np.uint64(lowbits)
-    acc = np.uint64(0)
-    nacc = 0
-    rp = 0
+    bp = np.uint64(0)
     flat = out.reshape(bh_n * ntok * dim)
     full = rows - rows % 4
     for g0 in range(0, full, 4):
@@ -92,50 +97,107 @@ def decode_w4(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
             x3 = (x3 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
             pos += np.int64(n)
             if pos > nwords:
-                return ERR_STREAM_SHORT, pos, rp
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o0 + t * dim] = (np.uint64(p0) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o1 + t * dim] = (np.uint64(p1) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o2 + t * dim] = (np.uint64(p2) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o3 + t * dim] = (np.uint64(p3) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-    states = np.empty(4, dtype=np.uint64)
-    states[0] = x0
-    states[1] = x1
-    states[2] = x2
-    states[3] = x3
-    return lanes_decode_tail(words, nwords, pos, states, full, refs, ctx_map, entry, symt, scale_bits, kbits,
-                             nclass, lowbits, raw, rp, acc, nacc, out)
+                return ERR_STREAM_SHORT, pos, _used(bp)
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o0 + t * dim] = (np.uint64(p0) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o1 + t * dim] = (np.uint64(p1) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o2 + t * dim] = (np.uint64(p2) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o3 + t * dim] = (np.uint64(p3) << lb) | (v & lmask)
+            bp += lb
+    nl = rows - full  # a partial group's lanes: the first nl states, unrolled too (the guards are predictable)
+    if nl:
+        g0 = full
+        p0 = np.int64(refs[g0 + 0]) if nl > 0 else np.int64(0)
+        r0 = p0 & mm
+        m0 = ctx_map[g0 + min(0, nl - 1)]
+        o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
+        p1 = np.int64(refs[g0 + 1]) if nl > 1 else np.int64(0)
+        r1 = p1 & mm
+        m1 = ctx_map[g0 + min(1, nl - 1)]
+        o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
+        p2 = np.int64(refs[g0 + 2]) if nl > 2 else np.int64(0)
+        r2 = p2 & mm
+        m2 = ctx_map[g0 + min(2, nl - 1)]
+        o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
+        for t in range(ntok):
+            if nl > 0:
+                g = p0 & mm
+                c = m0[((p0 >> kb1) * 3 + (g >= r0) + (g > r0)) * use_cls]
+                slot = x0 & mask
+                e = entry[c, slot]
+                p0 = np.int64(symt[c, slot])
+                x0 = np.uint64(e >> 16) * (x0 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x0 < lo)
+                x0 = (x0 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 1:
+                g = p1 & mm
+                c = m1[((p1 >> kb1) * 3 + (g >= r1) + (g > r1)) * use_cls]
+                slot = x1 & mask
+                e = entry[c, slot]
+                p1 = np.int64(symt[c, slot])
+                x1 = np.uint64(e >> 16) * (x1 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x1 < lo)
+                x1 = (x1 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 2:
+                g = p2 & mm
+                c = m2[((p2 >> kb1) * 3 + (g >= r2) + (g > r2)) * use_cls]
+                slot = x2 & mask
+                e = entry[c, slot]
+                p2 = np.int64(symt[c, slot])
+                x2 = np.uint64(e >> 16) * (x2 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x2 < lo)
+                x2 = (x2 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if pos > nwords:
+                return ERR_STREAM_SHORT, pos, _used(bp)
+            if nl > 0:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o0 + t * dim] = (np.uint64(p0) << lb) | (v & lmask)
+                bp += lb
+            if nl > 1:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o1 + t * dim] = (np.uint64(p1) << lb) | (v & lmask)
+                bp += lb
+            if nl > 2:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o2 + t * dim] = (np.uint64(p2) << lb) | (v & lmask)
+                bp += lb
+    if x0 != lo or x1 != lo or x2 != lo or x3 != lo:
+        return ERR_FINAL_STATE, pos, _used(bp)
+    if pos != nwords:
+        return ERR_STREAM_LONG, pos, _used(bp)
+    return OK, pos, _used(bp)
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, raw, out):
+def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, raw64, out):
     """Fused decode with 8 ways: symbols + raw low bits -> ``out[bh, t, d]``.
 
     ``words`` carries 8 zero words of padding after its ``nwords`` real ones;
-    ``raw`` carries 8 zero bytes of padding.  Returns (status, pos, rp).
+    ``raw64`` the raw bytes as little-endian 64-bit words plus two zero words.
+    Returns (status, pos, rp), ``rp`` the raw bytes used.
     """
     bh_n, ntok, dim = out.shape
     rows = bh_n * dim
@@ -156,9 +218,7 @@ def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
     use_cls = 1 if nclass > 1 else 0
     lmask = np.uint64((1 << lowbits) - 1)
     lb = np.uint64(lowbits)
-    acc = np.uint64(0)
-    nacc = 0
-    rp = 0
+    bp = np.uint64(0)
     flat = out.reshape(bh_n * ntok * dim)
     full = rows - rows % 8
     for g0 in range(0, full, 8):
@@ -268,74 +328,198 @@ def decode_w8(words, nwords, refs, ctx_map, entry, symt, scale_bits, kbits, ncla
             x7 = (x7 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
             pos += np.int64(n)
             if pos > nwords:
-                return ERR_STREAM_SHORT, pos, rp
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o0 + t * dim] = (np.uint64(p0) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o1 + t * dim] = (np.uint64(p1) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o2 + t * dim] = (np.uint64(p2) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o3 + t * dim] = (np.uint64(p3) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o4 + t * dim] = (np.uint64(p4) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o5 + t * dim] = (np.uint64(p5) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o6 + t * dim] = (np.uint64(p6) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-            while nacc < lowbits:
-                acc |= np.uint64(raw[rp]) << np.uint64(nacc)
-                rp += 1
-                nacc += 8
-            flat[o7 + t * dim] = (np.uint64(p7) << lb) | (acc & lmask)
-            acc >>= lb
-            nacc -= lowbits
-    states = np.empty(8, dtype=np.uint64)
-    states[0] = x0
-    states[1] = x1
-    states[2] = x2
-    states[3] = x3
-    states[4] = x4
-    states[5] = x5
-    states[6] = x6
-    states[7] = x7
-    return lanes_decode_tail(words, nwords, pos, states, full, refs, ctx_map, entry, symt, scale_bits, kbits,
-                             nclass, lowbits, raw, rp, acc, nacc, out)
+                return ERR_STREAM_SHORT, pos, _used(bp)
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o0 + t * dim] = (np.uint64(p0) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o1 + t * dim] = (np.uint64(p1) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o2 + t * dim] = (np.uint64(p2) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o3 + t * dim] = (np.uint64(p3) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o4 + t * dim] = (np.uint64(p4) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o5 + t * dim] = (np.uint64(p5) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o6 + t * dim] = (np.uint64(p6) << lb) | (v & lmask)
+            bp += lb
+            q = bp >> np.uint64(6)
+            sh = bp & np.uint64(63)
+            v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+            flat[o7 + t * dim] = (np.uint64(p7) << lb) | (v & lmask)
+            bp += lb
+    nl = rows - full  # a partial group's lanes: the first nl states, unrolled too (the guards are predictable)
+    if nl:
+        g0 = full
+        p0 = np.int64(refs[g0 + 0]) if nl > 0 else np.int64(0)
+        r0 = p0 & mm
+        m0 = ctx_map[g0 + min(0, nl - 1)]
+        o0 = ((g0 + 0) // dim) * ntok * dim + (g0 + 0) % dim
+        p1 = np.int64(refs[g0 + 1]) if nl > 1 else np.int64(0)
+        r1 = p1 & mm
+        m1 = ctx_map[g0 + min(1, nl - 1)]
+        o1 = ((g0 + 1) // dim) * ntok * dim + (g0 + 1) % dim
+        p2 = np.int64(refs[g0 + 2]) if nl > 2 else np.int64(0)
+        r2 = p2 & mm
+        m2 = ctx_map[g0 + min(2, nl - 1)]
+        o2 = ((g0 + 2) // dim) * ntok * dim + (g0 + 2) % dim
+        p3 = np.int64(refs[g0 + 3]) if nl > 3 else np.int64(0)
+        r3 = p3 & mm
+        m3 = ctx_map[g0 + min(3, nl - 1)]
+        o3 = ((g0 + 3) // dim) * ntok * dim + (g0 + 3) % dim
+        p4 = np.int64(refs[g0 + 4]) if nl > 4 else np.int64(0)
+        r4 = p4 & mm
+        m4 = ctx_map[g0 + min(4, nl - 1)]
+        o4 = ((g0 + 4) // dim) * ntok * dim + (g0 + 4) % dim
+        p5 = np.int64(refs[g0 + 5]) if nl > 5 else np.int64(0)
+        r5 = p5 & mm
+        m5 = ctx_map[g0 + min(5, nl - 1)]
+        o5 = ((g0 + 5) // dim) * ntok * dim + (g0 + 5) % dim
+        p6 = np.int64(refs[g0 + 6]) if nl > 6 else np.int64(0)
+        r6 = p6 & mm
+        m6 = ctx_map[g0 + min(6, nl - 1)]
+        o6 = ((g0 + 6) // dim) * ntok * dim + (g0 + 6) % dim
+        for t in range(ntok):
+            if nl > 0:
+                g = p0 & mm
+                c = m0[((p0 >> kb1) * 3 + (g >= r0) + (g > r0)) * use_cls]
+                slot = x0 & mask
+                e = entry[c, slot]
+                p0 = np.int64(symt[c, slot])
+                x0 = np.uint64(e >> 16) * (x0 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x0 < lo)
+                x0 = (x0 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 1:
+                g = p1 & mm
+                c = m1[((p1 >> kb1) * 3 + (g >= r1) + (g > r1)) * use_cls]
+                slot = x1 & mask
+                e = entry[c, slot]
+                p1 = np.int64(symt[c, slot])
+                x1 = np.uint64(e >> 16) * (x1 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x1 < lo)
+                x1 = (x1 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 2:
+                g = p2 & mm
+                c = m2[((p2 >> kb1) * 3 + (g >= r2) + (g > r2)) * use_cls]
+                slot = x2 & mask
+                e = entry[c, slot]
+                p2 = np.int64(symt[c, slot])
+                x2 = np.uint64(e >> 16) * (x2 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x2 < lo)
+                x2 = (x2 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 3:
+                g = p3 & mm
+                c = m3[((p3 >> kb1) * 3 + (g >= r3) + (g > r3)) * use_cls]
+                slot = x3 & mask
+                e = entry[c, slot]
+                p3 = np.int64(symt[c, slot])
+                x3 = np.uint64(e >> 16) * (x3 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x3 < lo)
+                x3 = (x3 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 4:
+                g = p4 & mm
+                c = m4[((p4 >> kb1) * 3 + (g >= r4) + (g > r4)) * use_cls]
+                slot = x4 & mask
+                e = entry[c, slot]
+                p4 = np.int64(symt[c, slot])
+                x4 = np.uint64(e >> 16) * (x4 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x4 < lo)
+                x4 = (x4 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 5:
+                g = p5 & mm
+                c = m5[((p5 >> kb1) * 3 + (g >= r5) + (g > r5)) * use_cls]
+                slot = x5 & mask
+                e = entry[c, slot]
+                p5 = np.int64(symt[c, slot])
+                x5 = np.uint64(e >> 16) * (x5 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x5 < lo)
+                x5 = (x5 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if nl > 6:
+                g = p6 & mm
+                c = m6[((p6 >> kb1) * 3 + (g >= r6) + (g > r6)) * use_cls]
+                slot = x6 & mask
+                e = entry[c, slot]
+                p6 = np.int64(symt[c, slot])
+                x6 = np.uint64(e >> 16) * (x6 >> sb) + np.uint64(e & 0xFFFF)
+                n = np.uint64(x6 < lo)
+                x6 = (x6 << (n << np.uint64(4))) | (np.uint64(words[pos]) & (np.uint64(0) - n))
+                pos += np.int64(n)
+            if pos > nwords:
+                return ERR_STREAM_SHORT, pos, _used(bp)
+            if nl > 0:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o0 + t * dim] = (np.uint64(p0) << lb) | (v & lmask)
+                bp += lb
+            if nl > 1:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o1 + t * dim] = (np.uint64(p1) << lb) | (v & lmask)
+                bp += lb
+            if nl > 2:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o2 + t * dim] = (np.uint64(p2) << lb) | (v & lmask)
+                bp += lb
+            if nl > 3:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o3 + t * dim] = (np.uint64(p3) << lb) | (v & lmask)
+                bp += lb
+            if nl > 4:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o4 + t * dim] = (np.uint64(p4) << lb) | (v & lmask)
+                bp += lb
+            if nl > 5:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o5 + t * dim] = (np.uint64(p5) << lb) | (v & lmask)
+                bp += lb
+            if nl > 6:
+                q = bp >> np.uint64(6)
+                sh = bp & np.uint64(63)
+                v = (raw64[q] >> sh) | ((raw64[q + np.uint64(1)] << (np.uint64(63) - sh)) << np.uint64(1))
+                flat[o6 + t * dim] = (np.uint64(p6) << lb) | (v & lmask)
+                bp += lb
+    if x0 != lo or x1 != lo or x2 != lo or x3 != lo or x4 != lo or x5 != lo or x6 != lo or x7 != lo:
+        return ERR_FINAL_STATE, pos, _used(bp)
+    if pos != nwords:
+        return ERR_STREAM_LONG, pos, _used(bp)
+    return OK, pos, _used(bp)
 
 
 @nb.njit(cache=True, nogil=True)

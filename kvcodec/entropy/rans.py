@@ -310,15 +310,17 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     symt = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint16)
     build_decode_tables(freq, cumulative(freq), entry, symt)
     padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
-    rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
     # compact dtypes, as on the wire: per-row side information is bounded by the output (spec section 9)
-    args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits, rawp, out)
-    if ways in (4, 8):
+    args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits)
+    if ways in (4, 8):  # the raw bits as 64-bit words and two zero words (read with a funnel shift)
         from . import _lanes_unrolled as U
 
-        status, pos, rp = (U.decode_w4 if ways == 4 else U.decode_w8)(padded, nwords, *args)
+        raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
+        raw64.view(np.uint8)[:raw.shape[0]] = raw
+        status, pos, rp = (U.decode_w4 if ways == 4 else U.decode_w8)(padded, nwords, *args, raw64, out)
     else:
-        status, pos, rp = lanes_decode_fused(padded, nwords, ways, *args)
+        rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
+        status, pos, rp = lanes_decode_fused(padded, nwords, ways, *args, rawp, out)
     if status:
         raise FormatError(f"rANS stream: {STREAM_STATUS[int(status)]}", field=field, offset=offset)
     if rp != raw.shape[0]:  # cannot happen for a validated raw length; kept as an invariant check
