@@ -289,7 +289,9 @@ def _output(out, shape: tuple, width: int) -> np.ndarray:
 
 def decode_many(items: list) -> list:
     """:func:`decode` of each ``(payload, shape, dtype, offset, out)``, the coded payloads' streams decoded
-    together (:func:`~kvcodec.entropy.rans.lanes_decode_many`)."""
+    together (:func:`~kvcodec.entropy.rans.lanes_decode_many`).  Every payload is parsed first and its
+    frequency tables validated as they are built, so with several faulty payloads a later one's parse error
+    is the one raised before an earlier one's table error."""
     results, coded = [], []
     for payload, shape, dtype, offset, out in items:
         width = DTYPES[dtype].itemsize

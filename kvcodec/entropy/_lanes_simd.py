@@ -500,15 +500,19 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
     bh, ntok, dim = first.out.shape
     ety = "i16" if first.out.dtype.itemsize == 2 else "i32"
     direct = first.table.dtype == np.uint32
-    assert dim % ways == 0 and lowbits <= MAX_LOWBITS
-    for st in streams:
-        assert st.out.shape == first.out.shape and st.out.dtype == first.out.dtype and st.out.flags.c_contiguous
-        assert (st.table.dtype == np.uint32) == direct and st.ctx.dtype == np.uint8 and nclass in (1, 6)
-        assert st.ctx.shape[0] >= bh * dim * nclass + 3 and st.refs.shape[0] == bh * dim
-        assert st.refs.dtype == np.uint16 and st.words.dtype == np.uint16 and st.words.shape[0] >= st.nwords + ways + 2
-        assert st.raw.dtype == np.uint8 and st.rtail is not None and st.rtail.dtype == np.uint8
-        assert st.rts <= st.raw.shape[0] and st.rlim <= st.raw.shape[0] - step_span(ways, lowbits)
-        assert st.rtail.shape[0] >= st.raw.shape[0] - st.rts + 72 and st.rts <= max(0, st.rlim + 1)
+    if dim % ways or lowbits > MAX_LOWBITS:
+        raise ValueError(f"decode_many: {ways} lanes across heads of {dim} channels, or {lowbits} raw bits")
+    span = step_span(ways, lowbits)
+    for st in streams:  # what keeps every read inside the arrays (checked, not asserted: -O keeps them)
+        if not (st.out.shape == first.out.shape and st.out.dtype == first.out.dtype and st.out.flags.c_contiguous
+                and (st.table.dtype == np.uint32) == direct and st.ctx.dtype == np.uint8 and nclass in (1, 6)
+                and st.ctx.shape[0] >= bh * dim * nclass + 3 and st.refs.shape[0] == bh * dim
+                and st.refs.dtype == np.uint16 and st.words.dtype == np.uint16
+                and st.words.shape[0] >= st.nwords + ways + 2
+                and st.raw.dtype == np.uint8 and st.rtail is not None and st.rtail.dtype == np.uint8
+                and st.rts <= st.raw.shape[0] and st.rlim <= st.raw.shape[0] - span
+                and st.rtail.shape[0] >= st.raw.shape[0] - st.rts + 72 and st.rts <= max(0, st.rlim + 1)):
+            raise ValueError("decode_many: a prepared stream does not fit its kernel (see Prepared)")
     results = []
     i = 0
     while i < len(streams):

@@ -464,14 +464,17 @@ def packed_local_tables(buf, nsym, scale_bits, direct, table, slot8, info):
     frequencies: with ``direct`` the one-level ``table`` (as :func:`build_direct_table`), else ``slot8`` and
     ``info`` (as :func:`build_local_tables`).  Returns ``unpack_tables``' (code, context, a, b) with the same
     codes and values for the same bytes (a sum is reported whole; no slot past a table's ``2**scale_bits`` is
-    written), and code 5 when table ``context`` has more than 256 symbols (a valid stream for the other
-    decoders; the tables are then left partly built).
+    written), code 5 when table ``context`` has more than 256 symbols (a valid stream for the other decoders;
+    the tables are then left partly built), and -1 when ``info`` is too short for the tables (a caller's error).
 
     A table's frequencies are mostly zeros (SmolLM2 bf16: ~50 symbols in a span of ~730), so they are read in
-    blocks of 8 and a block of zeros is skipped after one test; indexing through slices (non-negative offsets,
-    no wraparound test) lets LLVM vectorise the tests and the fills (~3x faster than unpacking, then building)."""
+    blocks of 8 and a block of zeros is skipped after one test; the tests and the fills index through slices
+    (non-negative offsets, no wraparound test), which LLVM vectorises (~3x faster than unpacking, then
+    building)."""
     m = 1 << scale_bits
     nctx = (table.shape[0] if direct else slot8.shape[0] - 4) >> scale_bits
+    if not direct and info.shape[0] < nctx << 8:
+        return -1, 0, 0, 0  # the caller's arrays do not fit (no file is at fault)
     sb = np.uint32(scale_bits)
     pos = 0
     n = buf.shape[0]

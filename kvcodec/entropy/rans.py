@@ -395,16 +395,22 @@ IN_PLACE = True
 _NO_TABLE, _NO_SLOTS, _NO_INFO = np.empty(0, np.uint32), np.empty(4, np.uint8), np.empty(0, np.uint64)
 
 
-def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, packed=None):
-    """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
-    <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``packed``: instead of ``freq``,
-    ``(the packed tables, their count, Coded_Bits)`` (:attr:`Stream.tables`), parsed and validated while the
-    tables are built (:func:`._rans_numba.packed_local_tables`); then returns ``(code, context, a, b)``, the
-    parser's result, with the prepared stream when the code is 0, else ``None``."""
-    from ._lanes_simd import Prepared, extend_words, raw_tail
-    from ._rans_numba import build_direct_table, build_local_tables, packed_local_tables
+def _new_tables(direct: bool, g: int, scale_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(table, info)`` for ``g`` tables, unfilled: the direct table (``info`` is the same array), or the byte
+    index per slot (zeroed, 3 bytes of padding for the 32-bit gathers) and the 64-bit entry per symbol."""
+    if direct:
+        table = np.empty(g << scale_bits, dtype=np.uint32)
+        return table, table
+    return np.zeros((g << scale_bits) + 4, dtype=np.uint8), np.empty(g << 8, dtype=np.uint64)
 
-    g = freq.shape[0] if packed is None else packed[1]
+
+def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, tables=None):
+    """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
+    <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``tables``: ``(table, info)``
+    already built (:func:`_prepare_packed`), instead of ``freq``."""
+    from ._lanes_simd import Prepared, extend_words, raw_tail
+    from ._rans_numba import build_direct_table, build_local_tables
+
     padded = extend_words(words, raw, ways) if IN_PLACE and kernel.startswith("vector") else None
     if padded is None:
         padded = np.concatenate([words, np.zeros(ways + 2, dtype=np.uint16)])
@@ -422,21 +428,15 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
             raw = np.concatenate([raw, np.zeros(72, dtype=np.uint8)])[:raw.shape[0]]
         rawargs = (raw, *raw_tail(raw, ways, lowbits))
     direct = kernel.endswith("/direct")
-    if direct:
-        table = info = np.empty(g << scale_bits, dtype=np.uint32)
+    if tables is None:
+        table, info = _new_tables(direct, freq.shape[0], scale_bits)
+        if direct:
+            build_direct_table(freq, scale_bits, table)
+        elif not build_local_tables(freq, scale_bits, table, info):  # the info table's bound; decode_kernel checked
+            raise ValueError("a table has more than 256 symbols: not a local-table stream")
     else:
-        table = np.zeros((g << scale_bits) + 4, dtype=np.uint8)  # 32-bit gathers read 3 bytes past a slot
-        info = np.empty(g << 8, dtype=np.uint64)
-    prepared = Prepared(padded, words.shape[0], refs, ctx, table, info, rawargs[0], out, *rawargs[1:])
-    if packed is not None:
-        args = (table, _NO_SLOTS, _NO_INFO) if direct else (_NO_TABLE, table, info)
-        code, c, a, b = packed_local_tables(packed[0], 1 << packed[2], scale_bits, direct, *args)
-        return (int(code), int(c), int(a), int(b)), prepared if code == 0 else None
-    if direct:
-        build_direct_table(freq, scale_bits, table)
-    elif not build_local_tables(freq, scale_bits, table, info):  # the info table's bound; decode_kernel checked
-        raise ValueError("a table has more than 256 symbols: not a local-table stream")
-    return prepared
+        table, info = tables
+    return Prepared(padded, words.shape[0], refs, ctx, table, info, rawargs[0], out, *rawargs[1:])
 
 
 def _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
@@ -513,22 +513,28 @@ def _prepare_packed(s: Stream, out: np.ndarray):
     if s.ways not in FAST_WAYS or dim % s.ways or backend() == "python" or not vector_kernels():
         return None
     from . import _lanes_simd
+    from ._rans_numba import packed_local_tables
 
     if s.lowbits > _lanes_simd.MAX_LOWBITS:
         return None
+    direct = _lanes_simd.direct_fits(s.scale_bits, s.kbits)
+    kernel = f"vector_w{s.ways}/{'direct' if direct else 'indexed'}"
+    table, info = _new_tables(direct, s.ntables, s.scale_bits)
+    # the tables first, as parse_symbols(dense=True) checks them before the words
+    args = (table, _NO_SLOTS, _NO_INFO) if direct else (_NO_TABLE, table, info)
+    code, c, a, b = (int(v) for v in packed_local_tables(s.tables, 1 << s.kbits, s.scale_bits, direct, *args))
+    if code == 5:  # a table of more than 256 symbols: not for the local-table kernels
+        return None
+    if code < 0:
+        raise ValueError("packed_local_tables: the output arrays do not fit the tables")
+    _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
     # the refs' and the map's ranges were checked against the tables' count when the stream was parsed
     words, refs, ctx_map, _, raw = check_stream(s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.kbits,
                                                 s.nclass, s.lowbits, s.raw, bh * dim, out.size, offset=s.offset,
                                                 raw_offset=s.raw_offset, ranges=False)
-    direct = _lanes_simd.direct_fits(s.scale_bits, s.kbits)
-    kernel = f"vector_w{s.ways}/{'direct' if direct else 'indexed'}"
-    (code, c, a, b), prepared = _local_tables(kernel, words, refs, ctx_map, None, s.scale_bits, s.ways, s.nclass,
-                                              s.lowbits, raw, out, packed=(s.tables, s.ntables, s.kbits))
-    if code == 5:  # a table of more than 256 symbols: not for the local-table kernels
-        return None
-    _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
     _count(kernel, out.size)
-    return kernel, prepared
+    return kernel, _local_tables(kernel, words, refs, ctx_map, None, s.scale_bits, s.ways, s.nclass, s.lowbits, raw,
+                                 out, tables=(table, info))
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:

@@ -12,7 +12,9 @@ SmolLM2's cache of the first 2,048 tokens of the text, encoded lossless (bf16 an
 * ``IN_PLACE``: the kernels read the payload's words and raw bits where they are, against copying both into
   zero-padded arrays per stream.
 
-Both off is the code before; each alone is also timed.  The decodes are checked bit-identical first.
+Both off is the preparation as before (the kernels are the same in all four: the raw bits' per-step switch to
+their tail copy and the norms' unrolled decoder run in every column); each alone is also timed.  The decodes
+are checked bit-identical first.
 """
 
 import argparse
