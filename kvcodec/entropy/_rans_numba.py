@@ -425,6 +425,23 @@ def build_local_tables(freq, scale_bits, slot8, info):
     return True
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _table_head(buf, pos, nsym):
+    """``(code, Lo, Count)`` of the table whose fields start at byte ``pos`` (spec "rANS stream"): code 0, or 1
+    when it ends early (its fields or its frequencies past the buffer; Lo and Count then 0), or 2 when its
+    symbols ``Lo .. Lo + Count - 1`` pass the alphabet of ``nsym``."""
+    n = buf.shape[0]
+    if pos + 4 > n:
+        return 1, 0, 0
+    lo = np.int64(buf[pos]) | (np.int64(buf[pos + 1]) << 8)
+    cnt = (np.int64(buf[pos + 2]) | (np.int64(buf[pos + 3]) << 8)) + 1
+    if lo + cnt > nsym:
+        return 2, lo, cnt
+    if pos + 4 + 2 * cnt > n:
+        return 1, 0, 0
+    return 0, lo, cnt
+
+
 @nb.njit(cache=True, nogil=True)
 def unpack_tables(buf, scale_bits, freq):
     """Parse ``freq.shape[0]`` frequency tables (spec "rANS stream": per context Lo u16, Count_Minus_One u16,
@@ -435,15 +452,10 @@ def unpack_tables(buf, scale_bits, freq):
     pos = 0
     n = buf.shape[0]
     for c in range(nctx):
-        if pos + 4 > n:
-            return 1, c, 0, 0
-        lo = np.int64(buf[pos]) | (np.int64(buf[pos + 1]) << 8)
-        cnt = (np.int64(buf[pos + 2]) | (np.int64(buf[pos + 3]) << 8)) + 1
+        code, lo, cnt = _table_head(buf, pos, nsym)
+        if code:
+            return code, c, lo, lo + cnt if code == 2 else 0
         pos += 4
-        if lo + cnt > nsym:
-            return 2, c, lo, lo + cnt
-        if pos + 2 * cnt > n:
-            return 1, c, 0, 0
         total = 0
         for k in range(cnt):
             f = np.int64(buf[pos + 2 * k]) | (np.int64(buf[pos + 2 * k + 1]) << 8)
@@ -479,15 +491,10 @@ def packed_local_tables(buf, nsym, scale_bits, direct, table, slot8, info):
     pos = 0
     n = buf.shape[0]
     for c in range(nctx):
-        if pos + 4 > n:
-            return 1, c, 0, 0
-        lo = np.int64(buf[pos]) | (np.int64(buf[pos + 1]) << 8)
-        cnt = (np.int64(buf[pos + 2]) | (np.int64(buf[pos + 3]) << 8)) + 1
+        code, lo, cnt = _table_head(buf, pos, nsym)
+        if code:
+            return code, c, lo, lo + cnt if code == 2 else 0
         pos += 4
-        if lo + cnt > nsym:
-            return 2, c, lo, lo + cnt
-        if pos + 2 * cnt > n:
-            return 1, c, 0, 0
         fb = buf[pos:pos + 2 * cnt]
         tab = table[c << scale_bits:(c + 1) << scale_bits]
         slots = slot8[c << scale_bits:(c + 1) << scale_bits]
