@@ -509,7 +509,8 @@ def decode_many(ways: int, scale_bits: int, kbits: int, nclass: int, lowbits: in
                 and st.ctx.shape[0] >= bh * dim * nclass + 3 and st.refs.shape[0] == bh * dim
                 and st.refs.dtype == np.uint16 and st.words.dtype == np.uint16
                 and st.words.shape[0] >= st.nwords + ways + 2
-                and st.raw.dtype == np.uint8 and st.rtail is not None and st.rtail.dtype == np.uint8
+                and st.raw.dtype == np.uint8 and st.raw.shape[0] >= (st.out.size * lowbits + 7) // 8
+                and st.rtail is not None and st.rtail.dtype == np.uint8
                 and st.rts <= st.raw.shape[0] and st.rlim <= st.raw.shape[0] - span
                 and st.rtail.shape[0] >= st.raw.shape[0] - st.rts + 72 and st.rts <= max(0, st.rlim + 1)):
             raise ValueError("decode_many: a prepared stream does not fit its kernel (see Prepared)")
