@@ -395,12 +395,12 @@ def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *
     if ctx_map.size and int(ctx_map.max()) >= g:
         raise FormatError(f"context map names table {int(ctx_map.max())} of {g}", field="Side", offset=offset + p)
     tables = np.frombuffer(side, dtype=np.uint8, offset=2 * rows + rows * nclass)
-    freq = rans.unpack_tables(tables, g, 1 << k, sb, field="Side", offset=offset + p) if dense else None
     tables_offset = offset + p
     p += side_len
     words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    return rans.Stream(words, refs, ctx_map, freq, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect],
-                       offset + p, offset + p + 2 * nwords, None if dense else tables, g, tables_offset), expect
+    st = rans.Stream(words, refs, ctx_map, None, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect], offset + p,
+                     offset + p + 2 * nwords, tables, g, tables_offset)
+    return (st.dense() if dense else st), expect
 
 
 @register_codec

@@ -354,10 +354,11 @@ def vector_kernels() -> bool:
     return _lanes_simd.available()
 
 
-def decode_kernel(ways: int, dim: int, freq: np.ndarray, scale_bits: int | None = None, kbits: int | None = None,
-                  lowbits: int = 0) -> str:
+def decode_kernel(ways: int, dim: int, freq: np.ndarray | None, scale_bits: int | None = None,
+                  kbits: int | None = None, lowbits: int = 0) -> str:
     """Which decoder :func:`lanes_decode` runs for a stream of ``ways`` lanes into rows of ``dim`` channels with
-    tables ``freq`` (``scale_bits``, ``kbits`` and ``lowbits`` as the stream has them):
+    tables ``freq`` (``scale_bits``, ``kbits`` and ``lowbits`` as the stream has them; ``freq`` None: tables still
+    packed, their symbol counts checked as they are built, :func:`_prepare_packed`):
 
     * ``vector_w4/8/16/direct`` or ``.../indexed``: explicit vector code (:mod:`._lanes_simd`) with one table entry
       per slot (when ``2 scale_bits + kbits <= 32``) or a byte index per slot and an entry per symbol;
@@ -368,7 +369,7 @@ def decode_kernel(ways: int, dim: int, freq: np.ndarray, scale_bits: int | None 
         return "python"
     sb = MAX_SCALE_BITS if scale_bits is None else scale_bits
     # a table holds at most min(its alphabet, 2**sb) symbols: counted only when that bound exceeds 256
-    if ways in FAST_WAYS and dim % ways == 0 and (min(freq.shape[1], 1 << sb) <= 256
+    if ways in FAST_WAYS and dim % ways == 0 and (freq is None or min(freq.shape[1], 1 << sb) <= 256
                                                   or _max_symbols(freq) <= 256):
         from . import _lanes_simd
 
@@ -510,15 +511,12 @@ def _prepare_packed(s: Stream, out: np.ndarray):
     (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
     :func:`decode_kernel`'s rules, the tables' size checked as they are parsed)."""
     bh, ntok, dim = out.shape
-    if s.ways not in FAST_WAYS or dim % s.ways or backend() == "python" or not vector_kernels():
+    kernel = decode_kernel(s.ways, dim, None, s.scale_bits, s.kbits, s.lowbits)
+    if not kernel.startswith("vector"):
         return None
-    from . import _lanes_simd
     from ._rans_numba import packed_local_tables
 
-    if s.lowbits > _lanes_simd.MAX_LOWBITS:
-        return None
-    direct = _lanes_simd.direct_fits(s.scale_bits, s.kbits)
-    kernel = f"vector_w{s.ways}/{'direct' if direct else 'indexed'}"
+    direct = kernel.endswith("/direct")
     table, info = _new_tables(direct, s.ntables, s.scale_bits)
     # the tables first, as parse_symbols(dense=True) checks them before the words
     args = (table, _NO_SLOTS, _NO_INFO) if direct else (_NO_TABLE, table, info)
