@@ -553,6 +553,71 @@ def test_packed_streams_decode_as_dense_ones(dtype, ways, shape):
         assert e.value.offset == e2.value.offset == packed.tables_offset
 
 
+@pytest.mark.skipif(not _lanes_simd.available(), reason="the vector kernels do not build here")
+@pytest.mark.parametrize("dtype,ways,shape,opts", [("bfloat16", 8, (1, 3, 40, 64), {}),
+                                                   ("float16", 4, (1, 1, 3, 4), {"coded_bits": 9}),
+                                                   ("float32", 16, (1, 1, 1, 16), {"coded_bits": 16})])
+def test_parsed_streams_are_read_through_the_payloads_views(dtype, ways, shape, opts, monkeypatch):
+    """A stream parse_symbols made is read through its views of the payload (the words with their look-ahead,
+    the context map with 3 bytes after it) and checked only for what parsing did not check: a zero high word of
+    an initial state and non-zero padding bits give check_stream's errors (message, field, offset); a stream
+    whose words or map were replaced since parsing is read from them, not from the stale views."""
+    from kvcodec.codecs import float_ctx_rans as fc
+
+    words = _skewed_words(np.random.default_rng(7), dtype, shape)
+    b, h, s, d = shape
+    flat = (b * h, s, d)
+    width = words.itemsize
+    cfg = fc.check_config({"ways": ways, "scale_bits": 10, **opts}, dtype)
+    lowbits = 8 * width - cfg["coded_bits"]
+    w3 = words.reshape(flat)  # a Mode 1 payload even where storing the words raw would be smaller
+    payload = b"".join([*fc.symbol_parts((w3 >> lowbits).astype(np.uint16), cfg["coded_bits"], cfg),
+                        rans.pack_low_bits(w3, lowbits, ways)])
+
+    def parsed(data):
+        return fc.parse_symbols(memoryview(data), flat, 8 * width, offset=100, dense=False)[0]
+
+    st = parsed(payload)
+    ahead, ctx = st.parsed
+    assert (ahead is None) == (len(st.raw) < 2 * (ways + 2))
+    seen = []
+    real_many, real_check = _lanes_simd.decode_many, rans.check_stream
+    monkeypatch.setattr(_lanes_simd, "decode_many", lambda *a: seen.extend(a[-1]) or real_many(*a))
+    monkeypatch.setattr(rans, "check_stream", lambda *a, **k: seen.append("check") or real_check(*a, **k))
+    out = np.zeros(flat, words.dtype)
+    rans.lanes_decode_many([(st, out)])
+    np.testing.assert_array_equal(out, words.reshape(flat))
+    [prep] = seen
+    assert prep.ctx is ctx and (prep.words is ahead if ahead is not None else prep.words.flags.owndata)
+
+    def errors(st_):  # (message, field, offset) through the parsed path and through check_stream
+        got = []
+        for s_ in (st_, st_._replace(parsed=None)):
+            with pytest.raises(FormatError) as e:
+                rans.lanes_decode_many([(s_, np.zeros(flat, words.dtype))])
+            got.append((str(e.value), e.value.field, e.value.offset))
+        assert got[0] == got[1]
+        return got[0]
+
+    nw = st.words.shape[0]
+    words_at = 100 + len(payload) - len(st.raw) - 2 * nw  # the words' offset in the payload, plus 100
+    bad = bytearray(payload)
+    bad[words_at - 100:words_at - 100 + 2] = b"\0\0"  # lane 0's initial state: high word 0
+    assert "initial state" in errors(parsed(bytes(bad)))[0]
+    if (words.size * lowbits) % 8:
+        bad = bytearray(payload)
+        bad[-1] |= 0x80
+        assert errors(parsed(bytes(bad)))[1] == "Raw_Bits"
+    # replaced since parsing: the stale views are not read
+    seen.clear()
+    flipped = st.words.copy()
+    out = np.zeros(flat, words.dtype)
+    rans.lanes_decode_many([(st._replace(words=flipped, ctx_map=st.ctx_map.copy()), out)])
+    np.testing.assert_array_equal(out, words.reshape(flat))
+    [prep] = seen
+    assert prep.words is not ahead and prep.ctx is not ctx and prep.words.flags.owndata
+
+
 def test_words_and_raw_bits_are_read_in_place_only_where_they_can_be():
     """The vector kernels read a payload's words in place when its raw bits follow them and hold the lanes'
     look-ahead, else a padded copy; the raw bits' last steps come from a zero-padded copy of their tail."""
@@ -584,12 +649,11 @@ libc = ctypes.CDLL(None)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 page = mmap.PAGESIZE
 in_place = []
-real_extend = _lanes_simd.extend_words
+real_many = _lanes_simd.decode_many
 def spy(*a):
-    got = real_extend(*a)
-    in_place.append(got is not None)
-    return got
-_lanes_simd.extend_words = spy
+    in_place.extend(not st.words.flags.owndata for st in a[-1])  # a view of the payload, not a padded copy
+    return real_many(*a)
+_lanes_simd.decode_many = spy
 
 def guarded(payload):
     # the payload between two unreadable pages: it ends where the second begins

@@ -391,15 +391,23 @@ def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *
     if refs.size and int(refs.max()) >= 1 << (k - 1):
         raise FormatError("a reference symbol has its sign bit set or exceeds the alphabet", field="Side",
                           offset=offset + p)
-    ctx_map = np.frombuffer(side, dtype=np.uint8, count=rows * nclass, offset=2 * rows).reshape(rows, nclass)
+    # the context map, seen with the 3 bytes of the tables after it (the vector kernels read each entry with a
+    # 32-bit load)
+    ctx_padded = np.frombuffer(side, dtype=np.uint8, count=rows * nclass + 3, offset=2 * rows)
+    ctx_map = ctx_padded[:rows * nclass].reshape(rows, nclass)
     if ctx_map.size and int(ctx_map.max()) >= g:
         raise FormatError(f"context map names table {int(ctx_map.max())} of {g}", field="Side", offset=offset + p)
     tables = np.frombuffer(side, dtype=np.uint8, offset=2 * rows + rows * nclass)
     tables_offset = offset + p
     p += side_len
-    words = np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
+    ahead = ways + 2  # the words the vector kernels read past a stream's last one: in place if the raw bits hold them
+    if low_len >= 2 * ahead:
+        words_ahead = np.frombuffer(mv, dtype="<u2", count=nwords + ahead, offset=p)
+        words = words_ahead[:nwords]
+    else:
+        words_ahead, words = None, np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
     st = rans.Stream(words, refs, ctx_map, None, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect], offset + p,
-                     offset + p + 2 * nwords, tables, g, tables_offset)
+                     offset + p + 2 * nwords, tables, g, tables_offset, (words_ahead, ctx_padded))
     return (st.dense() if dense else st), expect
 
 

@@ -221,6 +221,10 @@ class Stream(NamedTuple):
     tables: np.ndarray | None = None
     ntables: int = 0
     tables_offset: int | None = None
+    #: set by ``parse_symbols`` (which checked the fields' lengths, shapes and ranges): ``(ahead, ctx)``, views of
+    #: the payload the vector kernels read in place: the words followed by the ``ways + 2`` words after them
+    #: (``None`` when the raw bits do not hold that many), and the context map followed by 3 bytes of the tables
+    parsed: tuple | None = None
 
     def dense(self) -> "Stream":
         """This stream with its dense frequency tables (:func:`unpack_tables`; raises :class:`FormatError` for
@@ -405,14 +409,18 @@ def _new_tables(direct: bool, g: int, scale_bits: int) -> tuple[np.ndarray, np.n
     return np.zeros((g << scale_bits) + 4, dtype=np.uint8), np.empty(g << 8, dtype=np.uint64)
 
 
-def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, tables=None):
+def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, tables=None,
+                  ahead=None, ctx=None):
     """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
     <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``tables``: ``(table, info)``
-    already built (:func:`_prepare_packed`), instead of ``freq``."""
+    already built (:func:`_prepare_packed`), instead of ``freq``; ``ahead`` and ``ctx`` (vector kernels): the
+    words with the ``ways + 2`` after them and the map with 3 bytes of padding, as views of the payload
+    (``Stream.parsed``), instead of a view made here or a copy."""
     from ._lanes_simd import Prepared, extend_words, raw_tail
     from ._rans_numba import build_direct_table, build_local_tables
 
-    padded = extend_words(words, raw, ways) if IN_PLACE and kernel.startswith("vector") else None
+    vector = IN_PLACE and kernel.startswith("vector")
+    padded = (ahead if ahead is not None else extend_words(words, raw, ways)) if vector else None
     if padded is None:
         padded = np.concatenate([words, np.zeros(ways + 2, dtype=np.uint16)])
     if kernel.startswith("fast"):  # the scalar kernels: cbase[6 r + class] = the table times 2**scale_bits
@@ -424,7 +432,8 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
         r8[raw.shape[0]:] = 0
         rawargs = (raw64,)
     else:  # the vector kernels read the map itself (32-bit gathers: 3 bytes of padding), the raw bits in place
-        ctx = np.concatenate([ctx_map.ravel(), np.zeros(3, dtype=np.uint8)])
+        if ctx is None:
+            ctx = np.concatenate([ctx_map.ravel(), np.zeros(3, dtype=np.uint8)])
         if not IN_PLACE:
             raw = np.concatenate([raw, np.zeros(72, dtype=np.uint8)])[:raw.shape[0]]
         rawargs = (raw, *raw_tail(raw, ways, lowbits))
@@ -471,10 +480,11 @@ def lanes_decode_many(jobs) -> None:
     from . import _lanes_simd
 
     batches: dict = {}
+    kernels: dict = {}  # decode_kernel's answers in this call
     for s, out in jobs:
         bh, ntok, dim = out.shape
         if s.freq is None:  # packed tables: built into the vector kernels' ones as they are parsed
-            prepared = _prepare_packed(s, out) if PACKED_TABLES else None
+            prepared = _prepare_packed(s, out, kernels) if PACKED_TABLES else None
             if prepared is not None:
                 kernel, prepared = prepared
                 key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
@@ -505,13 +515,20 @@ def lanes_decode_many(jobs) -> None:
 PACKED_TABLES = True
 
 
-def _prepare_packed(s: Stream, out: np.ndarray):
+def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
     """``(kernel, Prepared)`` of a stream with packed tables that a vector kernel decodes, its tables validated
     and built in one pass (:func:`._rans_numba.packed_local_tables`), or ``None`` when another kernel decodes it
     (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
-    :func:`decode_kernel`'s rules, the tables' size checked as they are parsed)."""
+    :func:`decode_kernel`'s rules, the tables' size checked as they are parsed).  ``kernels``: decode_kernel's
+    answers so far in this batch, by stream form.  A stream ``parse_symbols`` made is checked only for what it
+    did not check, and read through its views of the payload (:attr:`Stream.parsed`)."""
     bh, ntok, dim = out.shape
-    kernel = decode_kernel(s.ways, dim, None, s.scale_bits, s.kbits, s.lowbits)
+    key = (s.ways, dim, s.scale_bits, s.kbits, s.lowbits)
+    kernel = None if kernels is None else kernels.get(key)
+    if kernel is None:
+        kernel = decode_kernel(s.ways, dim, None, s.scale_bits, s.kbits, s.lowbits)
+        if kernels is not None:
+            kernels[key] = kernel
     if not kernel.startswith("vector"):
         return None
     from ._rans_numba import packed_local_tables
@@ -526,6 +543,24 @@ def _prepare_packed(s: Stream, out: np.ndarray):
     if code < 0:
         raise ValueError("packed_local_tables: the output arrays do not fit the tables")
     _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
+    raw = np.frombuffer(s.raw, dtype=np.uint8)
+    if (s.parsed is not None and s.words.shape[0] >= 2 * s.ways and raw.shape[0] == packed_size(out.size, s.lowbits)
+            and s.refs.shape == (bh * dim,) and s.ctx_map.shape == (bh * dim, s.nclass)):
+        # parse_symbols checked the fields' lengths, shapes and ranges: what is left of check_stream's checks is
+        # the initial states (one below 2**16 is one whose high word is 0) and the raw bits' padding
+        if not s.words[0:2 * s.ways:2].all():
+            raise FormatError(f"rANS stream: {STREAM_STATUS[2]}", field="Words", offset=s.offset)
+        used = (out.size * s.lowbits) % 8
+        if used and int(raw[-1]) >> used:
+            raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
+                              offset=s.raw_offset)
+        _count(kernel, out.size)
+        ahead, ctx = s.parsed  # used only while they are still views of this stream's words and map
+        if ahead is not None and not (s.words.base is ahead and ahead.shape[0] == s.words.shape[0] + s.ways + 2):
+            ahead = None
+        return kernel, _local_tables(kernel, s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.nclass,
+                                     s.lowbits, raw, out, tables=(table, info), ahead=ahead,
+                                     ctx=ctx if s.ctx_map.base is ctx else None)
     # the refs' and the map's ranges were checked against the tables' count when the stream was parsed
     words, refs, ctx_map, _, raw = check_stream(s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.kbits,
                                                 s.nclass, s.lowbits, s.raw, bh * dim, out.size, offset=s.offset,
