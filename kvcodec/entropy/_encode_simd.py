@@ -289,7 +289,7 @@ def _nearest_ir(G: int) -> str:
         "  br label %kloop",
         "rend:",
         f"  %am = select <{G} x i1> %live, {VD} %a, {VD} splat (double 0xFFF0000000000000)",
-        f"  %mx = call double @llvm.vector.reduce.fmax.v{G}f64({VD} %am)",
+        f"  %mx = call nnan double @llvm.vector.reduce.fmax.v{G}f64({VD} %am)",  # finite sums, -inf: no NaN checks
         f"  %mi = insertelement {VD} poison, double %mx, i64 0",
         f"  %mv = shufflevector {VD} %mi, {VD} poison, <{G} x i32> zeroinitializer",
         f"  %eq = fcmp oeq {VD} %am, %mv",

@@ -169,7 +169,11 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
         from . import _encode_simd
 
         if _encode_simd.nearest_usable(g):
-            logq_p = np.zeros((used, _encode_simd.padded_tables(g)))
+            # rows of whole vectors on 64-byte boundaries (a row split across cache lines costs two loads)
+            width = _encode_simd.padded_tables(g)
+            buf = np.zeros(used * width + 8)
+            skip = (-buf.ctypes.data % 64) // 8
+            logq_p = buf[skip:skip + used * width].reshape(used, width)
             logq_p[:, :g] = logq.T
             return _encode_simd.nearest_tables(indptr, idx, val, logq_p, g)
     from ._rans_numba import nearest_tables as _near
