@@ -96,19 +96,30 @@ def table_counts(assign: np.ndarray, counts: rans.SparseCounts, g: int) -> np.nd
 def _nearest(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndarray) -> np.ndarray:
     """For each sparse row, the table ``t`` of least code length ``-sum_k val[k] * logq[t, idx[k]]`` (the sum
     accumulated over the row's entries in column order, from 0.0; ties to the lowest ``t``): a fixed order of
-    binary64 operations, so every machine and both backends pick the same tables."""
-    if rans.backend() == "python":
-        logq_t = np.ascontiguousarray(logq.T)
-        out = np.empty(indptr.size - 1, dtype=np.int64)
-        nnz = np.diff(indptr)
-        acc = np.zeros((out.size, logq.shape[0]))
-        for k in range(int(nnz.max()) if nnz.size else 0):
-            rr = np.nonzero(nnz > k)[0]
-            e = indptr[rr] + k
-            acc[rr] += val[e][:, None] * logq_t[idx[e]]
-        out[:] = np.argmin(-acc, axis=1)
-        return out
-    return rans.nearest_tables(indptr, idx, val, logq)
+    binary64 operations, so both backends pick the same tables from the same ``logq``."""
+    return _chooser(indptr, idx, val, logq.shape[0], logq.shape[1])(logq)
+
+
+def _chooser(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, g: int, used: int):
+    """:func:`_nearest` for these rows as a function of ``logq`` (the compiled backends set up once for a
+    k-means run)."""
+    if rans.backend() != "python":
+        return rans.table_chooser(indptr, idx, val, g, used)
+    return lambda logq: _nearest_numpy(indptr, idx, val, logq)
+
+
+def _nearest_numpy(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndarray) -> np.ndarray:
+    """:func:`_nearest` in NumPy (the python backend)."""
+    logq_t = np.ascontiguousarray(logq.T)
+    out = np.empty(indptr.size - 1, dtype=np.int64)
+    nnz = np.diff(indptr)
+    acc = np.zeros((out.size, logq.shape[0]))
+    for k in range(int(nnz.max()) if nnz.size else 0):
+        rr = np.nonzero(nnz > k)[0]
+        e = indptr[rr] + k
+        acc[rr] += val[e][:, None] * logq_t[idx[e]]
+    out[:] = np.argmin(-acc, axis=1)
+    return out
 
 
 def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.ndarray:
@@ -146,12 +157,13 @@ def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.nda
         from ..entropy._rans_numba import move_rows, table_sums
 
         table_sums(indptr, idx, val, a, used.size, qs)
+    nearest = _chooser(indptr, idx, val, g, used.size)
     for _ in range(iters):
         if python:
             qs = np.bincount(a[row] * used.size + idx, weights=val, minlength=g * used.size)
         q = qs.reshape(g, used.size) + 1e-3
         logq = np.log2(q / q.sum(axis=1, keepdims=True))
-        na = _nearest(indptr, idx, val, logq)
+        na = nearest(logq)
         if np.array_equal(na, a):
             break
         if not python:

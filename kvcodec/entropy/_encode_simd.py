@@ -331,16 +331,30 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p:
     """:func:`._rans_numba.nearest_tables` (the same sums in the same order, so the same tables): for each
     sparse row the table ``t < g`` of least ``-sum_k val[k] * logq_p[idx[k], t]``, ties to the lowest ``t``;
     ``logq_p`` is C-contiguous float64 ``[symbols, padded_tables(g)]`` (columns ``g..`` ignored)."""
+    return table_choice(indptr, idx, val, logq_p, g)()
+
+
+def table_choice(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p: np.ndarray, g: int):
+    """:func:`nearest_tables` as a function of no arguments that reads ``logq_p`` as it is when called (k-means
+    fills it at every step; the rows' arrays are converted and checked and the kernel found once)."""
     nrows = indptr.size - 1
     G = logq_p.shape[1]
-    assert G == padded_tables(g) and logq_p.flags.c_contiguous and logq_p.dtype == np.float64
-    out = np.empty(nrows, dtype=np.int64)
+    if not (G == padded_tables(g) and logq_p.flags.c_contiguous and logq_p.dtype == np.float64):
+        raise ValueError(f"logq_p must be C-contiguous float64 [symbols, {padded_tables(g)}]")
     fn = jit(("nearest", G), lambda features: _nearest_ir(G), "near", None, _NEAR_ARGS)[0]
     indptr = np.ascontiguousarray(indptr, dtype=np.int64)
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     val = np.ascontiguousarray(val, dtype=np.float64)
-    fn(indptr.ctypes.data, idx.ctypes.data, val.ctypes.data, logq_p.ctypes.data, nrows, g, out.ctypes.data)
-    return out
+    if nrows > 0 and not (indptr[0] == 0 and (np.diff(indptr) >= 0).all() and indptr[-1] <= min(idx.size, val.size)
+                          and (idx.size == 0 or 0 <= int(idx.min()) <= int(idx.max()) < logq_p.shape[0])):
+        raise ValueError("table_choice: the sparse rows index past their arrays or the symbols")
+    args = (indptr.ctypes.data, idx.ctypes.data, val.ctypes.data, logq_p.ctypes.data, max(nrows, 0), g)
+
+    def run() -> np.ndarray:
+        out = np.empty(max(nrows, 0), dtype=np.int64)
+        fn(*args, out.ctypes.data)
+        return out
+    return run
 
 
 def encoder_table(freq: np.ndarray, cum: np.ndarray) -> np.ndarray:

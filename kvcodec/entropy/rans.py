@@ -164,7 +164,13 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
     """For each sparse row (``indptr``, column ``idx``, count ``val``) the table ``t`` of least code length
     ``-sum_k val[k] * logq[t, idx[k]]``, summed in entry order from 0.0, ties to the lowest ``t``: the vector
     kernel (:mod:`._encode_simd`, a row's tables as one vector) or the Numba loop, the same sums either way."""
-    g, used = logq.shape
+    return table_chooser(indptr, idx, val, logq.shape[0], logq.shape[1])(logq)
+
+
+def table_chooser(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, g: int, used: int):
+    """:func:`nearest_tables` for these rows and ``g`` tables of ``used`` symbols, as a function of ``logq``
+    (``[g, used]``) that k-means calls at every step: the rows' arrays converted and the kernel and its buffer
+    chosen once."""
     if vector_kernels():
         from . import _encode_simd
 
@@ -174,13 +180,19 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
             buf = np.zeros(used * width + 8)
             skip = (-buf.ctypes.data % 64) // 8
             logq_p = buf[skip:skip + used * width].reshape(used, width)
-            logq_p[:, :g] = logq.T
-            return _encode_simd.nearest_tables(indptr, idx, val, logq_p, g)
+            run = _encode_simd.table_choice(indptr, idx, val, logq_p, g)
+
+            def choose(logq: np.ndarray) -> np.ndarray:
+                logq_p[:, :g] = logq.T
+                return run()
+            return choose
     from ._rans_numba import nearest_tables as _near
 
-    out = np.empty(indptr.size - 1, dtype=np.int64)
-    _near(indptr, idx, val, np.ascontiguousarray(logq.T), out)
-    return out
+    def choose_numba(logq: np.ndarray) -> np.ndarray:
+        out = np.empty(indptr.size - 1, dtype=np.int64)
+        _near(indptr, idx, val, np.ascontiguousarray(logq.T), out)
+        return out
+    return choose_numba
 
 
 #: symbols coded by each encoder kernel in this process: ``kvz bench`` reports which ran
