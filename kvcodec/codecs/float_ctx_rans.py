@@ -125,8 +125,12 @@ def _nearest_numpy(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: n
 def _cluster(counts: rans.SparseCounts, n_tables: int, iters: int = 8) -> np.ndarray:
     """Assign each histogram row to one of ``n_tables`` tables (k-means on code length).
 
-    Deterministic, the same on every machine (no BLAS: the code lengths are summed in a fixed order over each
-    row's non-zero counts).  Rows with no counts go to table 0.  Returns int array.
+    Deterministic for given code lengths (no BLAS: they are summed in a fixed order over each row's non-zero
+    counts, the same in both backends).  The code lengths come from NumPy's ``log2``, whose last bit differs
+    between its SIMD paths for ~0.1 % of inputs (AVX-512 against AVX2, measured): a near-tie between two tables
+    could then go the other way on another machine, giving another valid file (none did in 16 real encodes
+    with NumPy's AVX-512 paths switched off, BENCHMARKS "Decode and encode, seventh pass").  Rows with no
+    counts go to table 0.  Returns int array.
     """
     assign = np.zeros(counts.nrows, dtype=np.int64)
     python = rans.backend() == "python"
