@@ -210,3 +210,35 @@ def test_table_clustering_is_backend_independent(seed, rows, nsym, density, tabl
     g = int(got.max()) + 1
     want_sums = np.stack([dense[got == t].sum(0) for t in range(g)])
     np.testing.assert_array_equal(fc.table_counts(got, counts, g), want_sums)
+
+
+def test_table_chooser_holds_its_own_checked_rows(monkeypatch):
+    """The k-means' table choice, set up once per run, keeps its own copies of the rows it checked (changing the
+    caller's arrays afterwards changes nothing), takes no rows, refuses rows that index past their arrays or the
+    symbols, and (one-shot) a non-finite code length, on the vector kernel and the Numba loop alike."""
+    from kvcodec.entropy import rans
+
+    rng = np.random.default_rng(11)
+    nnz = rng.integers(0, 6, size=50)
+    indptr = np.concatenate([[0], np.cumsum(nnz)]).astype(np.int64)
+    idx = np.concatenate([np.sort(rng.choice(20, size=k, replace=False)) for k in nnz]).astype(np.int64)
+    val = rng.integers(1, 30, size=idx.size).astype(np.int64)
+    q = rng.random((9, 20)) + 1e-3
+    logq = np.log2(q / q.sum(axis=1, keepdims=True))
+    for vector in ("1", "0"):
+        monkeypatch.setenv("KVCODEC_VECTOR", vector)
+        want = fc._nearest_numpy(indptr, idx, val.astype(np.float64), logq)
+        i2, v2 = idx.copy(), val.copy()
+        choose = rans.table_chooser(indptr, i2, v2, 9, 20)
+        i2[:] = 0
+        v2[:] = 1
+        np.testing.assert_array_equal(choose(logq), want)
+        assert rans.table_chooser(np.zeros(1, np.int64), idx[:0], val[:0], 9, 20)(logq).shape == (0,)
+        bad = logq.copy()
+        bad[3, 4] = np.nan
+        with pytest.raises(ValueError, match="non-finite"):
+            rans.nearest_tables(indptr, idx, val, bad)
+        for bad_rows in ((indptr, np.where(idx == idx.max(), 20, idx), val),  # a symbol past logq
+                         (indptr + np.arange(indptr.size), idx, val)):  # rows past their entries
+            with pytest.raises(ValueError, match="index past"):
+                rans.table_chooser(*bad_rows, 9, 20)

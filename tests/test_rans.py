@@ -555,13 +555,16 @@ def test_packed_streams_decode_as_dense_ones(dtype, ways, shape):
 
 @pytest.mark.skipif(not _lanes_simd.available(), reason="the vector kernels do not build here")
 @pytest.mark.parametrize("dtype,ways,shape,opts", [("bfloat16", 8, (1, 3, 40, 64), {}),
+                                                   ("bfloat16", 8, (1, 2, 30, 16), {"context": "none"}),
+                                                   ("float32", 16, (1, 2, 40, 16), {}),
                                                    ("float16", 4, (1, 1, 3, 4), {"coded_bits": 9}),
                                                    ("float32", 16, (1, 1, 1, 16), {"coded_bits": 16})])
 def test_parsed_streams_are_read_through_the_payloads_views(dtype, ways, shape, opts, monkeypatch):
-    """A stream parse_symbols made is read through its views of the payload (the words with their look-ahead,
-    the context map with 3 bytes after it) and checked only for what parsing did not check: a zero high word of
-    an initial state and non-zero padding bits give check_stream's errors (message, field, offset); a stream
-    whose words or map were replaced since parsing is read from them, not from the stale views."""
+    """A stream as parse_symbols made it is read through the views it keeps (the words with their look-ahead
+    in the payload, the context map with 3 bytes after it) and checked only for what parsing did not check: a
+    zero high word of an initial state and non-zero padding bits give check_stream's errors (message, field,
+    offset); a stream whose words, refs or map were replaced since parsing, even by views of the same arrays,
+    or whose fields were, is checked in full and read from its own arrays."""
     from kvcodec.codecs import float_ctx_rans as fc
 
     words = _skewed_words(np.random.default_rng(7), dtype, shape)
@@ -578,44 +581,60 @@ def test_parsed_streams_are_read_through_the_payloads_views(dtype, ways, shape, 
         return fc.parse_symbols(memoryview(data), flat, 8 * width, offset=100, dense=False)[0]
 
     st = parsed(payload)
-    ahead, ctx = st.parsed
+    ahead, ctx = st.parsed.ahead, st.parsed.ctx
     assert (ahead is None) == (len(st.raw) < 2 * (ways + 2))
     seen = []
     real_many, real_check = _lanes_simd.decode_many, rans.check_stream
     monkeypatch.setattr(_lanes_simd, "decode_many", lambda *a: seen.extend(a[-1]) or real_many(*a))
     monkeypatch.setattr(rans, "check_stream", lambda *a, **k: seen.append("check") or real_check(*a, **k))
-    out = np.zeros(flat, words.dtype)
-    rans.lanes_decode_many([(st, out)])
+
+    def decode(st_):  # (the words, or the error's message, field and offset; what the kernels were given)
+        seen.clear()
+        try:
+            out = np.zeros(flat, words.dtype)
+            rans.lanes_decode_many([(st_, out)])
+            got = out
+        except FormatError as e:
+            got = (str(e), e.field, e.offset)
+        return got, list(seen)
+
+    out, calls = decode(st)
     np.testing.assert_array_equal(out, words.reshape(flat))
-    [prep] = seen
+    [prep] = calls  # no check_stream
     assert prep.ctx is ctx and (prep.words is ahead if ahead is not None else prep.words.flags.owndata)
 
-    def errors(st_):  # (message, field, offset) through the parsed path and through check_stream
-        got = []
-        for s_ in (st_, st_._replace(parsed=None)):
-            with pytest.raises(FormatError) as e:
-                rans.lanes_decode_many([(s_, np.zeros(flat, words.dtype))])
-            got.append((str(e.value), e.value.field, e.value.offset))
-        assert got[0] == got[1]
-        return got[0]
+    def same_errors(st_):  # through the parsed path and through check_stream
+        (a, _), (b, _) = decode(st_), decode(st_._replace(parsed=None))
+        assert isinstance(a, tuple) and a == b
+        return a
 
     nw = st.words.shape[0]
-    words_at = 100 + len(payload) - len(st.raw) - 2 * nw  # the words' offset in the payload, plus 100
+    words_at = len(payload) - len(st.raw) - 2 * nw  # the words' offset in the payload
     bad = bytearray(payload)
-    bad[words_at - 100:words_at - 100 + 2] = b"\0\0"  # lane 0's initial state: high word 0
-    assert "initial state" in errors(parsed(bytes(bad)))[0]
+    bad[words_at:words_at + 2] = b"\0\0"  # lane 0's initial state: high word 0
+    assert "initial state" in same_errors(parsed(bytes(bad)))[0]
     if (words.size * lowbits) % 8:
         bad = bytearray(payload)
         bad[-1] |= 0x80
-        assert errors(parsed(bytes(bad)))[1] == "Raw_Bits"
-    # replaced since parsing: the stale views are not read
-    seen.clear()
-    flipped = st.words.copy()
-    out = np.zeros(flat, words.dtype)
-    rans.lanes_decode_many([(st._replace(words=flipped, ctx_map=st.ctx_map.copy()), out)])
-    np.testing.assert_array_equal(out, words.reshape(flat))
-    [prep] = seen
-    assert prep.words is not ahead and prep.ctx is not ctx and prep.words.flags.owndata
+        assert same_errors(parsed(bytes(bad)))[1] == "Raw_Bits"
+    # replaced since parsing (copies, or other views of the same arrays): checked in full, read from themselves
+    base_words = ahead if ahead is not None else st.words
+    replaced = [st._replace(words=st.words.copy()), st._replace(words=st.words[::-1]),
+                st._replace(words=base_words[1:nw + 1]), st._replace(refs=st.refs.copy()),
+                st._replace(ctx_map=ctx[1:1 + st.ctx_map.size].reshape(st.ctx_map.shape)),
+                st._replace(ctx_map=st.ctx_map.copy())]
+    for i, st_ in enumerate(replaced):
+        got, calls = decode(st_)
+        want, _ = decode(st_._replace(parsed=None))
+        assert "check" in calls, i
+        if isinstance(want, tuple):
+            assert got == want, i
+        else:
+            np.testing.assert_array_equal(got, want)
+            if i in (0, 3, 5):  # the same values: the same words
+                np.testing.assert_array_equal(got, words.reshape(flat))
+        preps = [c for c in calls if c != "check"]
+        assert all(p.words is not ahead and p.ctx is not ctx for p in preps), i
 
 
 def test_words_and_raw_bits_are_read_in_place_only_where_they_can_be():

@@ -334,23 +334,32 @@ def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p:
     return table_choice(indptr, idx, val, logq_p, g)()
 
 
+def checked_rows(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, used: int) -> tuple:
+    """Copies of sparse rows (``indptr``, ``idx`` int64; ``val`` in its dtype) that index only inside their
+    entries and ``used`` symbols (``ValueError`` otherwise): what the table choice reads at every k-means step
+    is what was checked."""
+    indptr, idx, val = np.array(indptr, dtype=np.int64), np.array(idx, dtype=np.int64), np.array(val)
+    if indptr.size > 1 and not (indptr[0] == 0 and (np.diff(indptr) >= 0).all()
+                                and indptr[-1] <= min(idx.size, val.size)
+                                and (idx.size == 0 or 0 <= int(idx.min()) <= int(idx.max()) < used)):
+        raise ValueError("table choice: the sparse rows index past their arrays or the symbols")
+    return indptr, idx, val
+
+
 def table_choice(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p: np.ndarray, g: int):
     """:func:`nearest_tables` as a function of no arguments that reads ``logq_p`` as it is when called (k-means
-    fills it at every step; the rows' arrays are converted and checked and the kernel found once)."""
+    fills it at every step; the rows' arrays are copied, converted and checked and the kernel found once).
+    ``logq_p``'s first ``g`` columns must be finite: the kernel's maximum assumes no NaN."""
     nrows = indptr.size - 1
     G = logq_p.shape[1]
     if not (G == padded_tables(g) and logq_p.flags.c_contiguous and logq_p.dtype == np.float64):
         raise ValueError(f"logq_p must be C-contiguous float64 [symbols, {padded_tables(g)}]")
     fn = jit(("nearest", G), lambda features: _nearest_ir(G), "near", None, _NEAR_ARGS)[0]
-    indptr = np.ascontiguousarray(indptr, dtype=np.int64)
-    idx = np.ascontiguousarray(idx, dtype=np.int64)
-    val = np.ascontiguousarray(val, dtype=np.float64)
-    if nrows > 0 and not (indptr[0] == 0 and (np.diff(indptr) >= 0).all() and indptr[-1] <= min(idx.size, val.size)
-                          and (idx.size == 0 or 0 <= int(idx.min()) <= int(idx.max()) < logq_p.shape[0])):
-        raise ValueError("table_choice: the sparse rows index past their arrays or the symbols")
-    args = (indptr.ctypes.data, idx.ctypes.data, val.ctypes.data, logq_p.ctypes.data, max(nrows, 0), g)
+    indptr, idx, val = checked_rows(indptr, idx, val.astype(np.float64, copy=False), logq_p.shape[0])
+    arrays = (indptr, idx, val, logq_p)  # held by the function: the kernel reads them through their addresses
+    args = (*(a.ctypes.data for a in arrays), max(nrows, 0), g)
 
-    def run() -> np.ndarray:
+    def run(_alive=arrays) -> np.ndarray:
         out = np.empty(max(nrows, 0), dtype=np.int64)
         fn(*args, out.ctypes.data)
         return out

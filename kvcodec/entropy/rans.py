@@ -26,7 +26,7 @@ __all__ = [
     "contexts", "lanes_encode", "lanes_decode", "coding_order", "pack_bits", "packed_size",
     "pack_tables", "unpack_tables", "max_tables_bytes", "backend", "decode_kernel", "row_stats", "SparseCounts",
     "pack_low_bits", "rows_of", "lanes_decode_many", "vector_kernels", "ENCODE_SYMBOLS", "KERNEL_SYMBOLS",
-    "nearest_tables",
+    "nearest_tables", "table_chooser", "Parsed",
 ]
 
 MIN_SCALE_BITS = 8
@@ -163,14 +163,17 @@ def _vector_encoder(ways: int, ntok: int, dim: int) -> bool:
 def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq: np.ndarray) -> np.ndarray:
     """For each sparse row (``indptr``, column ``idx``, count ``val``) the table ``t`` of least code length
     ``-sum_k val[k] * logq[t, idx[k]]``, summed in entry order from 0.0, ties to the lowest ``t``: the vector
-    kernel (:mod:`._encode_simd`, a row's tables as one vector) or the Numba loop, the same sums either way."""
+    kernel (:mod:`._encode_simd`, a row's tables as one vector) or the Numba loop, the same sums either way.
+    ``logq`` must be finite (``ValueError``)."""
+    if not np.isfinite(logq).all():
+        raise ValueError("nearest_tables: logq has a non-finite entry")
     return table_chooser(indptr, idx, val, logq.shape[0], logq.shape[1])(logq)
 
 
 def table_chooser(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, g: int, used: int):
     """:func:`nearest_tables` for these rows and ``g`` tables of ``used`` symbols, as a function of ``logq``
-    (``[g, used]``) that k-means calls at every step: the rows' arrays converted and the kernel and its buffer
-    chosen once."""
+    (``[g, used]``, finite: not checked at each step) that k-means calls at every step: the rows' arrays copied,
+    converted and checked and the kernel and its buffer chosen once."""
     if vector_kernels():
         from . import _encode_simd
 
@@ -186,10 +189,13 @@ def table_chooser(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, g: int, 
                 logq_p[:, :g] = logq.T
                 return run()
             return choose
+    from ._encode_simd import checked_rows
     from ._rans_numba import nearest_tables as _near
 
+    indptr, idx, val = checked_rows(indptr, idx, val, used)
+
     def choose_numba(logq: np.ndarray) -> np.ndarray:
-        out = np.empty(indptr.size - 1, dtype=np.int64)
+        out = np.empty(max(indptr.size - 1, 0), dtype=np.int64)
         _near(indptr, idx, val, np.ascontiguousarray(logq.T), out)
         return out
     return choose_numba
@@ -216,6 +222,22 @@ def coding_order(a: np.ndarray, ways: int) -> np.ndarray:
     return np.concatenate([head, a[full:].T.ravel()])
 
 
+class Parsed(NamedTuple):
+    """What ``parse_symbols`` checked and made for a :class:`Stream`: the stream's own ``words``, ``refs`` and
+    ``ctx_map`` arrays and its ``fields`` ``(scale_bits, ways, kbits, nclass, lowbits)`` as parsed (a stream whose
+    arrays or fields were replaced since is checked in full), and two views the vector kernels read in place:
+    ``ahead``, the words followed by the ``ways + 2`` words after them in the payload (``None`` when the raw bits
+    after them do not hold that many), and ``ctx``, the context map followed by 3 bytes of the tables after it
+    in the decompressed side information."""
+
+    words: np.ndarray
+    refs: np.ndarray
+    ctx_map: np.ndarray
+    fields: tuple
+    ahead: np.ndarray | None
+    ctx: np.ndarray
+
+
 class Stream(NamedTuple):
     """One coded symbol stream as a payload holds it (``float_ctx_rans.parse_symbols``): what a lane decoder
     takes, and where its words and raw bits sit in the file (error messages)."""
@@ -237,10 +259,8 @@ class Stream(NamedTuple):
     tables: np.ndarray | None = None
     ntables: int = 0
     tables_offset: int | None = None
-    #: set by ``parse_symbols`` (which checked the fields' lengths, shapes and ranges): ``(ahead, ctx)``, views of
-    #: the payload the vector kernels read in place: the words followed by the ``ways + 2`` words after them
-    #: (``None`` when the raw bits do not hold that many), and the context map followed by 3 bytes of the tables
-    parsed: tuple | None = None
+    #: set by ``parse_symbols``, which checked the fields' lengths, shapes and ranges (:class:`Parsed`)
+    parsed: "Parsed | None" = None
 
     def dense(self) -> "Stream":
         """This stream with its dense frequency tables (:func:`unpack_tables`; raises :class:`FormatError` for
@@ -429,9 +449,9 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
                   ahead=None, ctx=None):
     """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
     <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``tables``: ``(table, info)``
-    already built (:func:`_prepare_packed`), instead of ``freq``; ``ahead`` and ``ctx`` (vector kernels): the
-    words with the ``ways + 2`` after them and the map with 3 bytes of padding, as views of the payload
-    (``Stream.parsed``), instead of a view made here or a copy."""
+    already built (:func:`_prepare_packed`), instead of ``freq``; ``ahead`` and ``ctx`` (vector kernels, unless
+    ``IN_PLACE`` is off): the words with the ``ways + 2`` after them and the map with 3 bytes of padding, as
+    views (:class:`Parsed`), instead of a view made here or a copy."""
     from ._lanes_simd import Prepared, extend_words, raw_tail
     from ._rans_numba import build_direct_table, build_local_tables
 
@@ -448,7 +468,7 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
         r8[raw.shape[0]:] = 0
         rawargs = (raw64,)
     else:  # the vector kernels read the map itself (32-bit gathers: 3 bytes of padding), the raw bits in place
-        if ctx is None:
+        if ctx is None or not IN_PLACE:
             ctx = np.concatenate([ctx_map.ravel(), np.zeros(3, dtype=np.uint8)])
         if not IN_PLACE:
             raw = np.concatenate([raw, np.zeros(72, dtype=np.uint8)])[:raw.shape[0]]
@@ -536,8 +556,9 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
     and built in one pass (:func:`._rans_numba.packed_local_tables`), or ``None`` when another kernel decodes it
     (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
     :func:`decode_kernel`'s rules, the tables' size checked as they are parsed).  ``kernels``: decode_kernel's
-    answers so far in this batch, by stream form.  A stream ``parse_symbols`` made is checked only for what it
-    did not check, and read through its views of the payload (:attr:`Stream.parsed`)."""
+    answers so far in this batch, by stream form.  A stream as ``parse_symbols`` made it (its arrays and fields
+    those of :attr:`Stream.parsed`) is checked only for what parsing did not check, and read through the
+    views it keeps; any other is checked in full (:func:`check_stream`)."""
     bh, ntok, dim = out.shape
     key = (s.ways, dim, s.scale_bits, s.kbits, s.lowbits)
     kernel = None if kernels is None else kernels.get(key)
@@ -560,10 +581,13 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
         raise ValueError("packed_local_tables: the output arrays do not fit the tables")
     _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
     raw = np.frombuffer(s.raw, dtype=np.uint8)
-    if (s.parsed is not None and s.words.shape[0] >= 2 * s.ways and raw.shape[0] == packed_size(out.size, s.lowbits)
-            and s.refs.shape == (bh * dim,) and s.ctx_map.shape == (bh * dim, s.nclass)):
-        # parse_symbols checked the fields' lengths, shapes and ranges: what is left of check_stream's checks is
-        # the initial states (one below 2**16 is one whose high word is 0) and the raw bits' padding
+    p = s.parsed
+    if (p is not None and p.words is s.words and p.refs is s.refs and p.ctx_map is s.ctx_map
+            and p.fields == (s.scale_bits, s.ways, s.kbits, s.nclass, s.lowbits)
+            and raw.shape[0] == packed_size(out.size, s.lowbits) and s.refs.shape == (bh * dim,)
+            and s.ctx_map.shape == (bh * dim, s.nclass)):
+        # the arrays and fields parse_symbols checked: what is left of check_stream's checks is the initial
+        # states (one below 2**16 is one whose high word is 0) and the raw bits' padding
         if not s.words[0:2 * s.ways:2].all():
             raise FormatError(f"rANS stream: {STREAM_STATUS[2]}", field="Words", offset=s.offset)
         used = (out.size * s.lowbits) % 8
@@ -571,12 +595,8 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
             raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
                               offset=s.raw_offset)
         _count(kernel, out.size)
-        ahead, ctx = s.parsed  # used only while they are still views of this stream's words and map
-        if ahead is not None and not (s.words.base is ahead and ahead.shape[0] == s.words.shape[0] + s.ways + 2):
-            ahead = None
         return kernel, _local_tables(kernel, s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.nclass,
-                                     s.lowbits, raw, out, tables=(table, info), ahead=ahead,
-                                     ctx=ctx if s.ctx_map.base is ctx else None)
+                                     s.lowbits, raw, out, tables=(table, info), ahead=p.ahead, ctx=p.ctx)
     # the refs' and the map's ranges were checked against the tables' count when the stream was parsed
     words, refs, ctx_map, _, raw = check_stream(s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.kbits,
                                                 s.nclass, s.lowbits, s.raw, bh * dim, out.size, offset=s.offset,
