@@ -95,6 +95,36 @@ def test_vector_encoder_writes_the_scalar_encoders_words(seed, bh, groups, ntok,
         assert packed == rans.pack_low_bits(words, width, ways)
 
 
+def test_dense_decoder_inputs_in_one_call():
+    """The dense decoders' inputs made in one compiled call are the tables build_decode_tables makes from the
+    cumulative frequencies, the words with ``ways`` zero words, the raw bits as 64-bit words with two zero
+    words; a table summing past 2**scale_bits builds nothing (lanes_decode: ValueError)."""
+    from kvcodec.entropy._rans_numba import build_decode_tables, dense_decode_inputs
+
+    rng = np.random.default_rng(4)
+    counts = rng.integers(0, 50, size=(3, 40)) * (rng.random((3, 40)) < 0.5)
+    counts[:, 0] += 1
+    freq = rans.normalize_counts(counts, 10)
+    words = rng.integers(0, 1 << 16, size=37).astype(np.uint16)
+    raw = rng.integers(0, 256, size=13).astype(np.uint8)
+    ok, entry, symt, padded, raw64 = dense_decode_inputs(freq, 10, words, 8, raw)
+    want_e, want_s = np.zeros((3, 1024), np.uint32), np.zeros((3, 1024), np.uint16)
+    build_decode_tables(freq, rans.cumulative(freq), want_e, want_s)
+    assert ok
+    np.testing.assert_array_equal(entry, want_e)
+    np.testing.assert_array_equal(symt, want_s)
+    np.testing.assert_array_equal(padded, np.concatenate([words, np.zeros(8, np.uint16)]))
+    r8 = raw64.view(np.uint8)
+    assert raw64.shape == (4,) and r8[:13].tobytes() == raw.tobytes() and not r8[13:].any()
+    bad = freq.copy()
+    bad[1, 5] += 1
+    assert not dense_decode_inputs(bad, 10, words, 8, raw)[0]
+    out = np.zeros((1, 37, 1), np.uint16)
+    with pytest.raises(ValueError, match="sums past"):
+        rans.lanes_decode(words, np.zeros(1, np.uint16), np.zeros((1, 1), np.uint8), bad[1:2], 10, 8, 6, 1, 0, b"",
+                          out)
+
+
 def test_hand_computed_stream():
     # One lane, one table over 2 symbols with freq [3, 1] at scale 2**8... scaled: f = [192, 64] of 256.
     # Encoding "1" from state L = 65536: x < f << 24, so no output; x' = (x // 64) << 8 + x % 64 + 192.

@@ -338,7 +338,8 @@ def decode_symbols(mv: memoryview, out: np.ndarray, word_bits: int, *, offset: i
     st, used = parse_symbols(mv, out.shape, word_bits, offset=offset, exact_payload=exact_payload,
                              coded_bits=coded_bits)
     rans.lanes_decode(st.words, st.refs, st.ctx_map, st.freq, st.scale_bits, st.ways, st.kbits, st.nclass,
-                      st.lowbits, st.raw, out, field="Words", offset=st.offset, raw_offset=st.raw_offset)
+                      st.lowbits, st.raw, out, field="Words", offset=st.offset, raw_offset=st.raw_offset,
+                      ranges=False)  # parse_symbols checked the refs and the map against the tables
     return used
 
 

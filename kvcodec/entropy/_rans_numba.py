@@ -402,6 +402,34 @@ def build_decode_tables(freq, cum, entry, sym):
 
 
 @nb.njit(cache=True, nogil=True)
+def dense_decode_inputs(freq, scale_bits, words, ways, raw):
+    """What the dense-table decoders (``decode_w4/8``, :func:`lanes_decode_fused`) take, made in one call:
+    ``(ok, entry, symt, padded, raw64)``: :func:`build_decode_tables`' tables of ``freq`` (uint32, each row
+    summing to ``2**scale_bits``: ``ok`` False, and nothing built, when a row sums to more), ``words`` followed
+    by ``ways`` zero words, and the raw bytes as little-endian 64-bit words followed by two zero words."""
+    nctx, nsym = freq.shape
+    m = 1 << scale_bits
+    entry = np.zeros((nctx, m), dtype=np.uint32)
+    symt = np.zeros((nctx, m), dtype=np.uint16)
+    n = words.shape[0]
+    padded = np.zeros(n + ways, dtype=np.uint16)
+    raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
+    cum = np.zeros((nctx, nsym), dtype=np.uint32)
+    for c in range(nctx):
+        total = 0
+        for s in range(nsym):
+            cum[c, s] = total
+            total += np.int64(freq[c, s])
+        if total > m:
+            return False, entry, symt, padded, raw64
+    build_decode_tables(freq, cum, entry, symt)
+    padded[:n] = words
+    r8 = raw64.view(np.uint8)
+    r8[:raw.shape[0]] = raw
+    return True, entry, symt, padded, raw64
+
+
+@nb.njit(cache=True, nogil=True)
 def build_local_tables(freq, scale_bits, slot8, info):
     """The local tables of the ``fast_w*`` decoders: ``slot8[c << scale_bits | slot]`` = the index of the slot's
     symbol among table c's symbols of non-zero frequency (in symbol order), ``info[c << 8 | index]`` = ``freq |

@@ -308,7 +308,7 @@ def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
 
 def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: int, nclass: int,
                  lowbits: int, raw, out: np.ndarray, *, field: str = "Words", offset: int | None = None,
-                 raw_offset: int | None = None) -> None:
+                 raw_offset: int | None = None, ranges: bool = True) -> None:
     """Decode symbols and raw low bits into ``out[bh, tokens, dim]`` (uint16/uint32), in place.
 
     Row ``r`` of the symbol matrix is ``out[r // dim, :, r % dim]``; each output
@@ -316,12 +316,13 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     and ``ctx_map`` must already be validated (tables sum to ``2**scale_bits``,
     map entries < number of tables, refs < ``2**(kbits-1)``), and ``raw`` must
     hold exactly ``packed_size(out.size, lowbits)`` bytes.  Raises
-    :class:`FormatError` on a corrupt stream.
+    :class:`FormatError` on a corrupt stream.  ``ranges`` False: the refs' and the map's ranges were checked
+    against ``freq`` already (``parse_symbols`` does), and are not checked again.
     """
     bh, ntok, dim = out.shape
     words, refs, ctx_map, freq, raw = check_stream(words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass,
                                                    lowbits, raw, bh * dim, out.size, field=field, offset=offset,
-                                                   raw_offset=raw_offset)
+                                                   raw_offset=raw_offset, ranges=ranges)
     nwords = words.shape[0]
     rows = bh * dim
     n = out.size
@@ -344,19 +345,17 @@ def lanes_decode(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
         _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
                      offset)
         return
-    from ._rans_numba import build_decode_tables, lanes_decode_fused
+    from ._rans_numba import dense_decode_inputs, lanes_decode_fused
 
-    entry = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint32)
-    symt = np.zeros((freq.shape[0], 1 << scale_bits), dtype=np.uint16)
-    build_decode_tables(freq, cumulative(freq), entry, symt)
-    padded = np.concatenate([words, np.zeros(ways, dtype=np.uint16)])
+    # the tables, the words with their padding and the raw bits as 64-bit words, in one compiled call
+    ok, entry, symt, padded, raw64 = dense_decode_inputs(freq, scale_bits, words, ways, raw)
+    if not ok:
+        raise ValueError("lanes_decode: a frequency table sums past 2**scale_bits (not validated)")
     # compact dtypes, as on the wire: per-row side information is bounded by the output (spec section 9)
     args = (refs, ctx_map, entry, symt, scale_bits, kbits, nclass, lowbits)
     if ways in (4, 8):  # the raw bits as 64-bit words and two zero words (read with a funnel shift)
         from . import _lanes_unrolled as U
 
-        raw64 = np.zeros((raw.shape[0] + 7) // 8 + 2, dtype=np.uint64)
-        raw64.view(np.uint8)[:raw.shape[0]] = raw
         status, pos, rp = (U.decode_w4 if ways == 4 else U.decode_w8)(padded, nwords, *args, raw64, out)
     else:
         rawp = np.concatenate([raw, np.zeros(8, dtype=np.uint8)])
