@@ -423,7 +423,7 @@ def parse_symbols(mv: memoryview, shape: tuple[int, int, int], word_bits: int, *
         words = words_ahead[:nwords]
     else:
         words_ahead, words = None, np.frombuffer(mv[p:p + 2 * nwords], dtype="<u2")
-    parsed = rans.Parsed(words, refs, ctx_map, (sb, ways, k, nclass, lowbits), words_ahead, ctx_padded)
+    parsed = rans.Parsed(words, ctx_map, (sb, ways, k, nclass, lowbits), words_ahead, ctx_padded)
     st = rans.Stream(words, refs, ctx_map, None, sb, ways, k, nclass, lowbits, mv[p + 2 * nwords:expect], offset + p,
                      offset + p + 2 * nwords, tables, g, tables_offset, parsed)
     return (st.dense() if dense else st), expect

@@ -223,15 +223,14 @@ def coding_order(a: np.ndarray, ways: int) -> np.ndarray:
 
 
 class Parsed(NamedTuple):
-    """What ``parse_symbols`` checked and made for a :class:`Stream`: the stream's own ``words``, ``refs`` and
-    ``ctx_map`` arrays and its ``fields`` ``(scale_bits, ways, kbits, nclass, lowbits)`` as parsed (a stream whose
-    arrays or fields were replaced since is checked in full), and two views the vector kernels read in place:
-    ``ahead``, the words followed by the ``ways + 2`` words after them in the payload (``None`` when the raw bits
-    after them do not hold that many), and ``ctx``, the context map followed by 3 bytes of the tables after it
-    in the decompressed side information."""
+    """Two views ``parse_symbols`` made for a :class:`Stream`, which the vector kernels read in place: ``ahead``,
+    the words followed by the ``ways + 2`` words after them in the payload (``None`` when the raw bits after
+    them do not hold that many), and ``ctx``, the context map followed by 3 bytes of the tables after it in the
+    decompressed side information; with the stream's own ``words`` and ``ctx_map`` arrays and its ``fields``
+    ``(scale_bits, ways, kbits, nclass, lowbits)`` as parsed (a stream whose words, map or fields were replaced
+    since is not read through them)."""
 
     words: np.ndarray
-    refs: np.ndarray
     ctx_map: np.ndarray
     fields: tuple
     ahead: np.ndarray | None
@@ -259,7 +258,7 @@ class Stream(NamedTuple):
     tables: np.ndarray | None = None
     ntables: int = 0
     tables_offset: int | None = None
-    #: set by ``parse_symbols``, which checked the fields' lengths, shapes and ranges (:class:`Parsed`)
+    #: set by ``parse_symbols`` (:class:`Parsed`)
     parsed: "Parsed | None" = None
 
     def dense(self) -> "Stream":
@@ -286,8 +285,7 @@ def check_stream(words, refs, ctx_map, freq, scale_bits: int, ways: int, kbits: 
     nwords = words.shape[0]
     if nwords < 2 * ways:
         raise FormatError(f"rANS stream: {STREAM_STATUS[1]}", field=field, offset=offset)
-    init = (words[0:2 * ways:2].astype(np.uint32) << 16) | words[1:2 * ways:2]
-    if int(init.min()) < 1 << 16:
+    if not words[0:2 * ways:2].all():  # an initial state (high word << 16 | low word) below 2**16
         raise FormatError(f"rANS stream: {STREAM_STATUS[2]}", field=field, offset=offset)
     raw = np.frombuffer(raw, dtype=np.uint8)
     refs = np.ascontiguousarray(refs, dtype=np.uint16)
@@ -555,9 +553,8 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
     and built in one pass (:func:`._rans_numba.packed_local_tables`), or ``None`` when another kernel decodes it
     (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
     :func:`decode_kernel`'s rules, the tables' size checked as they are parsed).  ``kernels``: decode_kernel's
-    answers so far in this batch, by stream form.  A stream as ``parse_symbols`` made it (its arrays and fields
-    those of :attr:`Stream.parsed`) is checked only for what parsing did not check, and read through the
-    views it keeps; any other is checked in full (:func:`check_stream`)."""
+    answers so far in this batch, by stream form.  A stream as ``parse_symbols`` made it (its words, map and
+    fields those of :attr:`Stream.parsed`) is read through the views it keeps."""
     bh, ntok, dim = out.shape
     key = (s.ways, dim, s.scale_bits, s.kbits, s.lowbits)
     kernel = None if kernels is None else kernels.get(key)
@@ -579,30 +576,17 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
     if code < 0:
         raise ValueError("packed_local_tables: the output arrays do not fit the tables")
     _tables_error(code, c, a, b, 1 << s.kbits, s.scale_bits, "Side", s.tables_offset)
-    raw = np.frombuffer(s.raw, dtype=np.uint8)
-    p = s.parsed
-    if (p is not None and p.words is s.words and p.refs is s.refs and p.ctx_map is s.ctx_map
-            and p.fields == (s.scale_bits, s.ways, s.kbits, s.nclass, s.lowbits)
-            and raw.shape[0] == packed_size(out.size, s.lowbits) and s.refs.shape == (bh * dim,)
-            and s.ctx_map.shape == (bh * dim, s.nclass)):
-        # the arrays and fields parse_symbols checked: what is left of check_stream's checks is the initial
-        # states (one below 2**16 is one whose high word is 0) and the raw bits' padding
-        if not s.words[0:2 * s.ways:2].all():
-            raise FormatError(f"rANS stream: {STREAM_STATUS[2]}", field="Words", offset=s.offset)
-        used = (out.size * s.lowbits) % 8
-        if used and int(raw[-1]) >> used:
-            raise FormatError("raw bits: padding bits of the last byte are not zero", field="Raw_Bits",
-                              offset=s.raw_offset)
-        _count(kernel, out.size)
-        return kernel, _local_tables(kernel, s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.nclass,
-                                     s.lowbits, raw, out, tables=(table, info), ahead=p.ahead, ctx=p.ctx)
     # the refs' and the map's ranges were checked against the tables' count when the stream was parsed
     words, refs, ctx_map, _, raw = check_stream(s.words, s.refs, s.ctx_map, None, s.scale_bits, s.ways, s.kbits,
                                                 s.nclass, s.lowbits, s.raw, bh * dim, out.size, offset=s.offset,
                                                 raw_offset=s.raw_offset, ranges=False)
     _count(kernel, out.size)
+    p = s.parsed  # its views, while the words and the map are the ones parsed with them
+    views = (p is not None and p.words is s.words and p.ctx_map is s.ctx_map
+             and p.fields == (s.scale_bits, s.ways, s.kbits, s.nclass, s.lowbits))
     return kernel, _local_tables(kernel, words, refs, ctx_map, None, s.scale_bits, s.ways, s.nclass, s.lowbits, raw,
-                                 out, tables=(table, info))
+                                 out, tables=(table, info), ahead=p.ahead if views else None,
+                                 ctx=p.ctx if views else None)
 
 
 def pack_bits(values: np.ndarray, width: int) -> bytes:
