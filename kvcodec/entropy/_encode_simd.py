@@ -310,7 +310,7 @@ _NEAR_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_v
 
 
 def padded_tables(g: int) -> int:
-    """The vector width :func:`nearest_tables` takes ``g`` tables in: ``g`` rounded up to a multiple of 8."""
+    """The vector width :func:`table_choice` takes ``g`` tables in: ``g`` rounded up to a multiple of 8."""
     return -(-g // 8) * 8
 
 
@@ -327,13 +327,6 @@ def nearest_usable(g: int) -> bool:
     return _AVAILABLE[key]
 
 
-def nearest_tables(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p: np.ndarray, g: int) -> np.ndarray:
-    """:func:`._rans_numba.nearest_tables` (the same sums in the same order, so the same tables): for each
-    sparse row the table ``t < g`` of least ``-sum_k val[k] * logq_p[idx[k], t]``, ties to the lowest ``t``;
-    ``logq_p`` is C-contiguous float64 ``[symbols, padded_tables(g)]`` (columns ``g..`` ignored)."""
-    return table_choice(indptr, idx, val, logq_p, g)()
-
-
 def checked_rows(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, used: int) -> tuple:
     """Copies of sparse rows (``indptr``, ``idx`` int64; ``val`` in its dtype) that index only inside their
     entries and ``used`` symbols (``ValueError`` otherwise): what the table choice reads at every k-means step
@@ -347,9 +340,12 @@ def checked_rows(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, used: int
 
 
 def table_choice(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, logq_p: np.ndarray, g: int):
-    """:func:`nearest_tables` as a function of no arguments that reads ``logq_p`` as it is when called (k-means
-    fills it at every step; the rows' arrays are copied, converted and checked and the kernel found once).
-    ``logq_p``'s first ``g`` columns must be finite: the kernel's maximum assumes no NaN."""
+    """:func:`._rans_numba.nearest_tables` (the same sums in the same order, so the same tables) as a function
+    of no arguments: for each sparse row the table ``t < g`` of least ``-sum_k val[k] * logq_p[idx[k], t]``,
+    ties to the lowest ``t``, reading ``logq_p`` (C-contiguous float64 ``[symbols, padded_tables(g)]``, columns
+    ``g..`` ignored) as it is when called: k-means fills it at every step; the rows' arrays are copied, converted
+    and checked and the kernel found once.  ``logq_p``'s first ``g`` columns must be finite: the kernel's
+    maximum assumes no NaN."""
     nrows = indptr.size - 1
     G = logq_p.shape[1]
     if not (G == padded_tables(g) and logq_p.flags.c_contiguous and logq_p.dtype == np.float64):
