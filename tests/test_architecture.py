@@ -171,6 +171,31 @@ def test_restore_bench_names_a_peer_it_cannot_run(tmp_path, monkeypatch):
     assert "peer quanto | 1 | - | failed: not set up" in md
 
 
+def test_restore_bench_models_reading_from_storage():
+    """kvz bench --restore: the storage speeds below which a restore beats reading the raw file, and above which
+    it beats recomputing, from the measured times plus the file's bytes at that speed (worked by hand here)."""
+    from kvcodec.lab.bench_restore import storage_speeds, to_markdown
+
+    raw = {"method": "raw safetensors", "threads": 1, "bytes": 100_000_000, "restore_s": 0.050}
+    rec = {"method": "recompute (one prefill)", "threads": 1, "bytes": None, "restore_s": 3.050}
+    kvz = {"method": "kvz lossless", "threads": 1, "bytes": 40_000_000, "restore_s": 0.110}
+    # 60 MB fewer to read pay for 60 ms more decoding below 1,000 MB/s; 40 MB read in the 2.94 s the prefill
+    # takes longer: above 13.6 MB/s
+    got = storage_speeds(kvz, raw, rec)
+    assert got["beats_raw_below_mb_s"] == pytest.approx(1000.0)
+    assert got["beats_recompute_above_mb_s"] == pytest.approx(40 / 2.94)
+    assert storage_speeds({**kvz, "restore_s": 0.040}, raw, rec)["beats_raw_below_mb_s"] == "any"
+    assert storage_speeds({**kvz, "bytes": 100_000_001}, raw, rec)["beats_raw_below_mb_s"] == "none"
+    assert storage_speeds({**kvz, "restore_s": 3.5}, raw, rec)["beats_recompute_above_mb_s"] == "none"
+    assert storage_speeds(raw, raw, rec) == {"beats_recompute_above_mb_s": pytest.approx(100 / 3.0)}
+    assert storage_speeds(rec, raw, rec) == {} and storage_speeds(kvz, None, None) == {}
+    rows = [{**r, "mb_s": 0.0, **storage_speeds(r, raw, rec)} for r in (raw, kvz, rec)]
+    md = to_markdown({"command": "c", "machine": "m", "torch": "t", "numba": "n", "cpus": 1, "repeats": 1,
+                      "cases": [{"text": "x", "dtype": "bf16", "tokens": 16, "raw_bytes": 1, "rows": rows}]})
+    assert "| kvz lossless | 1 | 40000000 | 110.0 | 0 | - | - | - | 1,000 | 14 |" in md
+    assert "| raw safetensors | 1 | 100000000 | 50.0 | 0 | - | - | - | - | 33 |" in md
+
+
 def test_lossless_bench_times_zstd_in_both_forms():
     """kvz bench: zstd's decode timed as ``decompress()`` and into a new NumPy block, the faster compared (zstd -3's
     interleaved with kvz's decodes); the block form gives zstd's bytes (a decode that stopped short would

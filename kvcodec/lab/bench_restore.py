@@ -21,7 +21,10 @@ The files are read from the page cache (they were just written; dropping it need
 the decoders, not of the disk.  Each time is the median of ``--repeats`` runs after one warm-up run (Numba
 compilation, allocator).  Besides the times, each row reports the restored cache's megabytes per second
 (its raw bytes over the time), and a ``memcpy`` row: copying those raw bytes once with NumPy, the ceiling
-of any decoder.  Results: ``OUT/bench_restore.json`` and ``OUT/bench_restore.md``.
+of any decoder; and, for each file, the storage speeds below which its restore beats reading the raw file and
+above which it beats recomputing, had its bytes come from storage instead of the page cache
+(:func:`storage_speeds`: a model of the measured times).  Results: ``OUT/bench_restore.json`` and
+``OUT/bench_restore.md``.
 """
 
 from __future__ import annotations
@@ -254,18 +257,26 @@ def to_markdown(results: dict) -> str:
         lines += [f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
                   f"{case['raw_bytes'] / 2**20:.2f} MiB raw", "",
                   "| method | threads | file bytes | restore ms | MB/s of cache | × raw safetensors | "
-                  "× recompute | encode ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "× recompute | encode ms | faster than raw from storage below (MB/s) | faster than recompute "
+                  "from storage above (MB/s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in case["rows"]:
             if "error" in r:
-                lines.append(f"| {r['method']} | {r['threads']} | - | failed: {r['error'][:80]} | | | | |")
+                lines.append(f"| {r['method']} | {r['threads']} | - | failed: {r['error'][:80]} | | | | | | |")
                 continue
             enc = f"{1e3 * r['encode_s']:.0f}" if r.get("encode_s") else "-"
             lines.append(f"| {r['method']} | {r['threads']} | {r['bytes'] if r['bytes'] else '-'} | "
                          f"{1e3 * r['restore_s']:.1f} | {r['mb_s']:.0f} | {_x(r.get('vs_raw'))} | "
-                         f"{_x(r.get('vs_recompute'))} | {enc} |")
+                         f"{_x(r.get('vs_recompute'))} | {enc} | {_speed(r.get('beats_raw_below_mb_s'))} | "
+                         f"{_speed(r.get('beats_recompute_above_mb_s'))} |")
         lines.append("")
     lines.append("× raw safetensors, × recompute: that row's time over theirs at the same thread count "
                  "(below 1: faster).")
+    lines += ["", "From storage: the files above were read from the page cache. Read from storage delivering B MB/s "
+              "instead, a restore takes its time here plus its file's bytes / B (reading not overlapped with "
+              "decoding, as in every row): \"faster than raw below\" is the B under which that restore beats reading "
+              "the raw safetensors file (any: at every speed; none: its file is not smaller), \"faster than "
+              "recompute above\" the B over which it beats the prefill (none: its restore alone is slower). A "
+              "model of the measured times, not a measurement of a disk."]
     if any(r["method"].startswith("peer") for c in results["cases"] for r in c["rows"]):
         lines += ["", "Peer rows (`--peers`, scripts/peers/dequant.py in each peer's venv): the peer's decoder alone "
                   "on the same cache (its dequantization of every layer from its in-memory quantized form, float32 "
@@ -275,6 +286,30 @@ def to_markdown(results: dict) -> str:
 
 def _x(v):
     return "-" if v is None else f"{v:.2f}"
+
+
+def _speed(v) -> str:
+    return "-" if v is None else v if isinstance(v, str) else f"{v:,.0f}"
+
+
+def storage_speeds(row: dict, raw: dict | None, recompute: dict | None) -> dict:
+    """Where a file's restore stands once its bytes come from storage of ``B`` bytes a second instead of the
+    page cache, modelled as the measured restore plus ``file bytes / B`` (reading not overlapped with decoding,
+    as in every row here), in MB/s: ``beats_raw_below_mb_s``, the speed below which this restore is faster than
+    the raw safetensors file's (``"any"``: at any speed, its time and its bytes both smaller; ``"none"``: its
+    file is not smaller), and ``beats_recompute_above_mb_s``, the speed above which it is faster than
+    recomputing (``"none"``: its restore alone is slower).  Only for rows with a file (``bytes``)."""
+    out: dict = {}
+    n, t = row.get("bytes"), row.get("restore_s")
+    if not n or t is None:
+        return out
+    if raw is not None and raw is not row and raw.get("bytes"):
+        saved, extra = raw["bytes"] - n, t - raw["restore_s"]
+        out["beats_raw_below_mb_s"] = "none" if saved <= 0 else "any" if extra <= 0 else saved / extra / 1e6
+    if recompute is not None:
+        spare = recompute["restore_s"] - t
+        out["beats_recompute_above_mb_s"] = n / spare / 1e6 if spare > 0 else "none"
+    return out
 
 
 def run_restore_bench(args) -> int:
@@ -302,6 +337,7 @@ def run_restore_bench(args) -> int:
                 r["vs_raw"] = r["restore_s"] / base["raw safetensors"]["restore_s"]
             if base["recompute (one prefill)"]:
                 r["vs_recompute"] = r["restore_s"] / base["recompute (one prefill)"]["restore_s"]
+            r.update(storage_speeds(r, base["raw safetensors"], base["recompute (one prefill)"]))
         results["cases"].append({"text": g, "dtype": dname, "tokens": int(ids.shape[1]),
                                  "raw_bytes": kv.nbytes(), "rows": rows})
         one = {r["method"]: r for r in rows if r["threads"] == 1}
