@@ -194,6 +194,14 @@ def test_restore_bench_models_reading_from_storage():
                       "cases": [{"text": "x", "dtype": "bf16", "tokens": 16, "raw_bytes": 1, "rows": rows}]})
     assert "| kvz lossless | 1 | 40000000 | 110.0 | 0 | - | - | - | 1,000 | 14 |" in md
     assert "| raw safetensors | 1 | 100000000 | 50.0 | 0 | - | - | - | - | 33 |" in md
+    slow = {**kvz, "restore_s": 3.0, **storage_speeds({**kvz, "restore_s": 3.0}, raw, rec), "mb_s": 0.0}
+    assert slow["beats_recompute_above_mb_s"] == pytest.approx(800.0)  # 40 MB in 0.05 s
+    tiny = {**kvz, "bytes": 4292, "restore_s": 3.0, "mb_s": 0.0}
+    tiny.update(storage_speeds(tiny, raw, rec))  # 4,292 bytes in 0.05 s: 0.086 MB/s, not "0"
+    md = to_markdown({"command": "c", "machine": "m", "torch": "t", "numba": "n", "cpus": 1, "repeats": 1,
+                      "cases": [{"text": "x", "dtype": "bf16", "tokens": 16, "raw_bytes": 1, "rows": [slow, tiny]}]})
+    # 60 MB fewer in 2.95 s more: 20 MB/s; 99.996 MB fewer in 2.95 s: 34
+    assert "| 20 | 800 |" in md and "| 4292 | 3000.0 | 0 | - | - | - | 34 | 0.086 |" in md
 
 
 def test_lossless_bench_times_zstd_in_both_forms():

@@ -289,7 +289,8 @@ def _x(v):
 
 
 def _speed(v) -> str:
-    return "-" if v is None else v if isinstance(v, str) else f"{v:,.0f}"
+    """A speed in MB/s as the table shows it: whole numbers from 10, two significant digits below."""
+    return "-" if v is None else v if isinstance(v, str) else f"{v:,.0f}" if v >= 10 else f"{v:.2g}"
 
 
 def storage_speeds(row: dict, raw: dict | None, recompute: dict | None) -> dict:
