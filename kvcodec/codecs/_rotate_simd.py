@@ -21,7 +21,7 @@ import numpy as np
 
 from ..entropy import _lanes_simd, rans
 
-__all__ = ["DIMS", "usable", "rotate", "dequant_usable", "dequant", "forward_usable", "forward", "norms"]
+__all__ = ["DIMS", "usable", "rotate", "assembly", "dequant_usable", "dequant", "forward_usable", "forward", "norms"]
 
 #: head dimensions compiled here (others take the Numba kernel)
 DIMS = (64, 128)
@@ -171,8 +171,17 @@ def _fused(features: str) -> bool:
 
 
 def _kernel(d: int, bf16: bool, finite: bool = False):
-    return _lanes_simd.jit(("rotate", d, bf16, finite, FUSED), lambda features: _ir(d, bf16, _fused(features), finite),
-                           "rot", None, _ARGTYPES)[0]
+    return _lanes_simd.jit(*_rotation(d, bf16, finite), "rot", None, _ARGTYPES)[0]
+
+
+def _rotation(d: int, bf16: bool, finite: bool):
+    """(the reconstruction kernel's key, the function of the CPU's features that writes its IR)."""
+    return ("rotate", d, bf16, finite, FUSED), lambda features: _ir(d, bf16, _fused(features), finite)
+
+
+def assembly(d: int, bf16: bool, finite: bool = False) -> str:
+    """The reconstruction kernel's machine code for this CPU, as text."""
+    return _lanes_simd.jit_assembly(*_rotation(d, bf16, finite), "rot", None, _ARGTYPES)
 
 
 def _finite(offset: int, step, norms) -> bool:

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import scratch
 from ..dtypes import DTYPES, bit_patterns
 from ..entropy import rans
 from ..errors import ConfigError, FormatError
@@ -656,22 +657,25 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
                               offset=offset + 20)
         norms = floatctx.decode(mv[p:p + norms_len], (b, h, tq, 1), "float16", offset=offset + p)
         p += norms_len
-        syms = np.empty((b * h, tq, d), dtype=np.uint16)
-        p += yield from _symbols(mv, p, syms, k, offset)
-        n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
-        if not np.isfinite(n32).all():
-            raise FormatError("a vector norm is not finite", field="VQ.Norms", offset=offset)
-        s = syms.reshape(-1, d)
-        if method == METHOD_LLOYD and (int(s.max()) >= levels or lo != 0):
-            raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
-        if method == METHOD_UNIFORM and view is not None and _rotate_simd.usable(syms, lo, view):
-            _rotate_simd.rotate(syms, lo, st, signs(seed, d, rule), 1.0 / d, n32.reshape(b * h, tq), view)
-            out = None
-        else:
-            out = np.empty((b * h * tq, d), dtype=np.float32)
-            _vq_numba.rotate_back(s, lo, np.float32(st), cb if method == METHOD_LLOYD else np.zeros(1, np.float32),
-                                  method == METHOD_LLOYD, signs(seed, d, rule), np.float32(1.0 / d), n32, out)
-            out = out.reshape(b, h, tq, d)
+        syms = _scratch_symbols((b * h, tq, d))
+        try:
+            p += yield from _symbols(mv, p, syms, k, offset)
+            n32 = norms.view(np.float16).astype(np.float32).reshape(-1)
+            if not np.isfinite(n32).all():
+                raise FormatError("a vector norm is not finite", field="VQ.Norms", offset=offset)
+            s = syms.reshape(-1, d)
+            if method == METHOD_LLOYD and (int(s.max()) >= levels or lo != 0):
+                raise FormatError("index outside the codebook", field="VQ.Indices", offset=offset + p)
+            if method == METHOD_UNIFORM and view is not None and _rotate_simd.usable(syms, lo, view):
+                _rotate_simd.rotate(syms, lo, st, signs(seed, d, rule), 1.0 / d, n32.reshape(b * h, tq), view)
+                out = None
+            else:
+                out = np.empty((b * h * tq, d), dtype=np.float32)
+                _vq_numba.rotate_back(s, lo, np.float32(st), cb if method == METHOD_LLOYD else np.zeros(1, np.float32),
+                                      method == METHOD_LLOYD, signs(seed, d, rule), np.float32(1.0 / d), n32, out)
+                out = out.reshape(b, h, tq, d)
+        finally:
+            scratch.give(syms)
     if len(mv) < p + 4:
         raise FormatError("payload ends before Tail_Length", field="VQ.Tail_Length", offset=offset + p)
     (tail_len,) = struct.unpack_from("<I", mv, p)
@@ -701,17 +705,26 @@ def _decode_channel(mv, p: int, shape, k: int, lo: int, offset: int, view=None):
         raise FormatError("a channel step is not a positive finite number", field="VQ.Channel_Steps",
                           offset=offset + p)
     p += n
-    syms = np.empty((b * h, t, d), dtype=np.uint16)
-    p += yield from _symbols(mv, p, syms, k, offset)
-    if view is not None:
-        if _rotate_simd.dequant_usable(syms, lo, st, view):  # the vector kernel: the same bits
-            _rotate_simd.dequant(syms, lo, st, view)
-        else:
-            _vq_numba.channel_dequant_into(syms, lo, st, view)
-        return None, p
-    out = np.empty((b * h, t, d), dtype=np.float32)
-    _vq_numba.channel_dequant(syms, lo, st, out)
-    return out.reshape(b, h, t, d), p
+    syms = _scratch_symbols((b * h, t, d))
+    try:
+        p += yield from _symbols(mv, p, syms, k, offset)
+        if view is not None:
+            if _rotate_simd.dequant_usable(syms, lo, st, view):  # the vector kernel: the same bits
+                _rotate_simd.dequant(syms, lo, st, view)
+            else:
+                _vq_numba.channel_dequant_into(syms, lo, st, view)
+            return None, p
+        out = np.empty((b * h, t, d), dtype=np.float32)
+        _vq_numba.channel_dequant(syms, lo, st, out)
+        return out.reshape(b, h, t, d), p
+    finally:
+        scratch.give(syms)
+
+
+def _scratch_symbols(shape) -> np.ndarray:
+    """A uint16 array of ``shape`` for a slice's index symbols, in scratch memory (:mod:`kvcodec.scratch`; the
+    caller gives it back once the reconstruction has read it)."""
+    return scratch.take(2 * math.prod(shape), np.uint16).reshape(shape)
 
 
 def _decode_kivi(mv, p: int, shape, k: int, offset: int):

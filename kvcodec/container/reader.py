@@ -99,6 +99,28 @@ class KvzReader:
             raise TruncatedFile(f"short read: {len(b)} of {n} bytes", field=field, offset=offset)
         return b
 
+    def _read_into(self, offset: int, n: int, field: str, into) -> memoryview:
+        """:meth:`_read_at` into the first ``n`` bytes of ``into``: a read-only view of them."""
+        view = memoryview(into).cast("B")
+        if view.nbytes < n:
+            raise ValueError(f"a buffer of {view.nbytes} bytes cannot hold {n}")
+        if offset + n > self.size:
+            raise TruncatedFile(f"need {n} bytes at offset {offset}, file has {self.size}", field=field, offset=offset)
+        self._f.seek(offset)
+        got = 0
+        readinto = getattr(self._f, "readinto", None)
+        while got < n:
+            if readinto is not None:
+                k = readinto(view[got:n])
+            else:
+                b = self._f.read(n - got)
+                k = len(b)
+                view[got:got + k] = b
+            if not k:
+                raise TruncatedFile(f"short read: {got} of {n} bytes", field=field, offset=offset)
+            got += k
+        return view[:n].toreadonly()
+
     def _open(self):
         f = self._f
         f.seek(0, os.SEEK_END)
@@ -269,8 +291,14 @@ class KvzReader:
         data = self.read_payload_view(e)
         return data if isinstance(data, bytes) else data.tobytes()
 
-    def read_payload_view(self, e: SectionEntry) -> bytes | memoryview:
-        """:meth:`read_payload`, as a read-only view of the file's bytes when they are in memory (no copy)."""
+    def in_memory(self) -> bool:
+        """Whether the file's bytes are in memory (payloads are then read as views of them, not copies)."""
+        return self._mem is not None
+
+    def read_payload_view(self, e: SectionEntry, into=None) -> bytes | memoryview:
+        """:meth:`read_payload`, as a read-only view of the file's bytes when they are in memory (no copy), or,
+        given ``into`` (a writable byte buffer of at least the payload's length), a read-only view of ``into``
+        holding the payload read there (a file on disk: no new memory a payload)."""
         typ, flags, layer, part, chunk, n, psum = self._section_header_at(e.offset)
         if (typ, layer, part, chunk, n) != (e.section_type, e.layer, e.part, e.chunk, e.length):
             raise OffsetError("section header disagrees with the index", field="Section_Type", offset=e.offset)
@@ -278,6 +306,8 @@ class KvzReader:
             raise FormatError(f"a {e.name} section is not marked critical", field="Section_Flags", offset=e.offset + 2)
         if self._mem is not None and e.payload_offset + n <= self.size:
             data = self._mem[e.payload_offset:e.payload_offset + n]
+        elif into is not None:
+            data = self._read_into(e.payload_offset, n, "Payload", into)
         else:
             data = self._read_at(e.payload_offset, n, "Payload")
         if L.xxh3(data) != psum:

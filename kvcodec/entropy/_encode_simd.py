@@ -29,7 +29,7 @@ import ctypes
 
 import numpy as np
 
-from ._lanes_simd import PERMD, class_constants, class_table, jit
+from ._lanes_simd import PERMD, class_constants, class_table, jit, jit_assembly
 from ._rans_numba import RANS_L
 
 
@@ -235,8 +235,7 @@ _AVAILABLE: dict = {}
 
 
 def assembly(W: int) -> str:
-    _, _, tm, mod = jit(("encode", W), _build(W), "enc", ctypes.c_int64, _ARGTYPES)
-    return tm.emit_assembly(mod)
+    return jit_assembly(("encode", W), _build(W), "enc", ctypes.c_int64, _ARGTYPES)
 
 
 def _nearest_ir(G: int) -> str:

@@ -23,6 +23,8 @@ gathers LLVM emits scalar loads for them: slower, never different.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import threading
 from typing import NamedTuple
 
@@ -370,7 +372,9 @@ def _target():
 def jit(key, build, symbol: str, restype, argtypes):
     """``(function, engine, target machine, module)``: the function ``symbol`` of the LLVM IR ``build(features)``
     returns (``features``: the host CPU's, comma-separated), optimised and compiled for this CPU once per
-    process and ``key``.  Calls through the function release the GIL."""
+    process and ``key``; the machine code is kept on disk (:func:`object_path`), so a later process loads it
+    instead of compiling it again (``module`` is then ``None``; :func:`jit_assembly` lists the machine code
+    either way).  Calls through the function release the GIL."""
     got = _COMPILED.get(key)
     if got is not None:
         return got
@@ -379,38 +383,124 @@ def jit(key, build, symbol: str, restype, argtypes):
             import llvmlite.binding as llvm
 
             tm, features = _target()
-            mod = llvm.parse_assembly(build(features))
+            ir = build(features)
+            path = object_path(ir, features)
+            cached = _read_object(path)
+            mod = llvm.parse_assembly(ir)
             mod.verify()
-            pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
-            pb.getModulePassManager().run(mod, pb)
+            if cached is None:
+                _optimize(tm, mod)
             ee = llvm.create_mcjit_compiler(mod, tm)
+            # MCJIT asks for the module's machine code before it compiles it, and hands over what it compiled
+            ee.set_object_cache(lambda m, code: _write_object(path, code), lambda m: cached)
             ee.finalize_object()
+            OBJECTS["loaded" if cached is not None else "compiled"] += 1
             # the engine must outlive the function pointer
             fn = ctypes.CFUNCTYPE(restype, *argtypes)(ee.get_function_address(symbol))
-            _COMPILED[key] = (fn, ee, tm, mod)
+            _COMPILED[key] = (fn, ee, tm, mod if cached is None else None)
         return _COMPILED[key]
 
 
-def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
+def _optimize(tm, mod) -> None:
+    import llvmlite.binding as llvm
+
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+    pb.getModulePassManager().run(mod, pb)
+
+
+def jit_assembly(key, build, symbol: str, restype, argtypes) -> str:
+    """The machine code of :func:`jit`'s kernel, as text: from the module it compiled, or (its machine code
+    came from disk, so no optimised module was kept) from ``build(features)`` optimised again."""
+    _, _, tm, mod = jit(key, build, symbol, restype, argtypes)
+    if mod is None:
+        import llvmlite.binding as llvm
+
+        mod = llvm.parse_assembly(build(_target()[1]))
+        _optimize(tm, mod)
+    return tm.emit_assembly(mod)
+
+
+#: the kernels of this process whose machine code was ``loaded`` from disk or ``compiled`` (:func:`jit`)
+OBJECTS = {"loaded": 0, "compiled": 0}
+#: what the machine code kept on disk depends on besides the IR; bump to set aside every file written before
+_OBJECT_VERSION = 1
+_OBJECT_MAGIC = b"KVZOBJ1\0"
+
+
+def object_path(ir: str, features: str):
+    """Where the machine code of ``ir`` compiled for this CPU is kept: ``<cache_dir>/kernels/<key>.o``, the key a
+    SHA-256 of the IR, the CPU's name and features, the target triple and llvmlite's version (a cache shared by
+    machines of different CPUs holds one file each); ``None`` when ``KVCODEC_KERNEL_CACHE`` is ``0``."""
+    import llvmlite
+    import llvmlite.binding as llvm
+
+    from ..models import cache_dir
+
+    v = os.environ.get("KVCODEC_KERNEL_CACHE", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"KVCODEC_KERNEL_CACHE must be '0' or '1', not {v!r}")
+    if v == "0":
+        return None
+    key = "\0".join([str(_OBJECT_VERSION), ir, llvm.get_process_triple(), llvm.get_host_cpu_name(), features,
+                     llvmlite.__version__, str(llvm.llvm_version_info)])
+    return cache_dir() / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()}.o"
+
+
+def _read_object(path) -> bytes | None:
+    """The machine code kept at ``path``, or ``None`` (no file, unreadable, or not as written: the magic, then
+    the SHA-256 of the code, then the code)."""
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    n = len(_OBJECT_MAGIC)
+    code = data[n + 32:]
+    if data[:n] != _OBJECT_MAGIC or not code or hashlib.sha256(code).digest() != data[n:n + 32]:
+        return None
+    return code
+
+
+def _write_object(path, code: bytes) -> None:
+    """Keep ``code`` at ``path`` (atomically: a reader sees no file or the whole of it); where the cache
+    directory cannot be written, nothing is kept."""
+    if path is None:
+        return
+    from ..atomic import atomic_output
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as f:
+            f.write(_OBJECT_MAGIC + hashlib.sha256(code).digest() + code)
+    except OSError:
+        pass
+
+
+def _build(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
+    """(the kernel's key, the function of the CPU's features that writes its IR)."""
     feat, permd = PERMD.get(W, (None, None))
     lut = PREFIX_TABLE and W <= 8
-    return jit(("lanes", W, K, ety, direct, narrow, raw, lut),
-               lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow,
-                                    raw, lut),
-               "dec", ctypes.c_int32, _ARGTYPES)
+    return (("lanes", W, K, ety, direct, narrow, raw, lut),
+            lambda features: _ir(W, K, ety, direct, permd if feat in features.split(",") else None, narrow, raw,
+                                 lut))
+
+
+def _compiled(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
+    return jit(*_build(W, K, ety, direct, narrow, raw), "dec", ctypes.c_int32, _ARGTYPES)
 
 
 def kernel(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True):
     """The compiled decoder of ``K`` streams of ``W`` lanes, ``ety`` output words and the direct (one 32-bit
     entry per slot) or two-level (byte index, then 64-bit entry) tables, reading a step's raw bits with one load
-    if ``narrow``, none if not ``raw`` (``lowbits`` 0); compiled once per process for this CPU (~60 ms)."""
+    if ``narrow``, none if not ``raw`` (``lowbits`` 0); compiled once per process for this CPU (~60 ms), or its
+    machine code loaded from an earlier process's (:func:`jit`)."""
     return _compiled(W, K, ety, direct, narrow, raw)[0]
 
 
 def assembly(W: int, K: int, ety: str, direct: bool, narrow: bool = False, raw: bool = True) -> str:
     """The decoder's machine code for this CPU, as text."""
-    _, _, tm, mod = _compiled(W, K, ety, direct, narrow, raw)
-    return tm.emit_assembly(mod)
+    return jit_assembly(*_build(W, K, ety, direct, narrow, raw), "dec", ctypes.c_int32, _ARGTYPES)
 
 
 def narrow_raw(ways: int, lowbits: int) -> bool:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import scratch
 from ..errors import FormatError
 
 __all__ = [
@@ -433,22 +434,28 @@ IN_PLACE = True
 _NO_TABLE, _NO_SLOTS, _NO_INFO = np.empty(0, np.uint32), np.empty(4, np.uint8), np.empty(0, np.uint64)
 
 
-def _new_tables(direct: bool, g: int, scale_bits: int) -> tuple[np.ndarray, np.ndarray]:
+def _new_tables(direct: bool, g: int, scale_bits: int, held: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(table, info)`` for ``g`` tables, unfilled: the direct table (``info`` is the same array), or the byte
-    index per slot (zeroed, 3 bytes of padding for the 32-bit gathers) and the 64-bit entry per symbol."""
+    index per slot (zeroed, 3 bytes of padding for the 32-bit gathers) and the 64-bit entry per symbol.  With
+    ``held``, the direct table (128 KiB for a lossless stream) is scratch memory (:mod:`kvcodec.scratch`),
+    appended to ``held`` for the caller to give back once the kernel has run."""
     if direct:
-        table = np.empty(g << scale_bits, dtype=np.uint32)
+        if held is None:
+            table = np.empty(g << scale_bits, dtype=np.uint32)
+        else:
+            table = scratch.take(4 * (g << scale_bits), np.uint32)
+            held.append(table)
         return table, table
     return np.zeros((g << scale_bits) + 4, dtype=np.uint8), np.empty(g << 8, dtype=np.uint64)
 
 
 def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out, tables=None,
-                  ahead=None, ctx=None):
+                  ahead=None, ctx=None, held=None):
     """A local-table stream (:func:`decode_kernel` chose a ``vector_*`` or ``fast_*`` kernel: every table has
     <= 256 symbols) as the kernels take it (:class:`._lanes_simd.Prepared`).  ``tables``: ``(table, info)``
     already built (:func:`_prepare_packed`), instead of ``freq``; ``ahead`` and ``ctx`` (vector kernels, unless
     ``IN_PLACE`` is off): the words with the ``ways + 2`` after them and the map with 3 bytes of padding, as
-    views (:class:`Parsed`), instead of a view made here or a copy."""
+    views (:class:`Parsed`), instead of a view made here or a copy.  ``held``: as :func:`_new_tables`'s."""
     from ._lanes_simd import Prepared, extend_words, raw_tail
     from ._rans_numba import build_direct_table, build_local_tables
 
@@ -472,7 +479,7 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
         rawargs = (raw, *raw_tail(raw, ways, lowbits))
     direct = kernel.endswith("/direct")
     if tables is None:
-        table, info = _new_tables(direct, freq.shape[0], scale_bits)
+        table, info = _new_tables(direct, freq.shape[0], scale_bits, held)
         if direct:
             build_direct_table(freq, scale_bits, table)
         elif not build_local_tables(freq, scale_bits, table, info):  # the info table's bound; decode_kernel checked
@@ -485,18 +492,29 @@ def _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, 
 def _decode_fast(kernel, words, refs, ctx_map, freq, scale_bits, ways, kbits, nclass, lowbits, raw, out, field,
                  offset) -> None:
     """Decode one local-table stream (:func:`decode_kernel` chose ``kernel``)."""
-    st = _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out)
-    if kernel.startswith("vector"):
-        from . import _lanes_simd
+    held: list = []
+    try:
+        st = _local_tables(kernel, words, refs, ctx_map, freq, scale_bits, ways, nclass, lowbits, raw, out,
+                           held=held)
+        if kernel.startswith("vector"):
+            from . import _lanes_simd
 
-        [(status, pos)] = _lanes_simd.decode_many(ways, scale_bits, kbits, nclass, lowbits, [st])
-    else:
-        from . import _lanes_unrolled as U
+            [(status, pos)] = _lanes_simd.decode_many(ways, scale_bits, kbits, nclass, lowbits, [st])
+        else:
+            from . import _lanes_unrolled as U
 
-        fast = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
-        status, pos = fast(st.words, st.nwords, refs, st.ctx, st.table, st.info, scale_bits, kbits, lowbits,
-                           st.raw, out)
+            fast = {4: U.fast_w4, 8: U.fast_w8, 16: U.fast_w16}[ways]
+            status, pos = fast(st.words, st.nwords, refs, st.ctx, st.table, st.info, scale_bits, kbits, lowbits,
+                               st.raw, out)
+    finally:
+        _give_back(held)
     _check_status(status, pos, st.nwords, field, offset)
+
+
+def _give_back(held: list) -> None:
+    """Give the scratch arrays in ``held`` back (:mod:`kvcodec.scratch`): no kernel reads them any more."""
+    while held:
+        scratch.give(held.pop())
 
 
 def _check_status(status, pos, nwords, field, offset) -> None:
@@ -510,6 +528,14 @@ def lanes_decode_many(jobs) -> None:
     """Decode several streams, each ``(Stream, out[bh, tokens, dim])`` as :func:`lanes_decode` takes them; the
     streams the vector kernels decode run several at a time (their dependency chains overlap in one loop, see
     :mod:`._lanes_simd`), the others one by one.  Raises :class:`FormatError` naming a corrupt stream."""
+    held: list = []  # the scratch tables of this call's streams (given back once every kernel has run)
+    try:
+        _decode_batches(jobs, held)
+    finally:
+        _give_back(held)
+
+
+def _decode_batches(jobs, held: list) -> None:
     from . import _lanes_simd
 
     batches: dict = {}
@@ -517,7 +543,7 @@ def lanes_decode_many(jobs) -> None:
     for s, out in jobs:
         bh, ntok, dim = out.shape
         if s.freq is None:  # packed tables: built into the vector kernels' ones as they are parsed
-            prepared = _prepare_packed(s, out, kernels) if PACKED_TABLES else None
+            prepared = _prepare_packed(s, out, kernels, held) if PACKED_TABLES else None
             if prepared is not None:
                 kernel, prepared = prepared
                 key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
@@ -534,7 +560,7 @@ def lanes_decode_many(jobs) -> None:
                                                        offset=s.offset, raw_offset=s.raw_offset)
         _count(kernel, out.size)
         prepared = _local_tables(kernel, words, refs, ctx_map, freq, s.scale_bits, s.ways, s.nclass, s.lowbits, raw,
-                                 out)
+                                 out, held=held)
         key = (kernel, s.ways, s.scale_bits, s.kbits, s.nclass, s.lowbits, out.shape, out.dtype.str)
         batches.setdefault(key, []).append((prepared, s.offset))
     for (kernel, ways, sb, kbits, nclass, lowbits, _, _), items in batches.items():
@@ -548,13 +574,14 @@ def lanes_decode_many(jobs) -> None:
 PACKED_TABLES = True
 
 
-def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
+def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None, held: list | None = None):
     """``(kernel, Prepared)`` of a stream with packed tables that a vector kernel decodes, its tables validated
     and built in one pass (:func:`._rans_numba.packed_local_tables`), or ``None`` when another kernel decodes it
     (no vector kernels, lane groups across heads, raw fields too wide, or a table of more than 256 symbols:
     :func:`decode_kernel`'s rules, the tables' size checked as they are parsed).  ``kernels``: decode_kernel's
-    answers so far in this batch, by stream form.  A stream as ``parse_symbols`` made it (its words, map and
-    fields those of :attr:`Stream.parsed`) is read through the views it keeps."""
+    answers so far in this batch, by stream form; ``held``: as :func:`_new_tables`'s.  A stream as
+    ``parse_symbols`` made it (its words, map and fields those of :attr:`Stream.parsed`) is read through the
+    views it keeps."""
     bh, ntok, dim = out.shape
     key = (s.ways, dim, s.scale_bits, s.kbits, s.lowbits)
     kernel = None if kernels is None else kernels.get(key)
@@ -567,7 +594,7 @@ def _prepare_packed(s: Stream, out: np.ndarray, kernels: dict | None = None):
     from ._rans_numba import packed_local_tables
 
     direct = kernel.endswith("/direct")
-    table, info = _new_tables(direct, s.ntables, s.scale_bits)
+    table, info = _new_tables(direct, s.ntables, s.scale_bits, held)
     # the tables first, as parse_symbols(dense=True) checks them before the words
     args = (table, _NO_SLOTS, _NO_INFO) if direct else (_NO_TABLE, table, info)
     code, c, a, b = (int(v) for v in packed_local_tables(s.tables, 1 << s.kbits, s.scale_bits, direct, *args))

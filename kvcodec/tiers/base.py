@@ -33,7 +33,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .. import registry
+from .. import registry, scratch
 from ..cache import KVCache
 from ..codecs.base import Slice
 from ..container import layout as L
@@ -453,10 +453,20 @@ class _DirectDecoder:
 
         n = self.codec.decode_batch  # sections decoded together (one job)
         batches = [tuple(jobs[i:i + n]) for i in range(0, len(jobs), n)]
+        # a file on disk: each batch's payloads are read into one scratch buffer, given back once it is decoded
+        # (new memory for each payload would be mapped and zero-filled anew by the system at each decode)
+        buffers: dict = {}
 
         def prepare(batch):
             entries = [f.reader.entry(L.SECTION_KV, *job) for job in batch]
-            return [(f.reader.read_payload_view(e), e.payload_offset) for e in entries]
+            if f.reader.in_memory():
+                return [(f.reader.read_payload_view(e), e.payload_offset) for e in entries]
+            buf = buffers[batch] = scratch.take(sum(e.length for e in entries))
+            out, at = [], 0
+            for e in entries:
+                out.append((f.reader.read_payload_view(e, into=buf[at:at + e.length]), e.payload_offset))
+                at += e.length
+            return out
 
         def work(batch, prepared):
             items = []
@@ -472,8 +482,14 @@ class _DirectDecoder:
             for (li, p, c), (where, arr) in zip(batch, arrs):
                 if arr is not outs[li, p]:
                     put_slice(outs[li, p], arr, where)
+            if batch in buffers:  # its payloads are decoded: nothing reads them any more
+                scratch.give(buffers.pop(batch))
             if progress:  # counts sections
                 progress(len(batch))
 
-        run_ordered(batches, work, f.threads, put, None, prepare)
+        try:
+            run_ordered(batches, work, f.threads, put, None, prepare)
+        finally:  # a decode that failed: the workers have stopped (run_ordered waits for them)
+            while buffers:
+                scratch.give(buffers.popitem()[1])
         return {key: from_bit_patterns(arr, dt.torch) for key, arr in outs.items()}
