@@ -25,6 +25,8 @@ __all__ = ["take", "give", "clear", "held_bytes", "outstanding", "CAP"]
 
 #: bytes of free buffers kept between calls, at most (the rest are freed when given back)
 CAP = 32 << 20
+#: False: every buffer is new memory and none is kept (as before this module; a switch for A/B timings)
+ENABLED = True
 #: sizes are rounded up to a multiple of this (buffers of one size class are interchangeable)
 _GRAIN = 64 << 10
 
@@ -47,7 +49,7 @@ def take(nbytes: int, dtype=np.uint8) -> np.ndarray:
     size = _size_class(nbytes)
     global _HELD
     with _LOCK:
-        free = _FREE.get(size)
+        free = _FREE.get(size) if ENABLED else None
         block = free.pop() if free else None
         if block is not None:
             _HELD -= size
@@ -69,7 +71,7 @@ def give(arr: np.ndarray) -> None:
         if block is None:
             raise ValueError("give: not an array take() handed out, or given back already")
         size = block.nbytes
-        if _HELD + size <= CAP:
+        if ENABLED and _HELD + size <= CAP:
             _FREE.setdefault(size, []).append(block)
             _HELD += size
 
