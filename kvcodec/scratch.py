@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["take", "give", "clear", "held_bytes", "outstanding", "CAP"]
+__all__ = ["take", "give", "clear", "held_bytes", "outstanding", "aligned", "CAP"]
 
 #: bytes of free buffers kept between calls, at most (the rest are freed when given back)
 CAP = 32 << 20
@@ -34,6 +34,14 @@ _LOCK = threading.Lock()
 _FREE: dict[int, list[np.ndarray]] = {}
 _OUT: dict[int, np.ndarray] = {}  # the buffers handed out, by address
 _HELD = 0
+
+
+def aligned(nbytes: int, zero: bool = False) -> np.ndarray:
+    """New memory (not from the free buffers): a uint8 array of ``nbytes`` bytes starting on a 64-byte boundary
+    (a cache line: a vector load of an aligned row never straddles two), zero-filled if ``zero``."""
+    raw = (np.zeros if zero else np.empty)(nbytes + 64, dtype=np.uint8)
+    at = -raw.ctypes.data % 64
+    return raw[at:at + nbytes]
 
 
 def _size_class(nbytes: int) -> int:
@@ -54,9 +62,7 @@ def take(nbytes: int, dtype=np.uint8) -> np.ndarray:
         if block is not None:
             _HELD -= size
     if block is None:
-        raw = np.empty(size + 64, dtype=np.uint8)
-        at = -raw.ctypes.data % 64
-        block = raw[at:at + size]
+        block = aligned(size)
     with _LOCK:
         _OUT[block.ctypes.data] = block
     return block[:nbytes].view(dtype)

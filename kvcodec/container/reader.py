@@ -90,10 +90,14 @@ class KvzReader:
             raise
 
     # -- low-level reads --------------------------------------------------
-    def _read_at(self, offset: int, n: int, field: str) -> bytes:
+    def _seek_span(self, offset: int, n: int, field: str) -> None:
+        """Refuse ``n`` bytes at ``offset`` that run past the file, else seek there."""
         if offset + n > self.size:
             raise TruncatedFile(f"need {n} bytes at offset {offset}, file has {self.size}", field=field, offset=offset)
         self._f.seek(offset)
+
+    def _read_at(self, offset: int, n: int, field: str) -> bytes:
+        self._seek_span(offset, n, field)
         b = self._f.read(n)
         if len(b) != n:
             raise TruncatedFile(f"short read: {len(b)} of {n} bytes", field=field, offset=offset)
@@ -104,9 +108,7 @@ class KvzReader:
         view = memoryview(into).cast("B")
         if view.nbytes < n:
             raise ValueError(f"a buffer of {view.nbytes} bytes cannot hold {n}")
-        if offset + n > self.size:
-            raise TruncatedFile(f"need {n} bytes at offset {offset}, file has {self.size}", field=field, offset=offset)
-        self._f.seek(offset)
+        self._seek_span(offset, n, field)
         got = 0
         readinto = getattr(self._f, "readinto", None)
         while got < n:

@@ -181,9 +181,7 @@ def table_chooser(indptr: np.ndarray, idx: np.ndarray, val: np.ndarray, g: int, 
         if _encode_simd.nearest_usable(g):
             # rows of whole vectors on 64-byte boundaries (a row split across cache lines costs two loads)
             width = _encode_simd.padded_tables(g)
-            buf = np.zeros(used * width + 8)
-            skip = (-buf.ctypes.data % 64) // 8
-            logq_p = buf[skip:skip + used * width].reshape(used, width)
+            logq_p = scratch.aligned(8 * used * width, zero=True).view(np.float64).reshape(used, width)
             run = _encode_simd.table_choice(indptr, idx, val, logq_p, g)
 
             def choose(logq: np.ndarray) -> np.ndarray:

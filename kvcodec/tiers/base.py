@@ -230,9 +230,9 @@ def output_block(shapes: dict, dtype) -> dict:
     for key, n in nbytes.items():
         starts[key] = total
         total += -(-n // 64) * 64
-    block = np.empty(total + 64, dtype=np.uint8)
-    at = {key: -block.ctypes.data % 64 + start for key, start in starts.items()}
-    return {key: block[at[key]:at[key] + nbytes[key]].view(dtype).reshape(shape) for key, shape in shapes.items()}
+    block = scratch.aligned(total)
+    return {key: block[starts[key]:starts[key] + nbytes[key]].view(dtype).reshape(shape)
+            for key, shape in shapes.items()}
 
 
 def put_slice(out, arr, where: Slice) -> None:
