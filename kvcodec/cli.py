@@ -542,6 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "safetensors (plain and zstd -3), a memcpy and recomputing the cache (bench_restore.md)")
     s.add_argument("--lm", action="store_true",
                    help="restore: also the exact tier with the model-coded token channel (one model step per token)")
+    s.add_argument("--memory-as-found", action="store_true",
+                   help="restore: no untimed touch of fresh memory before each timed call (on a virtual machine whose "
+                        "host reclaims free memory, the first restore after a long row then also pays the host's "
+                        "page faults)")
     s.add_argument("--reduce", action="store_true",
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
                         "the full cache and SnapKV / H2O / StreamingLLM / TOVA / KVzip at equal entries "

@@ -254,3 +254,23 @@ def test_output_block_views_are_aligned_and_disjoint():
     t = from_bit_patterns(outs[0, 0], torch.bfloat16)
     t.zero_()
     assert not outs[0, 0].any() and (outs[0, 1] == 2).all()
+
+
+def test_interleaved_medians_runs_the_untimed_step_before_each_call():
+    """kvz bench --restore touches fresh memory before each timed call (untimed): the hook runs once before every
+    call, rows in order, and its time is not charged to the call."""
+    import time
+
+    from kvcodec.lab.common import interleaved_medians, touch_fresh_memory
+
+    log = []
+
+    def before():
+        log.append("before")
+        time.sleep(0.05)
+
+    times = interleaved_medians({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, 3, before=before)
+    assert log == ["before", "a", "before", "b"] * 3
+    assert max(times.values()) < 0.04  # the calls append to a list; the 50 ms sleeps are not in their times
+    touch_fresh_memory(1 << 20)
+    touch_fresh_memory(0)

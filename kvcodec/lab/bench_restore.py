@@ -18,13 +18,17 @@ the same load.  The direct tiers' rows also time the encoder (the cache to ``.kv
 rows measure speed, not quality (``kvz bench --lossy`` calibrates on other texts).
 
 The files are read from the page cache (they were just written; dropping it needs root): these are times of
-the decoders, not of the disk.  Each time is the median of ``--repeats`` runs after one warm-up run (Numba
-compilation, allocator).  Besides the times, each row reports the restored cache's megabytes per second
-(its raw bytes over the time), and a ``memcpy`` row: copying those raw bytes once with NumPy, the ceiling
-of any decoder; and, for each file, the storage speeds below which its restore beats reading the raw file and
-above which it beats recomputing, had its bytes come from storage instead of the page cache
-(:func:`storage_speeds`: a model of the measured times).  Results: ``OUT/bench_restore.json`` and
-``OUT/bench_restore.md``.
+the decoders, not of the disk.  Before each timed call, untimed, the process touches and frees fresh memory of
+three times the cache's raw size (:func:`~.common.touch_fresh_memory`), so each call's new memory is memory the
+system has just handed out, whatever ran before it: on a virtual machine whose host takes back its guest's free
+memory, the first touch of memory left free for seconds (after a recompute row) costs ~15x more, which landed on
+whichever row came next (``--memory-as-found`` measures without it; ``scripts/studies/first_touch.py``).  Each
+time is the median of ``--repeats`` runs after one warm-up run (Numba compilation, allocator).  Besides the
+times, each row reports the restored cache's megabytes per second (its raw bytes over the time), and a
+``memcpy`` row: copying those raw bytes once with NumPy, the ceiling of any decoder; and, for each file, the
+storage speeds below which its restore beats reading the raw file and above which it beats recomputing, had its
+bytes come from storage instead of the page cache (:func:`storage_speeds`: a model of the measured times).
+Results: ``OUT/bench_restore.json`` and ``OUT/bench_restore.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .common import interleaved_medians, median_time, missing_corpus, write_report
+from .common import interleaved_medians, median_time, missing_corpus, touch_fresh_memory, write_report
 
 DEFAULT_GENRES = ["prose_en_austen_pride_and_prejudice.txt"]
 
@@ -80,8 +84,9 @@ def _from_tensors(tensors: dict, n_layers: int, model):
 
 
 def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list[int], lm: bool = False,
-                 peers: list | None = None) -> list[dict]:
-    """Rows of one cache (see the module docstring); ``peers``: also their decoders (:func:`peer_rows`)."""
+                 peers: list | None = None, prime: bool = True) -> list[dict]:
+    """Rows of one cache (see the module docstring); ``peers``: also their decoders (:func:`peer_rows`);
+    ``prime``: touch fresh memory before each timed call (untimed)."""
     tiers = TIERS + (LM_TIERS if lm else [])
     import safetensors.torch
 
@@ -109,7 +114,7 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
             return
         _set_threads(pending[0][3])
         fns = {i: fn for i, (_, _, fn, _) in enumerate(pending)}
-        times = interleaved_medians(fns, repeats)
+        times = interleaved_medians(fns, repeats, before=(lambda: touch_fresh_memory(3 * raw)) if prime else None)
         for i, (name, path, _, threads) in enumerate(pending):
             rows.append({"method": name, "threads": threads, "bytes": path.stat().st_size if path else None,
                          "restore_s": times[i], "mb_s": raw / times[i] / 1e6})
@@ -252,7 +257,9 @@ def peer_rows(peers, kv, folder: Path, threads: int, repeats: int) -> list[dict]
 def to_markdown(results: dict) -> str:
     lines = [f"Command: `{results['command']}`", "",
              f"Machine: {results['machine']}; torch {results['torch']}, numba {results['numba']}; "
-             f"{results['cpus']} CPUs. Medians of {results['repeats']} runs; files in the page cache.", ""]
+             f"{results['cpus']} CPUs. Medians of {results['repeats']} runs; files in the page cache; "
+             + ("fresh memory touched (untimed) before each timed call." if results.get("fresh_memory_touched")
+                else "memory as found (no touch of fresh memory before the timed calls)."), ""]
     for case in results["cases"]:
         lines += [f"### {case['text']} - {case['dtype']}, {case['tokens']} tokens, "
                   f"{case['raw_bytes'] / 2**20:.2f} MiB raw", "",
@@ -325,12 +332,14 @@ def run_restore_bench(args) -> int:
     thread_counts = sorted({1, os.cpu_count() or 1})
     results = {"command": f"kvz bench --restore --tokens {tokens} --repeats {repeats} --dtypes "
                           + " ".join(args.dtypes) + (" --lm" if args.lm else "")
-                          + ("" if args.peers is None else " ".join([" --peers"] + args.peers)),
-               **machine_info(), "repeats": repeats, "cases": []}
+                          + ("" if args.peers is None else " ".join([" --peers"] + args.peers))
+                          + (" --memory-as-found" if args.memory_as_found else ""),
+               **machine_info(), "repeats": repeats, "fresh_memory_touched": not args.memory_as_found, "cases": []}
     for dname, g, m, ids, kv in corpus_caches(cdir, genres, args.dtypes, tokens):
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kvz-restore-") as d:
-            rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm, args.peers)
+            rows = restore_rows(m, ids, kv, Path(d), repeats, thread_counts, args.lm, args.peers,
+                                not args.memory_as_found)
         for r in rows:
             base = {n: next((x for x in rows if x["method"] == n and x["threads"] == r["threads"]), None)
                     for n in ("raw safetensors", "recompute (one prefill)")}

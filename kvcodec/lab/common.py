@@ -14,6 +14,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 DEMO_TEXT = "austen_pride_and_prejudice_ch1-3.txt"
 
 
@@ -110,12 +112,28 @@ def median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict:
+def touch_fresh_memory(nbytes: int) -> None:
+    """Allocate ``nbytes`` of new memory, write one byte in each 4 KiB page, free it.  A benchmark calls this (untimed)
+    before each timed call whose result is new memory: the pages the system hands that call are then ones it has
+    just handed out and taken back.  On a virtual machine whose host takes back the memory its guest leaves free
+    (free page reporting: Firecracker and others), the first touch of memory that was free for more than a few
+    seconds costs the host's page faults too, here ~15x the usual (90 MiB: ~190 ms against ~12 ms;
+    ``scripts/studies/first_touch.py``), which would be charged to whichever call came first after a long one."""
+    if nbytes > 0:
+        block = np.empty(nbytes, dtype=np.uint8)
+        block[::4096] = 0
+        del block
+
+
+def interleaved_medians(fns: dict, repeats: int, before=None) -> dict:
     """``{key: median seconds}`` of the calls ``fns[key]()``, every function once per round, ``repeats`` rounds:
-    ratios of two of them are measured under the same load.  A call's result is freed after its time is taken."""
+    ratios of two of them are measured under the same load.  A call's result is freed after its time is taken.
+    ``before()``, if given, runs before each call, untimed (e.g. :func:`touch_fresh_memory`)."""
     times = {key: [] for key in fns}
     for _ in range(max(1, repeats)):
         for key, fn in fns.items():
+            if before is not None:
+                before()
             t = time.perf_counter()
             out = fn()
             times[key].append(time.perf_counter() - t)
