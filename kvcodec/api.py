@@ -201,7 +201,7 @@ def _convert(kv, output: str, model=None):
 
 
 def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dict | None = None,
-           threads: int | None = None, progress=None, numerics: str = "strict", predictors=None):
+           threads: int | None = None, progress=None, numerics: str = "strict", predictors=None, into=None):
     """Decode .kvz bytes (or a path, URL or file object) into a cache, a ``DynamicCache`` by default.
 
     ``model`` is required for the token tiers (``exact``, ``tokens``): the cache
@@ -216,10 +216,17 @@ def decode(data, model=None, *, draft=None, output: str = "dynamic", limits: dic
     ``numerics`` (token tiers): ``"strict"`` refuses before any work where this machine cannot reproduce the
     file's float results (:class:`~kvcodec.errors.NumericsMismatch`), ``"try"`` attempts anyway,
     ``"recompute"`` returns this machine's regeneration without the residuals (statically coded tokens).
+    ``into``: a cache whose tensors have the file's shapes and dtype (C-contiguous CPU tensors: e.g. the cache
+    an earlier decode of a file of the same shape returned, kept as a buffer): the decoded tensors are written
+    into them and the returned cache holds them, instead of new memory.  The direct tiers decode straight
+    into them (new memory costs its first touch, and on a virtual machine whose host reclaims free memory
+    much more: BENCHMARKS.md, "Decode, ninth pass"); the others copy their result in.  If the decode raises,
+    their contents are unspecified.  Use the returned cache: its other fields (positions, sliding windows)
+    are the file's.
     """
     with KvzFile(data, model, draft=draft, limits=limits, threads=threads, numerics=numerics,
                  predictors=predictors) as f:
-        return _convert(f.to_kvcache(progress), output, model[0] if isinstance(model, tuple) else model)
+        return _convert(f.to_kvcache(progress, into=into), output, model[0] if isinstance(model, tuple) else model)
 
 
 def load(path, model=None, **kwargs):

@@ -16,6 +16,7 @@ from .cache import KVCache
 from .container import layout as L
 from .container.reader import KvzReader
 from .dtypes import DTYPES
+from .dtypes import of as DTYPES_BY_TORCH
 from .errors import ConfigError
 from .identity import check_model
 
@@ -27,6 +28,19 @@ def open_path(path, mode: str):
     import fsspec
 
     return fsspec.open(os.fspath(path) if isinstance(path, os.PathLike) else path, mode).open()
+
+
+def _bit_view(t: torch.Tensor):
+    """The bit patterns of C-contiguous CPU tensor ``t`` as a uint16/uint32 NumPy array sharing its memory."""
+    d = DTYPES_BY_TORCH(t.dtype)
+    return t.detach().view(d.int_view).numpy().view(d.uint)
+
+
+def _empty(h, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s keys and values when they hold no entries (as the decoders make them)."""
+    lay = h.layers[i]
+    return tuple(torch.empty((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dtype)
+                 for p in (L.PART_KEYS, L.PART_VALUES))
 
 
 def _is_url(source) -> bool:
@@ -109,11 +123,32 @@ class KvzFile:
         d = self._decoder.layers([i])
         return d[i, L.PART_KEYS], d[i, L.PART_VALUES]
 
-    def to_kvcache(self, progress=None, *, regenerated: KVCache | None = None) -> KVCache:
+    def to_kvcache(self, progress=None, *, regenerated: KVCache | None = None, into=None) -> KVCache:
         """Decode the whole file.  Token tiers: ``regenerated=`` applies the file's residuals to those tensors
-        instead of regenerating the cache with the model (no model needed; no token ids in the result)."""
+        instead of regenerating the cache with the model (no model needed; no token ids in the result).
+        ``into=``: a cache (``DynamicCache``, :class:`KVCache`, legacy pairs) whose key and value tensors are
+        written with the decoded ones (:func:`kvcodec.decode`)."""
         h = self.header
         n = len(h.layers)
+        if into is not None:
+            if regenerated is not None:
+                raise ConfigError("into= and regenerated= do not go together")
+            dest = self._destination(into)
+            if hasattr(self._decoder, "decodes_into"):  # the direct tiers write into the tensors themselves
+                self._decoder.layers(range(n), progress, into={key: _bit_view(t) for key, t in dest.items()})
+            else:  # the others make their tensors (regenerated, predicted), then copy them in
+                for key, t in self._decoder.layers(range(n), progress).items():
+                    if key in dest:
+                        dest[key].copy_(t)
+            keys = [dest.get((i, L.PART_KEYS)) for i in range(n)]
+            values = [dest.get((i, L.PART_VALUES)) for i in range(n)]
+            empty = {i: _empty(h, i, self.dtype) for i in range(n) if keys[i] is None}
+            states = self._decoder.states(range(n))
+            return KVCache([empty[i][0] if i in empty else k for i, k in enumerate(keys)],
+                           [empty[i][1] if i in empty else v for i, v in enumerate(values)], self.tokens(),
+                           h.start_position, [lay.sliding_window for lay in h.layers],
+                           [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)],
+                           reduce=h.reduce)
         if regenerated is None:
             d, tokens = self._decoder.layers(range(n), progress), self.tokens()
             states = self._decoder.states(range(n))
@@ -126,6 +161,46 @@ class KvzFile:
                        h.start_position, [lay.sliding_window for lay in h.layers],
                        [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)],
                        reduce=h.reduce)
+
+    def _destination(self, into) -> dict:
+        """``{(layer, part): tensor}`` of ``into``'s tensors that the file's layers fill (those of no entries are
+        left out), each checked to be a CPU tensor of the file's dtype and shape, C-contiguous, not one that
+        autograd tracks, and sharing no memory with another."""
+        from .cache import to_canonical
+
+        h = self.header
+        if h.reduce is not None:
+            raise ConfigError("into=: a reduced cache decodes to new tensors (its atoms' masses are not a "
+                              "cache's tensors)")
+        try:
+            kv = to_canonical(into)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"into= takes a cache (DynamicCache, KVCache, legacy pairs): {e}") from None
+        if kv.num_layers != len(h.layers):
+            raise ConfigError(f"into= has {kv.num_layers} layers, the file {len(h.layers)}")
+        dest, spans = {}, []
+        for i, lay in enumerate(h.layers):
+            for part, name, tensors in ((L.PART_KEYS, "keys", kv.keys), (L.PART_VALUES, "values", kv.values)):
+                want = (h.batch, lay.kv_heads, lay.seq_len, lay.dim(part))
+                t = tensors[i]
+                if math.prod(want) == 0:  # nothing to write (a state-space layer's placeholder)
+                    continue
+                what = f"into= layer {i} {name}"
+                if t is None:
+                    raise ConfigError(f"{what}: none, the file has {list(want)} there")
+                if tuple(t.shape) != want or t.dtype != self.dtype:
+                    raise ConfigError(f"{what} is {t.dtype} {list(t.shape)}, the file's is {self.dtype} {list(want)}")
+                if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+                    raise ConfigError(f"{what} must be a C-contiguous CPU tensor that autograd does not track "
+                                      f"(it is on {t.device}, contiguous: {t.is_contiguous()}, requires_grad: "
+                                      f"{t.requires_grad})")
+                dest[i, part] = t
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"layer {i} {name}"))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise ConfigError(f"into=: {a} and {b} share memory")
+        return dest
 
     def describe(self, verify_checksums: bool = False) -> dict:
         """``kvz inspect``: the file from its header and index, without decoding payloads (JSON-able)."""

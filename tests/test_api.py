@@ -305,3 +305,66 @@ def test_static_sliding_window_layers_are_refused_by_name():
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (1, 12)), use_cache=True, **{cache_kwarg(model): sc})
     check_rejects(kvcodec.UnsupportedCache, sc, match="StaticSlidingWindowLayer|Sliding")
+
+
+@pytest.mark.parametrize("kind,tier", [("llama", "lossless"), ("mistral_sw", "lossless"), ("qwen2", "lossy"),
+                                       ("llama", "exact")])
+def test_decode_into_writes_the_callers_tensors(kind, tier):
+    """decode(into=cache): the decoded tensors are written into that cache's tensors (the direct tiers decode
+    straight into them, the token tiers copy theirs in) and the returned cache holds them; the result is the
+    one a plain decode gives, for a DynamicCache, a KVCache or legacy pairs as the destination."""
+    from kvcodec import scratch
+
+    model = tiny_model(kind, torch.bfloat16)
+    cache = model_cache(model, torch.randint(0, VOCAB, (2, 21)))
+    data = kvcodec.encode(cache, model, tier=tier, **({"bits": 8} if tier == "lossy" else {}))
+    want = kvcodec.decode(data, model, output="kvcache")
+    for form in ("dynamic", "kvcache", "legacy"):
+        buf = kvcodec.decode(data, model, output=form)  # a restore of the same shape, kept as a buffer
+        dest = kvcodec.to_canonical(buf)
+        for t in dest.keys + dest.values:
+            t.fill_(float("nan"))
+        got = kvcodec.decode(data, model, output="kvcache", into=buf)
+        assert got.equal(want)
+        assert got.sliding_window == want.sliding_window and got.cumulative_length == want.cumulative_length
+        assert [t.data_ptr() for t in got.keys + got.values] == [t.data_ptr() for t in dest.keys + dest.values]
+        assert kvcodec.to_canonical(buf).equal(want)  # the destination itself holds the values
+    dyn = kvcodec.decode(data, model, into=want)  # output="dynamic" by default
+    assert kvcodec.to_canonical(dyn).equal(kvcodec.decode(data, model, output="kvcache"))
+    assert scratch.outstanding() == 0
+
+
+def test_decode_into_refuses_what_does_not_fit():
+    """into= is checked against the file before anything is written: layer count, shape, dtype, layout,
+    autograd, tensors sharing memory; a failed decode leaves no scratch buffer handed out."""
+    from kvcodec import scratch
+
+    cache = random_cache(layers=2, heads=2, seq=16, dim=8)
+    data = kvcodec.encode(cache)
+    fresh = lambda: kvcodec.decode(data, output="kvcache")  # noqa: E731
+    short = random_cache(layers=2, heads=2, seq=15, dim=8)
+    cases = [
+        (random_cache(layers=3, heads=2, seq=16, dim=8), "3 layers, the file 2"),
+        (short, r"layer 0 keys is torch.bfloat16 \[1, 2, 15, 8\], the file's is torch.bfloat16 \[1, 2, 16, 8\]"),
+        (random_cache(layers=2, heads=2, seq=16, dim=8, dtype=torch.float32), "layer 0 keys is torch.float32"),
+        ("not a cache", "into= takes a cache"),
+    ]
+    bad = fresh()
+    bad.keys[1] = bad.keys[1].transpose(2, 3).contiguous().transpose(2, 3)
+    cases.append((bad, "layer 1 keys must be a C-contiguous CPU tensor"))
+    bad = fresh()
+    bad.values[0] = bad.values[0].clone().requires_grad_()
+    cases.append((bad, "layer 0 values must be .* requires_grad: True"))
+    bad = fresh()
+    bad.values[1] = bad.keys[1]
+    cases.append((bad, "layer 1 keys and layer 1 values share memory"))
+    for into, match in cases:
+        with pytest.raises(kvcodec.ConfigError, match=match):
+            kvcodec.decode(data, output="kvcache", into=into)
+    bad = bytearray(data)
+    info = kvcodec.inspect(data)
+    sec = info["sections"][-1]
+    bad[sec["offset"] + sec["bytes"] - 3] ^= 0x40  # inside the last payload: its checksum fails
+    with pytest.raises(kvcodec.FormatError):
+        kvcodec.decode(bytes(bad), output="kvcache", into=fresh())
+    assert scratch.outstanding() == 0

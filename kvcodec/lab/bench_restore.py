@@ -7,6 +7,8 @@ time from the file on disk to a ``DynamicCache`` the model takes as ``past_key_v
 
 * ``kvcodec.load(path, model)`` for each tier, with one thread and with every core (the token tiers with the
   static token model; ``--lm`` adds the exact tier with the model-coded token channel, minutes per restore);
+  lossless and lossy 2 bits also with ``into=`` a cache kept from an earlier restore (written in place: no
+  new memory, as the memcpy row);
 * ``safetensors.torch.load_file`` + the same conversion, and zstd -3 decompression + the same conversion;
 * recomputing the cache from its token ids with one prefill (the token ids are assumed known: the cheapest
   recompute there is);
@@ -57,6 +59,8 @@ TIERS = [
     ("exact", {"tier": "exact", "token_model": "static"}),
     ("tokens", {"tier": "tokens", "token_model": "static", "tolerance": None}),
 ]
+#: the tiers also restored into the tensors of a cache kept from an earlier restore (``kvcodec.decode(into=)``)
+INTO_ROWS = ("lossless", "lossy 2 bits")
 #: the token tiers with the model-coded token channel (``--lm``): restoring decodes one token per model step,
 #: about the time of an incremental pass over the text (BENCHMARKS.md, "Times"), so 2,048 tokens take minutes
 LM_TIERS = [
@@ -189,6 +193,11 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
                 threads, same_as(ref) if exact else None)
             if enc is not None:  # the encoder of a direct tier, same thread count (timed after the restores)
                 encoders[f"kvz {name}"] = enc
+            if name in INTO_ROWS:  # into the tensors of a cache kept from an earlier restore (no new memory)
+                buf = api.load(p, model, threads=threads, predictors=pred, output="kvcache")
+                add(f"kvz {name}, into a kept cache", p,
+                    lambda p=p, threads=threads, buf=buf: api.load(p, model, threads=threads, into=buf),
+                    threads, same_as(ref) if exact else None)
 
         def recompute():  # the cheapest recompute: the cache, and the logits of the last position only
             with torch.no_grad():

@@ -436,13 +436,20 @@ class _DirectDecoder:
     def states(self, layers) -> dict:
         return read_states(self.f, layers)
 
-    def layers(self, layers, progress=None) -> dict:
+    decodes_into = True  # layers(into=): the caller's arrays (KvzFile.to_kvcache checked them)
+
+    def layers(self, layers, progress=None, into: dict | None = None) -> dict:
+        """``{(layer, part): tensor}`` of ``layers``; ``into``: ``{(layer, part): uint16/uint32 array}`` to write
+        them into (C-contiguous, of the layer's shape; those it lacks hold no entries), instead of new memory."""
         f, h = self.f, self.f.header
         dt = DTYPES[h.dtype]
         jobs = []
         shapes = {(li, p): (h.batch, h.layers[li].kv_heads, h.layers[li].seq_len, h.layers[li].dim(p))
                   for li in layers for p in (L.PART_KEYS, L.PART_VALUES)}
-        outs = output_block(shapes, dt.uint)
+        if into is None:
+            outs = output_block(shapes, dt.uint)
+        else:
+            outs = {key: into[key] if key in into else np.empty(shape, dtype=dt.uint) for key, shape in shapes.items()}
         for li in layers:
             lay = h.layers[li]
             if lay.heads is not None:  # (1.8) the absent entries of heads holding fewer: zero
