@@ -179,9 +179,9 @@ def vector_predictors(case: str):
     return predict.from_bytes(path.read_bytes()) if path.is_file() else None
 
 
-def check_vector(case: str, model=None):
+def check_vector(case: str, model=None, numerics: str = "strict"):
     """Decode golden vector ``case`` (spec/vectors) and compare with the SHA-256 of its recorded tensors, token ids
-    and start position; returns the decoded KVCache."""
+    and start position; returns the decoded KVCache.  ``numerics``: as :func:`kvcodec.decode`'s."""
     import hashlib
     import json
     from pathlib import Path
@@ -192,7 +192,7 @@ def check_vector(case: str, model=None):
     meta = json.loads((vectors / f"{case}.json").read_text())
     data = (vectors / f"{case}.kvz").read_bytes()
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"], "the vector's bytes changed"
-    kv = kvcodec.decode(data, model, output="kvcache", predictors=vector_predictors(case))
+    kv = kvcodec.decode(data, model, output="kvcache", predictors=vector_predictors(case), numerics=numerics)
 
     def sha(t):
         return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

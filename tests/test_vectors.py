@@ -153,6 +153,13 @@ def _require_numerics(case):
                     "the vector (the portable parts are tested by test_token_tier_vector_*)")
 
 
+#: how the numerics-bound tests decode a token-tier vector.  They run only where _require_numerics found that this
+#: machine regenerates the vector's cache bit for bit; the file's recorded profile also names library versions
+#: (transformers ...), which may differ here while the float results do not, and which the default "strict"
+#: refuses by design (test_numerics.py tests that refusal): "try" decodes, the file's checksums still guard it
+MATCHED = "try"
+
+
 @pytest.mark.parametrize("case", TOKEN_TIERS)
 def test_token_tier_vector_container(case):
     """Portable: the file, its header and every checksum, read without a model; decoding asks for one."""
@@ -209,9 +216,10 @@ def test_decode_token_tier_vector(case):
     _require_numerics(case)
     meta, data = _load(case)
     if meta["options"].get("tier", "exact") == "exact":
-        check_vector(case, _vector_model(case))
+        check_vector(case, _vector_model(case), numerics=MATCHED)
     else:  # within the tolerance: the decoder checks every slice against its tensor checksum
-        assert kvcodec.decode(data, _vector_model(case), output="kvcache").tokens.tolist() == meta["tokens"]
+        kv = kvcodec.decode(data, _vector_model(case), output="kvcache", numerics=MATCHED)
+        assert kv.tokens.tolist() == meta["tokens"]
 
 
 @pytest.mark.numerics
@@ -223,7 +231,7 @@ def test_reencode_token_tier_vector(case):
     _require_numerics(case)
     meta, data = _load(case)
     model = _vector_model(case)
-    kv = kvcodec.decode(data, model, output="kvcache")
+    kv = kvcodec.decode(data, model, output="kvcache", numerics=MATCHED)
     info = KvzReader(data).header.raw["info"]
     again = kvcodec.encode(kv, model, info=info, tokens=kv.tokens, **_encode_options(meta))
     with KvzReader(data) as a, KvzReader(again) as b:
