@@ -239,7 +239,7 @@ def test_encoder_is_reusable_and_equals_encode():
 
 
 from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: E402
 
 
 @given(st.data())
