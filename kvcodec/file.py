@@ -15,8 +15,7 @@ from . import registry
 from .cache import KVCache
 from .container import layout as L
 from .container.reader import KvzReader
-from .dtypes import DTYPES
-from .dtypes import of as DTYPES_BY_TORCH
+from .dtypes import DTYPES, bit_patterns
 from .errors import ConfigError
 from .identity import check_model
 
@@ -28,19 +27,6 @@ def open_path(path, mode: str):
     import fsspec
 
     return fsspec.open(os.fspath(path) if isinstance(path, os.PathLike) else path, mode).open()
-
-
-def _bit_view(t: torch.Tensor):
-    """The bit patterns of C-contiguous CPU tensor ``t`` as a uint16/uint32 NumPy array sharing its memory."""
-    d = DTYPES_BY_TORCH(t.dtype)
-    return t.detach().view(d.int_view).numpy().view(d.uint)
-
-
-def _empty(h, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``i``'s keys and values when they hold no entries (as the decoders make them)."""
-    lay = h.layers[i]
-    return tuple(torch.empty((h.batch, lay.kv_heads, lay.seq_len, lay.dim(p)), dtype=dtype)
-                 for p in (L.PART_KEYS, L.PART_VALUES))
 
 
 def _is_url(source) -> bool:
@@ -130,26 +116,19 @@ class KvzFile:
         written with the decoded ones (:func:`kvcodec.decode`)."""
         h = self.header
         n = len(h.layers)
+        if into is not None and regenerated is not None:
+            raise ConfigError("into= and regenerated= do not go together")
         if into is not None:
-            if regenerated is not None:
-                raise ConfigError("into= and regenerated= do not go together")
             dest = self._destination(into)
             if hasattr(self._decoder, "decodes_into"):  # the direct tiers write into the tensors themselves
-                self._decoder.layers(range(n), progress, into={key: _bit_view(t) for key, t in dest.items()})
+                d = self._decoder.layers(range(n), progress, into={key: bit_patterns(t) for key, t in dest.items()})
             else:  # the others make their tensors (regenerated, predicted), then copy them in
-                for key, t in self._decoder.layers(range(n), progress).items():
-                    if key in dest:
-                        dest[key].copy_(t)
-            keys = [dest.get((i, L.PART_KEYS)) for i in range(n)]
-            values = [dest.get((i, L.PART_VALUES)) for i in range(n)]
-            empty = {i: _empty(h, i, self.dtype) for i in range(n) if keys[i] is None}
+                d = self._decoder.layers(range(n), progress)
+                for key, t in dest.items():
+                    t.copy_(d[key])
+            d, tokens = {**d, **dest}, self.tokens()  # the caller's tensor objects where it gave them
             states = self._decoder.states(range(n))
-            return KVCache([empty[i][0] if i in empty else k for i, k in enumerate(keys)],
-                           [empty[i][1] if i in empty else v for i, v in enumerate(values)], self.tokens(),
-                           h.start_position, [lay.sliding_window for lay in h.layers],
-                           [lay.cumulative_length for lay in h.layers], [states.get(i) for i in range(n)],
-                           reduce=h.reduce)
-        if regenerated is None:
+        elif regenerated is None:
             d, tokens = self._decoder.layers(range(n), progress), self.tokens()
             states = self._decoder.states(range(n))
         elif hasattr(self._decoder, "regenerated"):
