@@ -316,6 +316,8 @@ def cmd_store(args) -> int:
         # --with-model: model-coded cold chunks are decoded, evicted positions recomputed, evicted chunks coded
         model = _load_model(args.model, args.dtype) if args.with_model else None
         store = Store(args.url, model, storage_options=opts)
+        if not store.exists():  # a mistyped path or bucket is an error, not an empty store
+            raise FileNotFoundError(f"no store at {args.url} ({store.root} has no ns/ directory)")
     if args.action == "ls":
         keys = store.sessions()
         if args.json:
@@ -330,7 +332,7 @@ def cmd_store(args) -> int:
             print(json.dumps(st, indent=2))
             return 0
         print(f"{args.url}: {st['sessions']} sessions, {st['chunks']} chunks (+ {st['cold_chunks']} cold), "
-              f"{st['pointers']} prefix pointers, {_human(st['bytes'])}, {st['quarantined']} quarantined")
+              f"{st['entries']} prefix entries, {_human(st['bytes'])}, {st['quarantined']} quarantined")
         for ns, d in st["namespaces"].items():
             rec = d["record"] or {}
             model = (rec.get("model") or {}).get("fingerprint", "none")[:16]
@@ -340,12 +342,13 @@ def cmd_store(args) -> int:
         return 0
     if args.action == "gc":
         bar = _progress(None, "evicting", "chunk") if args.max_bytes is not None else None
-        removed = store.gc(args.grace, args.max_bytes, cold=args.cold, progress=None if bar is None else bar.update)
+        removed = store.gc(args.grace, args.max_bytes, cold=args.cold, progress=None if bar is None else bar.update,
+                           wait=args.wait)
         if bar is not None:
             bar.close()
         evicted = (f"; evicted {removed['evicted']} chunks ({_human(removed['evicted_bytes'])}), "
                    f"{removed['cold_lm']} of them model-coded") if args.max_bytes is not None else ""
-        _report(args, f"removed {removed['chunks']} chunks, {removed['pointers']} pointers, {removed['temporary']} "
+        _report(args, f"removed {removed['chunks']} chunks, {removed['entries']} prefix entries, {removed['temporary']} "
                 f"temporary files ({_human(removed['bytes'])}){evicted}", **removed)
         return 0
     if args.action == "rm":
@@ -385,14 +388,20 @@ def cmd_store(args) -> int:
         raise ConfigError("kvz store put URL (--text FILE | --cache FILE.safetensors)")
     if args.cache is not None:
         kv = _cache_from_safetensors(args.cache)
-        model = _load_model(args.model, kv.dtype_name) if kv.tokens is None else None
+        if args.model_id is not None and kv.tokens is None:
+            raise ConfigError("--model-id: the cache file carries no token ids (the model recovers them: drop "
+                              "--model-id)")
+        # the namespace is the model's (its fingerprint), as for --text: the same session put either way is
+        # stored once; --model-id names a model that is not loaded (a store without the model)
+        model = None if args.model_id is not None else _load_model(args.model, kv.dtype_name)
+        if model is not None:
+            _check_cache_fits(kv, model[0], args.model)
         cache, ids = kv, kv.tokens
     else:
         model = _load_model(args.model, args.dtype)
         ids = tokenize(model[1], Path(args.text).read_text(encoding="utf-8"), args.max_tokens)
         cache = prefill(model[0], ids)
-    store = Store(args.url, model, storage_options=opts, chunk_tokens=args.chunk_tokens,
-                  model_id=None if model is not None else args.model)  # a cache with its tokens: named by --model
+    store = Store(args.url, model, storage_options=opts, chunk_tokens=args.chunk_tokens, model_id=args.model_id)
     n = store.match(ids, model, dtype=None if model else cache.dtype)[0] if ids is not None else 0
     bar = _progress(int(ids.shape[-1]) if ids is not None else 0, "storing", "token")
     key = store.put(cache, model, tokens=ids, progress=bar.update)
@@ -400,6 +409,21 @@ def cmd_store(args) -> int:
     _report(args, f"{key}  ({n} of {int(ids.shape[-1]) if ids is not None else '?'} tokens were already stored)",
             key=key, already_stored=n)
     return 0
+
+
+def _check_cache_fits(kv, model, name: str) -> None:
+    """A cache file put under a model's namespace must be that model's shape (layers, KV heads, head size)."""
+    cfg = getattr(model, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
+    dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0)
+                                             // max(1, getattr(cfg, "num_attention_heads", 1) or 1))
+    k = kv.keys[0]
+    if (layers is not None and kv.num_layers != layers) or (heads and k.shape[1] != heads) \
+            or (dim and k.shape[3] != dim):
+        raise ConfigError(f"the cache ({kv.num_layers} layers, {k.shape[1]} KV heads of {k.shape[3]}) is not a cache "
+                          f"of --model {name} ({layers} layers, {heads} KV heads of {dim}): pass its --model, or "
+                          "--model-id NAME to store it without one")
 
 
 def cmd_demo(args) -> int:
@@ -625,7 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", help="put: UTF-8 text file: the model's cache over its first --max-tokens tokens")
     s.add_argument("--cache", help="put: a cache saved as safetensors, as `kvz decode` writes it (with tokens, or "
                                    "the model recovers them)")
-    s.add_argument("--model", default="smollm2", help="put: embedded model name or local model directory")
+    s.add_argument("--model", default="smollm2", help="put: embedded model name or local model directory (its "
+                                                       "fingerprint names the namespace)")
+    s.add_argument("--model-id", default=None,
+                   help="put --cache: store without loading a model, under this name (a namespace of its own)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="put --text: the model's dtype")
     s.add_argument("--max-tokens", type=int, default=2048, help="put --text: tokens of the text to run")
     s.add_argument("--chunk-tokens", type=int, default=256, help="put: positions per chunk (part of the namespace)")
@@ -636,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bytes", type=int, default=None,
                    help="gc: then evict least recently used chunks until the hot chunks take at most this many "
                         "bytes (their sessions keep their token ids: cold)")
+    s.add_argument("--wait", type=float, default=0.0,
+                   help="gc: wait up to this many seconds for another collection to end (default: fail at once)")
     s.add_argument("--cold", default="auto", choices=["auto", "lm", "ids"],
                    help="gc --max-bytes: code evicted chunks' ids with the model (lm: a few bits per token, read "
                         "back on an engine with the same numerics) or with zstd (ids: any machine); auto: lm with "

@@ -13,7 +13,10 @@ message names the field and, where there is one, the byte offset::
     │   ├── TrailingData
     │   ├── OffsetError                 holes, overlaps, index disagreeing with sections
     │   ├── LimitExceeded               a declared size beyond the decoder's limits
-    │   └── ChecksumMismatch
+    │   ├── ChecksumMismatch
+    │   └── UnsafeObject                a store object that is not a plain file (a link, a FIFO, a directory)
+    ├── ObjectMissing (+FileNotFoundError) a store object a session needs is not there
+    ├── StoreBusy                       another collector holds the store's collection lease
     ├── ModelMismatch                   the file needs another model than the one given
     ├── NumericsMismatch                this machine cannot reproduce the file's float results
     ├── PredictorsRequired              a predicted lossy file needs the predictors it names
@@ -34,7 +37,8 @@ import warnings
 __all__ = [
     "KvzError", "FormatError", "BadMagic", "UnsupportedVersion", "UnknownId",
     "ReservedBitSet", "TruncatedFile", "TrailingData", "OffsetError",
-    "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch", "PredictorsRequired", "UnsupportedCache",
+    "LimitExceeded", "ChecksumMismatch", "UnsafeObject", "ObjectMissing", "StoreBusy", "ModelMismatch",
+    "NumericsMismatch", "PredictorsRequired", "UnsupportedCache",
     "ConfigError",
     "BackendUnavailable", "FallbackWarning", "warn",
 ]
@@ -101,6 +105,23 @@ class LimitExceeded(FormatError):
 
 class ChecksumMismatch(FormatError):
     """A stored checksum does not match the bytes it covers."""
+
+
+class UnsafeObject(FormatError):
+    """A store object (or a directory on its path) that is not a plain file or directory: a symbolic link, a
+    FIFO, a device, a directory where a file belongs.  Never followed, read or deleted; a reader moves it to
+    the store's ``quarantine/`` where it stands at an object's name."""
+
+
+class ObjectMissing(KvzError, FileNotFoundError):
+    """A store object that a session needs (a chunk, a cold chunk, a numerics profile) is not there: the
+    session was evicted without the model that recomputes it, or is damaged.  Also a ``FileNotFoundError``
+    (earlier versions raised that)."""
+
+
+class StoreBusy(KvzError):
+    """Another process holds the store's collection lease (spec/store.md §7): one collection at a time.  The
+    message names the holder and when its lease lapses."""
 
 
 class ModelMismatch(KvzError):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.store import keys as K
 from kvcodec.store import token_ids
 
 from .common import VOCAB, greedy_from, model_cache, tiny_model
@@ -31,6 +32,22 @@ def _session(prefix, tail, layers=2, heads=2, dim=8, seed=0, dtype=torch.bfloat1
     keys = [t[:, i, 0].permute(1, 0, 2)[None].contiguous() for i in range(layers)]
     values = [t[:, i, 1].permute(1, 0, 2)[None].contiguous() for i in range(layers)]
     return kvcodec.KVCache(keys, values), ids
+
+
+def _path(store, rel) -> Path:
+    """A store object's path on disk (store paths are relative to its root)."""
+    return Path(store.root) / rel
+
+
+def _reached(store) -> set:
+    """The chunk objects (hot and cold) the sessions reach, with their bases."""
+    out = set()
+    for key in store:
+        ns, m = store._manifest(key, ids=False)
+        for k, _first, _count in m["chain"]:
+            for kk in (k, *store._bases(ns, k)):
+                out |= {_path(store, K.chunk_path(ns, kk)), _path(store, K.cold_path(ns, kk))}
+    return out
 
 
 def _ids(n, seed):
@@ -54,19 +71,29 @@ def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
         assert back.equal(kv) and back.tokens.shape == (1, kv.seq_len)
     assert store.put(caches[0], tokens=store.tokens(keys[0])) == keys[0]  # idempotent: same key, nothing new
     assert store.stats()["chunks"] == st["chunks"]
-    # each position is stored once, but the 4 prefix positions of chunk 3 (96..99): too few for a pointer
+    # each position is stored once, to the token: chunk 3's 4 shared positions (96..99) too, found through the
+    # prefix entries of level 0
     held = sum(kvcodec.inspect(p)["tokens"] for p in (tmp_path / "ns").rglob("chunks/*/*.kvz"))
-    assert held == 100 + sum(kv.seq_len - 100 for kv in caches) + 4 * (len(caches) - 1)
+    assert held == 100 + sum(kv.seq_len - 100 for kv in caches)
 
 
-def test_match_finds_the_longest_stored_prefix_to_the_granularity(tmp_path):
+def _shared(a, b) -> int:
+    """How many leading token ids two [1, n] tensors share (the oracle: no store code)."""
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, :n] != b[0, :n]).nonzero()
+    return int(diff[0, 0]) if len(diff) else n
+
+
+def test_match_finds_the_longest_stored_prefix_to_the_token(tmp_path):
     store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=8)
     prefix = _ids(70, 2)
     kv, ids = _session(prefix, _ids(30, 3))
     store.put(kv, tokens=ids)
-    # exact once a pointer (every 8 tokens) finds the chunk: 70 shares only 6 tokens of its third chunk
-    for shared, expect in ((100, 100), (70, 64), (75, 75), (31, 31), (5, 0)):
+    # exact to the token: 70 shares 6 tokens of its third chunk, 5 shares 5 of the first (entries of level 0)
+    for shared in (100, 70, 75, 31, 5, 0):
         q = torch.cat([ids[:, :shared], _ids(12, 50 + shared)], 1) if shared < 100 else ids
+        expect = _shared(q, ids)
+        assert expect >= shared
         n, cache = store.match(q, dtype=torch.bfloat16, output="kvcache")
         assert n == expect, (shared, n)
         if n:
@@ -173,7 +200,7 @@ def test_gc_removes_only_unreferenced_objects_older_than_the_grace(tmp_path):
     store.delete(k2)
     assert store.gc()["chunks"] == 0  # younger than the default grace (a writer may be publishing them)
     removed = store.gc(grace_seconds=0)
-    assert removed["chunks"] == 3 and removed["pointers"] > 0
+    assert removed["chunks"] == 3 and removed["entries"] > 0
     assert store.get(k1, output="kvcache").equal(kept) and list(store) == [k1]
     with pytest.raises(KeyError):
         store.delete(k2)
@@ -254,17 +281,17 @@ def test_a_writer_killed_at_any_moment_leaves_no_visible_partial_entry(tmp_path)
         r = _run_writer(tmp_path, "kill", trials=50, offset=offset)
         assert r.returncode == 0 and "trials done" in r.stdout, r.stderr[-3000:]
         temps = [p for p in tmp_path.rglob("*") if p.name.endswith(".kvz-tmp")]
-        keep = {p.lstrip("/") for p in store._referenced()[0]}
-        orphans = [p for p in tmp_path.rglob("*.kvz") if str(p).lstrip("/") not in keep]
+        keep = _reached(store)
+        orphans = [p for p in tmp_path.rglob("*.kvz") if p not in keep]
         if temps or orphans:
             break
     _check_every_session(store)
     removed = store.gc(grace_seconds=0)
     assert removed["temporary"] == len(temps)
-    assert removed["temporary"] + removed["chunks"] + removed["pointers"] > 0, "no kill landed inside a put"
+    assert removed["temporary"] + removed["chunks"] + removed["entries"] > 0, "no kill landed inside a put"
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".kvz-tmp")]
     _check_every_session(store)
-    assert store.gc(grace_seconds=0) == {"chunks": 0, "pointers": 0, "temporary": 0, "bytes": 0}
+    assert store.gc(grace_seconds=0) == {"chunks": 0, "entries": 0, "temporary": 0, "bytes": 0}
 
 
 # -- S3: a real S3-compatible server on loopback ----------------------------------------------------------------
@@ -326,7 +353,10 @@ def test_command_line(tmp_path, capsys):
          for p, x in (("keys", k), ("values", v))}
     save_file({**t, "tokens": ids}, str(tmp_path / "c.safetensors"))
     url = str(tmp_path / "store")
-    put = ["store", "put", url, "--cache", str(tmp_path / "c.safetensors"), "--chunk-tokens", "16", "--json"]
+    assert main(["store", "stats", url]) == 2  # no store there yet: an error, not 0 sessions
+    assert "no store" in capsys.readouterr().err
+    put = ["store", "put", url, "--cache", str(tmp_path / "c.safetensors"), "--chunk-tokens", "16", "--json",
+           "--model-id", "test"]
     assert main(put) == 0 and json.loads(capsys.readouterr().out)["already_stored"] == 0
     assert main(put) == 0 and json.loads(capsys.readouterr().out)["already_stored"] == 49
     assert main(["store", "ls", url, "--json"]) == 0
@@ -404,14 +434,14 @@ def test_a_chunk_under_another_name_or_a_bad_cold_object_is_caught(tmp_path):
     ns = key.split(":")[0]
     mine = store._manifest(key)[1]["chain"]
     theirs = store._manifest(store.sessions()[0] if store.sessions()[0] != key else store.sessions()[1])[1]["chain"]
-    Path(store._chunk_path(ns, mine[1][0])).write_bytes(Path(store._chunk_path(ns, theirs[1][0])).read_bytes())
+    _path(store, K.chunk_path(ns, mine[1][0])).write_bytes(_path(store, K.chunk_path(ns, theirs[1][0])).read_bytes())
     with pytest.warns(UserWarning, match="quarantine"), pytest.raises(kvcodec.FormatError, match="other tokens"):
         store.get(key)
     store.put(kv, tokens=ids)  # the quarantined chunk is written again
     assert store.get(key, output="kvcache").equal(kv)
     store.gc(max_bytes=0)  # everything cold: token ids and parents only
     assert torch.equal(store.tokens(key), ids)
-    cold = Path(store._ids_path(ns, mine[0][0]))
+    cold = _path(store, K.cold_path(ns, mine[0][0]))
     cold.write_bytes(cold.read_bytes()[:-3])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -466,18 +496,26 @@ def test_match_routes_by_the_measured_cost(tmp_path):
 
 
 def test_a_writer_that_finds_its_own_chunk_meanwhile_never_makes_it_a_delta_of_itself(tmp_path, monkeypatch):
-    """Two writers of the same new chunk: the second saw it absent, then its pointer search finds the first
-    writer's copy.  It must not write the chunk as a delta on itself (a cycle: the session would be lost)."""
+    """Two writers of the same new chunk: the second saw it absent, then its lookup finds the first writer's
+    copy.  It must not write the chunk as a delta on itself (a cycle: the session would be lost)."""
     store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     kv, ids = _session(_ids(20, 1), _ids(7, 2))
     key = store.put(kv, tokens=ids)
-    real = store._exists
-    monkeypatch.setattr(store, "_exists", lambda p: False if p.endswith(".kvz") else real(p))
+    real, asked = store._hot_chain, set()
+
+    def first_look_misses(ns, k, start):  # the reuse check of each chunk misses, as the racing writer's did
+        if k not in asked:
+            asked.add(k)
+            return None
+        return real(ns, k, start)
+
+    monkeypatch.setattr(store, "_hot_chain", first_look_misses)
     assert store.put(kv, tokens=ids) == key  # as the racing writer would
-    monkeypatch.setattr(store, "_exists", real)
+    monkeypatch.setattr(store, "_hot_chain", real)
     assert store.get(key, output="kvcache").equal(kv)
-    for i, held in enumerate(store._manifest(key)[1]["chain"]):
-        assert store._chunk_header(key.split(":")[0], held[0], 16 * i)[1] != held[0]
+    ns = key.split(":")[0]
+    for held in store._manifest(key)[1]["chain"]:
+        assert store._hot(ns, held[0]).base != held[0]
 
 
 def _cold_objects(root):
@@ -504,7 +542,7 @@ def test_cold_chunks_keep_their_tokens_coded_with_the_model(tmp_path):
     assert sum(m > 0 for m in heads) == 2  # the two delta chunks stay deltas when cold
     assert all((p.stat().st_size - 52) % 4 == 0 for p in objs)
     store.gc(grace_seconds=0)  # what the sessions need stays; the cold chunks' pointers go
-    assert store.stats()["pointers"] == 0 and len(_cold_objects(tmp_path)) == len(objs)
+    assert store.stats()["entries"] == 0 and len(_cold_objects(tmp_path)) == len(objs)
     fresh = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
     for key, ids in sessions.items():
         assert torch.equal(fresh.tokens(key), ids)
@@ -569,10 +607,9 @@ def test_cold_ids_without_a_model_and_the_per_session_overhead(tmp_path):
     assert session.stat().st_size + len(raw) - 4 * words.size == 64
 
 
-def test_a_pointer_to_a_chunk_elsewhere_is_a_miss_and_the_chunk_stays(tmp_path):
-    """A prefix pointer names a chunk; one that names a chunk of another position or parent (a damaged or
-    hostile pointer) is the pointer's fault: a miss for the lookup, and the innocent chunk is not
-    quarantined."""
+def test_an_entry_naming_a_chunk_elsewhere_is_a_miss_and_the_chunk_stays(tmp_path):
+    """A prefix entry names a chunk; one that names a chunk of another position or parent (a damaged or
+    hostile entry) is the entry's fault: a miss for the lookup, and the innocent chunk is not quarantined."""
     store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=16, granularity=4)
     prefix = _ids(20, 1)
     kv, ids = _session(prefix, _ids(8, 2))
@@ -581,9 +618,10 @@ def test_a_pointer_to_a_chunk_elsewhere_is_a_miss_and_the_chunk_stays(tmp_path):
     chain = store._manifest(key)[1]["chain"]
     query = torch.cat([prefix[:, :16], _ids(8, 9)], 1)  # chunk 0 stored; chunk 1 starts differently
     nsb = bytes.fromhex(ns)
-    pointer = Path(store._pointer_path(ns, kvcodec.store.chunk_key(nsb, chain[0][0], token_ids(query)[16:20])))
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    pointer.write_bytes(chain[0][0] + (4).to_bytes(4, "little"))  # names chunk 0, which sits at position 0
+    q = token_ids(query)
+    directory = _path(store, K.entry_dir(ns, kvcodec.store.chunk_key(nsb, chain[0][0], q[16:20])))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / K.entry_name(q[20:24], chain[0][0])).write_bytes(b"")  # names chunk 0, at position 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no quarantine warning
         n, _ = store.match(query, dtype=torch.bfloat16)
@@ -653,16 +691,16 @@ def test_hostile_cold_objects_cost_work_in_proportion_to_their_size(tmp_path):
     real = next(p for p in _cold_objects(tmp_path) if p.stat().st_size > 52).read_bytes()
     fake = bytes(range(32))
     n = 100_000
-    Path(store._ids_path(ns, fake)).parent.mkdir(parents=True, exist_ok=True)
-    Path(store._ids_path(ns, fake)).write_bytes(real[:12] + n.to_bytes(4, "little") + bytes(4) + bytes(32)
-                                                + real[52:56])
-    session = Path(store._session_path(ns, fake.hex()))
+    _path(store, K.cold_path(ns, fake)).parent.mkdir(parents=True, exist_ok=True)
+    _path(store, K.cold_path(ns, fake)).write_bytes(real[:12] + n.to_bytes(4, "little") + bytes(4) + bytes(32)
+                                                    + real[52:56])
+    session = _path(store, K.session_path(ns, fake.hex()))
     session.parent.mkdir(parents=True, exist_ok=True)
     session.write_bytes(b"KVZSES1\x00" + n.to_bytes(4, "little"))
     with pytest.raises(kvcodec.FormatError, match="ran out|rejects") as e:
         store.tokens(f"{ns}:{fake.hex()}")
     assert e.value.field == "Cold.Words"
-    Path(store._session_path(ns, key.split(":")[1])).write_bytes(b"KVZSES1\x00" + (10 ** 6).to_bytes(4, "little"))
+    _path(store, K.session_path(ns, key.split(":")[1])).write_bytes(b"KVZSES1\x00" + (10 ** 6).to_bytes(4, "little"))
     with pytest.raises(kvcodec.FormatError) as e:
         store.tokens(key)
     assert e.value.field in ("Session", "Cold.L")
