@@ -10,10 +10,12 @@ Windows) and fsyncs the directory, so that:
   wins and leaves a complete, valid file;
 * a failed write removes its temporary file; a writer killed outright
   (``kill -9``, power loss) can leave one behind, which the next write to the
-  same target *on the same host* removes once the process that made it is gone
-  (``<host>`` is a hash of the host name: a process id says nothing about
-  another machine's writers on a shared file system, whose temporary files are
-  left to an age-based collector such as ``Store.gc``).
+  same target *on the same host* removes once no process holds it: a writer
+  holds an exclusive ``flock`` on its temporary file while it writes, which the
+  kernel drops when the writer dies.  A process id is not used to judge another
+  writer: containers sharing a volume and a host name see different process
+  ids (``<host>``, a hash of the host name, keeps other machines' files on a
+  shared file system out of the sweep).
 
 URLs (fsspec) are written directly: object stores publish an object only when
 its upload completes.
@@ -41,14 +43,23 @@ def _temp_name(target: str) -> str:
     return os.path.join(d, f".{base}.{HOST}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
 
 
-def _alive(pid: int) -> bool:
+def _held(path: str) -> bool:
+    """Does a live writer hold this temporary file (its flock)?  Unknown (no locks here) counts as held."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
+        import fcntl
+    except ImportError:
         return True
-    return True
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def sweep_stale(target: str) -> list[str]:
@@ -67,11 +78,11 @@ def sweep_stale(target: str) -> list[str]:
         parts = name[len(prefix):-len(SUFFIX)].split("-")
         if len(parts) != 3 or parts[0] != HOST:
             continue
-        pid = parts[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        path = os.path.join(d, name)
+        if not os.path.islink(path) and not _held(path):
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(d, name))
-                gone.append(os.path.join(d, name))
+                os.remove(path)
+                gone.append(path)
     return gone
 
 
@@ -106,6 +117,10 @@ def atomic_output(target, *, overwrite: bool = True):
     tmp = _temp_name(target)
     f = open(tmp, "xb")
     try:
+        with contextlib.suppress(ImportError, OSError):  # held until closed: a live writer's file is never swept
+            import fcntl
+
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield f
         f.flush()
         os.fsync(f.fileno())

@@ -64,6 +64,15 @@ _NEW_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0
 _UNSAFE = {errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EMLINK}
 
 
+def _flock(fd: int) -> None:
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):  # no locks here: the grace period alone protects a writer's file
+        pass
+
+
 class LocalBackend:
     """A directory on a local (or network) file system, read and written without following any link below
     its root (the root itself is resolved once: it is the user's choice)."""
@@ -158,6 +167,16 @@ class LocalBackend:
         finally:
             os.close(fd)
 
+    def head(self, rel: str, nbytes: int) -> bytes | None:
+        """The first ``nbytes`` of a plain object (its whole size unread), or None when absent."""
+        got = self._open_file(rel)
+        if got is None:
+            return None
+        try:
+            return os.read(got[0], nbytes)
+        finally:
+            os.close(got[0])
+
     def open(self, rel: str):
         """A binary file object of a plain file (for range reads), or None when absent."""
         got = self._open_file(rel)
@@ -183,12 +202,16 @@ class LocalBackend:
         return Item(name, kind, st.st_size, st.st_mtime)
 
     def listdir(self, rel: str, limit: int | None = None) -> list[Item] | None:
-        """The names in a directory (None when it is absent), at most ``limit`` files."""
+        """The names in a directory (None when it is absent, or not a plain directory: never followed), at
+        most ``limit`` files."""
         dirs = [p for p in rel.split("/") if p]
-        with self._dir(dirs) as d:
-            if d is None:
-                return None
-            return list(self._scan(d, limit))
+        try:
+            with self._dir(dirs) as d:
+                if d is None:
+                    return None
+                return list(self._scan(d, limit))
+        except UnsafeObject:
+            return None
 
     @staticmethod
     def _scan(d: int, limit: int | None = None):
@@ -213,10 +236,13 @@ class LocalBackend:
         """Every name below ``rel``: (relative path, Item), files and "other" entries; directories are entered
         only when they are plain directories."""
         dirs = [p for p in rel.split("/") if p]
-        with self._dir(dirs) as d:
-            if d is None:
-                return
-            yield from self._walk(d, "/".join(dirs))
+        try:
+            with self._dir(dirs) as d:
+                if d is None:
+                    return
+                yield from self._walk(d, "/".join(dirs))
+        except UnsafeObject:  # not a plain directory: nothing below it is the store's
+            return
 
     def _walk(self, d: int, prefix: str):
         sub = []
@@ -256,6 +282,7 @@ class LocalBackend:
             fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=d)
             try:
                 try:
+                    _flock(fd)  # held while it is written: a collector never takes a live writer's file
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
@@ -283,6 +310,22 @@ class LocalBackend:
             with contextlib.suppress(OSError):  # some file systems refuse fsync on directories
                 os.fsync(d)
             return True
+
+    def in_use(self, rel: str) -> bool:
+        """Is a temporary file being written now (its writer holds a lock on it, whatever its process id
+        namespace or host name)?"""
+        import fcntl
+
+        got = self._open_file(rel)
+        if got is None:
+            return False
+        try:
+            fcntl.flock(got[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(got[0])
+        return False
 
     def delete(self, rel: str) -> int:
         """Remove a plain file; its size, or -1 when it was not there (or is not a plain file: never
@@ -332,7 +375,7 @@ class LocalBackend:
     def remove_empty_dirs(self, rel: str) -> None:
         """Remove the empty directories below ``rel`` (best effort: a writer may be creating one)."""
         dirs = [p for p in rel.split("/") if p]
-        with self._dir(dirs) as d:
+        with contextlib.suppress(UnsafeObject), self._dir(dirs) as d:
             if d is not None:
                 self._prune(d)
 
@@ -442,6 +485,12 @@ class FsspecBackend:
             raise LimitExceeded(f"{rel}: more than the {limit} bytes such an object can hold", field="Object.size")
         return data
 
+    def head(self, rel: str, nbytes: int) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._abs(rel), start=0, end=nbytes)
+        except FileNotFoundError:
+            return None
+
     def open(self, rel: str):
         try:
             return self.fs.open(self._abs(rel), "rb")
@@ -544,6 +593,9 @@ class FsspecBackend:
 
     def touch(self, rel: str) -> None:
         """Object stores have no cheap way to refresh a time: eviction there is by write time."""
+
+    def in_use(self, rel: str) -> bool:
+        return False
 
     def clock(self) -> float:
         self.write("gc/clock", secrets.token_bytes(8))

@@ -121,7 +121,7 @@ class Collector(WritePath):
             for ns, lst in listing.items():
                 self._decide(ns, lst, marks[ns], now, grace, condemned, sizes)
             for rel, it in gc_temps:
-                if now - it.mtime >= grace:
+                if now - it.mtime >= grace and not self.backend.in_use(rel):
                     condemned[rel], sizes[rel] = "collect", it.size
             if max_bytes is not None:
                 self._evict(int(max_bytes), listing, marks, condemned, sizes, removed,
@@ -227,6 +227,18 @@ class Collector(WritePath):
             k = parent
         return out
 
+    def _cold_links(self, ns: str, key: bytes) -> tuple[bytes, bytes | None] | None:
+        """(parent or link, base or None) from a cold object's head alone (nothing else of it read)."""
+        head = self.backend.head(cold_path(ns, key), LM_HEAD.size)
+        if head is None:
+            return None
+        if head[:4] == LM_MAGIC and len(head) == LM_HEAD.size:
+            _magic, _pid, _n, m, link = LM_HEAD.unpack(head)
+            return (None, link) if m else (link, None)
+        if head[:8] == IDS_MAGIC and len(head) >= 40:
+            return head[8:40], None
+        return None
+
     def _parent_of(self, ns: str, key: bytes, depth: int = 0) -> bytes | None:
         if depth > MAX_BASE_DEPTH:
             return None
@@ -234,14 +246,12 @@ class Collector(WritePath):
             hot = self._hot(ns, key)
             if hot is not None:
                 return hot.parent
-            cold = self._cold(ns, key, max_tokens=1 << 32)
+            links = self._cold_links(ns, key)
         except KvzError:
             return None
-        if cold is None:
+        if links is None:
             return None
-        if cold.kind == "ids":
-            return cold.parent
-        return cold.link if not cold.m else self._parent_of(ns, cold.link, depth + 1)
+        return links[0] if links[1] is None else self._parent_of(ns, links[1], depth + 1)
 
     def _bases(self, ns: str, key: bytes):
         """The keys of a chunk object's bases, nearest first (a hot delta chunk's, a model-coded cold chunk's)."""
@@ -252,8 +262,8 @@ class Collector(WritePath):
                 if hot is not None:
                     k = hot.base
                 else:
-                    cold = self._cold(ns, k, max_tokens=1 << 32)
-                    k = cold.link if cold is not None and cold.kind == "lm" and cold.m else None
+                    links = self._cold_links(ns, k)
+                    k = None if links is None else links[1]
             except KvzError:
                 return
             if k is None or k in seen:
@@ -266,7 +276,7 @@ class Collector(WritePath):
                 sizes: dict) -> None:
         old = (lambda it: now - it.mtime >= grace)
         for rel, it in lst.collectable:
-            if old(it):
+            if old(it) and not (is_temp(it.name) and self.backend.in_use(rel)):
                 condemned[rel], sizes[rel] = "collect", it.size
         for key, objs in lst.chunks.items():
             if key in mark["reached"]:

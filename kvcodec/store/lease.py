@@ -168,6 +168,8 @@ class Lease:
         try:
             if self._phase != "done":
                 self._renew("done")
+        except StoreBusy:  # taken over: the lease is no longer this collector's to end
+            pass
         finally:
             self.backend.unlock(self._lock)
             self._lock = None

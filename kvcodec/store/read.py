@@ -301,7 +301,6 @@ class ReadPath(Objects):
             except ObjectMissing:  # a collection folding these chunks publishes the folded object first:
                 if attempt == 2:   # a walk that raced it finds that object when it looks again
                     raise
-                self._headers = None
                 time.sleep(0.05 * (attempt + 1))
         if not ids:
             return ns, {"num_tokens": n, "chain": links}
