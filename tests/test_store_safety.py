@@ -146,9 +146,9 @@ def test_reusing_unreferenced_chunks_during_a_collection(tmp_path, request, monk
     if where == "s3":
         opts = request.getfixturevalue("s3")
         url = f"s3://kvz-safety/reuse-{at}"
-        mk = lambda: _store(url, storage_options=opts, grace_seconds=1)  # noqa: E731
+        mk = lambda: _store(url, storage_options=opts, grace_seconds=1)
     else:
-        mk = lambda: _store(tmp_path, grace_seconds=0)  # noqa: E731
+        mk = lambda: _store(tmp_path, grace_seconds=0)
     store = mk()
     kv, ids = _session(_ids(40, 3), _ids(9, 4))
     key = store.put(kv, tokens=ids)
@@ -352,7 +352,7 @@ def test_a_live_writers_temporary_file_is_never_swept(tmp_path):
     """Defect 13: a temporary file whose writer is alive in another process - whose process id this one cannot
     see (another container on the same host name) - is neither swept by save() nor collected by gc, however
     old; once that writer is gone it is."""
-    import kvcodec.atomic as atomic
+    from kvcodec import atomic
 
     target = tmp_path / "c.kvz"
     temp = tmp_path / f".c.kvz.{atomic.HOST}-999999-abcd{atomic.SUFFIX}"  # a pid no process here has

@@ -504,12 +504,21 @@ class FsspecBackend:
 
     def stat(self, rel: str) -> Item | None:
         path = self._abs(rel)
+        name = rel.rsplit("/", 1)[-1]
+        if self.s3:  # one HEAD (s3fs's info() adds a listing for a missing key, to find "directories")
+            bucket, _, key = path.partition("/")
+            try:
+                h = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                return None
+            return Item(name, "file", int(h.get("ContentLength", 0)), _timestamp(h.get("LastModified")),
+                        h.get("ETag"))
         self.fs.invalidate_cache(path)
         try:
             info = self.fs.info(path)
         except FileNotFoundError:
             return None
-        return self._item(rel.rsplit("/", 1)[-1], info)
+        return self._item(name, info)
 
     def listdir(self, rel: str, limit: int | None = None) -> list[Item] | None:
         path = self._abs(rel)

@@ -119,7 +119,7 @@ class Collector(WritePath):
             marks = {ns: self._mark(ns, lst, lease) for ns, lst in listing.items()}
             condemned, sizes = {}, {}  # C3
             for ns, lst in listing.items():
-                self._decide(ns, lst, marks[ns], now, grace, condemned, sizes)
+                self._decide(ns, lst, marks[ns], now, grace, condemned, sizes, lease)
             for rel, it in gc_temps:
                 if now - it.mtime >= grace and not self.backend.in_use(rel):
                     condemned[rel], sizes[rel] = "collect", it.size
@@ -128,7 +128,7 @@ class Collector(WritePath):
                             None if cold == "ids" else model, now, grace, lease, progress)
             write_record(self.backend, epoch, "sweep", condemned)  # C4
             lease.phase("sweep")
-            self._reread(marks, condemned)  # C5
+            self._reread(marks, condemned, lease)  # C5
             self._sweep(condemned, sizes, removed, lease)  # C6
             if max_bytes is None:
                 for k in ("evicted", "evicted_bytes", "cold_lm"):
@@ -273,7 +273,7 @@ class Collector(WritePath):
 
     # -- C3: what to delete ------------------------------------------------------------------------------------
     def _decide(self, ns: str, lst: _Listing, mark: dict, now: float, grace: float, condemned: dict,
-                sizes: dict) -> None:
+                sizes: dict, lease) -> None:
         old = (lambda it: now - it.mtime >= grace)
         for rel, it in lst.collectable:
             if old(it) and not (is_temp(it.name) and self.backend.in_use(rel)):
@@ -285,7 +285,7 @@ class Collector(WritePath):
                 if old(it):
                     rel = chunk_path(ns, key) if kind == "kvz" else cold_path(ns, key)
                     condemned[rel], sizes[rel] = "collect", it.size
-        self._reconcile_entries(ns, lst, mark, old, condemned)
+        self._reconcile_entries(ns, lst, mark, old, condemned, lease)
 
     def _live(self, ns: str, key: bytes, mark: dict):
         """(start, parent, ids) of a reached hot chunk whose chain is hot (what a lookup can use), else None."""
@@ -303,7 +303,7 @@ class Collector(WritePath):
                     memo[key] = (start, got[2], got[0])
         return memo[key]
 
-    def _reconcile_entries(self, ns: str, lst: _Listing, mark: dict, old, condemned: dict) -> None:
+    def _reconcile_entries(self, ns: str, lst: _Listing, mark: dict, old, condemned: dict, lease) -> None:
         """Entries (spec §5) for every live hot chunk: an entry naming no such chunk goes (once old enough);
         a level of a live chunk that no entry with its next ids covers gets one (written now, before anything
         is deleted, so a lookup never meets a gap)."""
@@ -312,7 +312,11 @@ class Collector(WritePath):
         except (KeyError, KvzError):
             return
         nsb = bytes.fromhex(ns)
-        live = {k: v for k in mark["reached"] if (v := self._live(ns, k, mark)) is not None}
+        live = {}
+        for k in mark["reached"]:
+            lease.keepalive()
+            if (v := self._live(ns, k, mark)) is not None:
+                live[k] = v
         needed: dict[tuple[str, str], bytes] = {}  # (directory, next ids) -> a live chunk with that level
         described = set()  # (directory, next ids, chunk): the levels of the live chunks
         for key, (_start, parent, ids) in live.items():
@@ -454,7 +458,7 @@ class Collector(WritePath):
         return self._profiles[ns, self._engine(mdl)]
 
     # -- C5, C6 --------------------------------------------------------------------------------------------------
-    def _reread(self, marks: dict, condemned: dict) -> None:
+    def _reread(self, marks: dict, condemned: dict, lease) -> None:
         """The sessions listed again: whatever a session that C2 did not see reaches is kept (not collected,
         evicted or folded), and so are the entries naming it."""
         for ns in self.namespaces():
@@ -464,6 +468,7 @@ class Collector(WritePath):
                 name = it.name
                 if it.kind == "file" and name.endswith(".kvs") and is_hex64(name[:-4]) and (
                         mark is None or name[:-4] not in mark["seen"]):
+                    lease.keepalive()
                     self._mark_session(ns, name[:-4], fresh)
             if not fresh["reached"]:
                 continue

@@ -47,9 +47,10 @@ class State:
         return self.phase != "done"
 
 
-def read_state(backend) -> State:
-    """The lease as it is now (epoch 0, done, when no collection ever ran)."""
-    st = backend.stat(LEASE) if not backend.local else None
+def read_state(backend, etag: bool = False) -> State:
+    """The lease as it is now (epoch 0, done, when no collection ever ran); ``etag``: with the object store's
+    ETag and time of it (one more request)."""
+    st = backend.stat(LEASE) if etag and not backend.local else None
     try:
         raw = backend.read(LEASE, LEASE_LIMIT)
     except KvzError as e:
@@ -114,6 +115,8 @@ class Lease:
             return None
         st = b.stat(LEASE)
         prev = read_state(b)
+        if st is None and prev.epoch:  # deleted meanwhile: take it as another collector's
+            return f"the lease of {b.describe()} changed while it was read"
         if st is None:
             self.epoch = prev.epoch + 1
             ok = b.write(LEASE, self._payload("mark"), create=True)
@@ -212,14 +215,24 @@ def prune_records(backend, epoch: int) -> None:
             backend.delete(f"gc/epochs/{name}")
 
 
+def _fence_out(backend, s: State) -> bool:
+    """End a collection whose lease was not renewed for a whole lease period (object stores): a conditional
+    write of its lease (``If-Match`` the lease as last seen) marks it done, so that the collector - if it was
+    only slow - fails its next renewal and deletes nothing more.  False when the lease changed meanwhile."""
+    data = canonical({"format": "kvz-store-lease", "epoch": s.epoch, "phase": "done",
+                      "holder": f"ended by {_holder()}: {s.holder} did not renew its lease",
+                      "renewals": s.renewals + 1})
+    return bool(s.etag) and backend.write(LEASE, data, if_match=s.etag)
+
+
 def wait_finished(backend, epoch: int, lease_seconds: float, timeout: float) -> State:
     """Wait until collection ``epoch`` is over: done, followed by another, or dead (local: nobody holds the
-    lock; object stores: its lease was not renewed for ``lease_seconds``, as seen from here).  StoreBusy after
-    ``timeout`` seconds."""
+    lock; object stores: its lease was not renewed for ``lease_seconds`` as seen from here, and is then ended
+    with a conditional write so that it cannot resume).  StoreBusy after ``timeout`` seconds."""
     t0 = time.monotonic()
     seen, since, delay = None, t0, 0.02
     while True:
-        s = read_state(backend)
+        s = read_state(backend, etag=not backend.local)
         if s.epoch > epoch or not s.active:
             return s
         if backend.local:
@@ -229,8 +242,8 @@ def wait_finished(backend, epoch: int, lease_seconds: float, timeout: float) -> 
             mark = (s.etag, s.renewals)
             if mark != seen:
                 seen, since = mark, time.monotonic()
-            elif time.monotonic() - since > lease_seconds:
-                return s
+            elif time.monotonic() - since > lease_seconds and _fence_out(backend, s):
+                return read_state(backend)
         if time.monotonic() - t0 > timeout:
             raise StoreBusy(f"collection {epoch} of {backend.describe()} condemned objects this put needs and did "
                             f"not end within {timeout:.0f} s: the session is published but not settled; put it "

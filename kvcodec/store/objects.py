@@ -115,6 +115,25 @@ class Objects:
             self._quarantine(rel, e)
             return None
 
+    def _read_file(self, rel: str, fn):
+        """``fn(file object)`` on a plain object, or None when it is absent - also when it vanished while it
+        was read (a collector removed it); read again when it was replaced while read (an object store's read
+        is pinned to one version of the object: s3fs's FileExpired)."""
+        for attempt in range(3):
+            fh = self._open(rel)
+            if fh is None:
+                return None
+            try:
+                return fn(fh)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if type(e).__name__ != "FileExpired" or attempt == 2:
+                    raise
+            finally:
+                fh.close()
+        return None
+
     def _exists(self, rel: str) -> bool:
         st = self.backend.stat(rel)
         return st is not None and st.kind == "file"
@@ -310,22 +329,23 @@ class Objects:
         if memo is not None and (ns, key) in memo:
             return memo[ns, key]
         path = chunk_path(ns, key)
-        fh = self._open(path)
-        if fh is None:
-            return None
+
+        def header(fh):
+            with KvzFile(fh) as f:
+                return f.header, f.tokens()
+
         try:
-            try:
-                with KvzFile(fh) as f:
-                    h, ids = f.header, f.tokens()
-                base, m, parent = chunk_links(h.raw.get("info"), key)
-                held = ids[0].numpy().astype(np.int64) if ids is not None else None
-                if held is None or h.batch != 1 or parent is None or h.start_position < m or held.size == 0:
-                    raise FormatError(f"chunk {key.hex()[:16]}… is not a store chunk (token ids "
-                                      f"{'stored' if held is not None else 'missing'}, batch {h.batch}, start "
-                                      f"{h.start_position}, {m} from a base, parent {parent is not None})",
-                                      field="Header.info")
-            finally:
-                fh.close()
+            got = self._read_file(path, header)
+            if got is None:
+                return None
+            h, ids = got
+            base, m, parent = chunk_links(h.raw.get("info"), key)
+            held = ids[0].numpy().astype(np.int64) if ids is not None else None
+            if held is None or h.batch != 1 or parent is None or h.start_position < m or held.size == 0:
+                raise FormatError(f"chunk {key.hex()[:16]}… is not a store chunk (token ids "
+                                  f"{'stored' if held is not None else 'missing'}, batch {h.batch}, start "
+                                  f"{h.start_position}, {m} from a base, parent {parent is not None})",
+                                  field="Header.info")
         except KvzError as e:
             self._quarantine(path, e)
             raise

@@ -419,19 +419,20 @@ class ReadPath(Objects):
         from ..file import KvzFile
 
         path = chunk_path(ns, key)
-        fh = self._open(path)
-        if fh is None:
-            raise ObjectMissing(f"chunk {key.hex()} is not stored hot", field="Chunk")
+
+        def decode(fh):
+            with KvzFile(fh) as f:
+                self._attach_predictors(ns, f)
+                return f.to_kvcache(), f.header.raw.get("info")
+
         try:
-            try:
-                with KvzFile(fh) as f:
-                    self._attach_predictors(ns, f)
-                    kv, info = f.to_kvcache(), f.header.raw.get("info")
-            finally:
-                fh.close()
+            got = self._read_file(path, decode)
+            if got is None:
+                raise ObjectMissing(f"chunk {key.hex()} is not stored hot", field="Chunk")
+            kv, info = got
             base, bm, own_parent = chunk_links(info, key)
-        except PredictorsRequired:
-            raise  # the chunk is intact: its namespace's predictors are not
+        except (PredictorsRequired, ObjectMissing):
+            raise  # the chunk is intact (its namespace's predictors are not), or not there
         except KvzError as e:
             self._quarantine(path, e)
             raise

@@ -72,6 +72,14 @@ class WritePath(ReadPath):
     #: how long a put waits for a collection that condemned an object it needs to end (seconds)
     settle_timeout = 600.0
 
+    @property
+    def settle_stats(self) -> dict:
+        """What this object's puts did to settle (write.py, P4): collection records read, waits for a
+        collection that condemned what a put needed, chunks and entries written again."""
+        if "_settle_stats" not in self.__dict__:
+            self._settle_stats = {"records_read": 0, "waits": 0, "chunks_rewritten": 0, "entries_rewritten": 0}
+        return self._settle_stats
+
     def put(self, cache, model=None, tokens=None, progress=None) -> str:
         """Store one session's cache (batch 1) and return its key.  ``tokens`` (1-D or ``[1, n]``): the ids of
         the positions the cache holds; else recovered from the cache with the model, as :func:`encode` does.
@@ -177,6 +185,7 @@ class WritePath(ReadPath):
                 return
             hits, undecided = set(), []
             for e in range(first, now.epoch + 1):
+                self.settle_stats["records_read"] += 1
                 rec = read_record(self.backend, e)
                 if rec is None:
                     if e <= now.epoch - KEEP_RECORDS:  # pruned: a put longer than that many collections
@@ -189,6 +198,7 @@ class WritePath(ReadPath):
                     continue
                 mine = need.hits(rec.condemned)
                 if mine and rec.status == "sweep":
+                    self.settle_stats["waits"] += 1
                     wait_finished(self.backend, e, self.lease_seconds, self.settle_timeout)
                 hits |= mine
             if not self._repair(ns, need, hits, kv, ids):
@@ -209,10 +219,12 @@ class WritePath(ReadPath):
             got = self._hot_chain(ns, key, start)
             if got is None or not np.array_equal(got[0], ids[start:end]):
                 self._put_chunk(ns, nsb, kv, ids, start, end, parent, Needs(), whole=True)
+                self.settle_stats["chunks_rewritten"] += 1
                 wrote = True
         for start in sorted({s for kind, s in hits if kind == "entry"}):
             key, end, parent = need.chunks[start]
             self._entries(ns, nsb, parent, ids[start:end], key, start, Needs(), force=True)
+            self.settle_stats["entries_rewritten"] += 1
             wrote = True
         return wrote
 
