@@ -273,6 +273,10 @@ def cmd_bench(args) -> int:
         from .lab.bench_reduce import run_reduce_bench
 
         return run_reduce_bench(args)
+    if args.store_stress:
+        from .lab.stress_store import run_stress_bench
+
+        return run_stress_bench(args)
     if args.store:
         from .lab.bench_store import run_store_bench
 
@@ -558,6 +562,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-tiers", action="store_true",
                    help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
     s.add_argument("--lossy", action="store_true", help="rate-distortion of the lossy tier (bench_lossy.md)")
+    s.add_argument("--store-stress", action="store_true",
+                   help="the store under attack for --seconds: processes putting, reading, matching and deleting, "
+                        "collectors running gc beside them (--collectors, one clock --skew seconds ahead), SIGKILL at "
+                        "random moments, and an oracle: operations, kills, collections and lost sessions "
+                        "(bench_store_stress.{json,md}; --where disk, s3 or both)")
+    s.add_argument("--seconds", type=float, default=120.0, help="store-stress: how long to run, per --where")
+    s.add_argument("--where", default="both", choices=["disk", "s3", "both"],
+                   help="store-stress: a local directory, an S3-compatible server on loopback (moto), or both")
+    s.add_argument("--collectors", type=int, default=2, help="store-stress: collectors running at once")
+    s.add_argument("--skew", type=float, default=7200.0,
+                   help="store-stress: one collector's clock runs this many seconds ahead (0: none)")
     s.add_argument("--store", action="store_true",
                    help="the store on an agent workload from the corpus: bytes vs independent files, LMCache-style "
                         "raw chunks and the ideal; latencies on disk and S3 (moto); restore vs recompute")
