@@ -271,3 +271,26 @@ def test_kvz_calibrate_encode_decode_eval_with_predictors(tmp_path, capsys, smol
                  '{"bits": 2, "quantizer": "weighted", "predictors": true}']) == 0
     rows = json.loads((tmp_path / "ev" / "eval.json").read_text())["rows"]
     assert len(rows) == 2 and rows[1]["mean_kl_bits"] < rows[0]["mean_kl_bits"]
+
+
+def test_kvz_store_put_text_then_the_same_cache_from_a_file_is_one_namespace(tmp_path, capsys):
+    """`kvz store put --text` then `kvz store get -o` then `kvz store put --cache` of that file: the cache file
+    lands in the model's namespace (its fingerprint), so it is already stored, not stored again under a
+    model-less name; a typo'd store path is an error, not an empty store."""
+    from kvcodec.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text(demo_text())
+    url = str(tmp_path / "store")
+    assert main(["store", "put", url, "--text", str(text), "--max-tokens", "96", "--chunk-tokens", "32",
+                 "--json"]) == 0
+    key = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["key"]
+    out = tmp_path / "c.safetensors"
+    assert main(["store", "get", url, key, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["store", "put", url, "--cache", str(out), "--chunk-tokens", "32", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rep["key"] == key and rep["already_stored"] == 96
+    assert len(kvcodec.Store(url).namespaces()) == 1
+    assert main(["store", "stats", url + "-typo"]) == 2
+    assert "no store" in capsys.readouterr().err
