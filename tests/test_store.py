@@ -405,6 +405,8 @@ def test_a_byte_budget_evicts_least_recently_used_chunks_and_get_recomputes_them
     assert removed["cold_lm"] == removed["evicted"]  # the store has the model: token ids coded with it
     kept_first = store.get(first, output="kvcache")  # the recently used session is still whole
     assert kept_first.equal(sessions[first][1])
+    # the least recently used chunks went first: the other sessions' own tails (positions 32..51)
+    assert all(store.hot_tokens(k) <= 32 for k in sessions if k != first)
     st = store.stats()
     assert st["cold_chunks"] == removed["evicted"]  # an evicted chunk keeps its token ids and parent
     cold = [k for k in sessions if k != first]

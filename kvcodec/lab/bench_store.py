@@ -92,13 +92,18 @@ def _lmcache_raw_bytes(sessions, chunk: int, per_token: int) -> int:
 
 
 def _tree_bytes(fs, root) -> dict:
-    out = {"chunks": 0, "pointers": 0, "sessions": 0, "namespace": 0, "objects": 0}
+    """Bytes per kind of object.  ``total``: what the sessions cost (chunks, prefix entries - empty objects -,
+    session objects, namespace records and numerics profiles); the collection lease and records (``gc/``: the
+    last 256 collections' condemned sets, whatever the sessions) are counted apart."""
+    out = {"chunks": 0, "entries": 0, "sessions": 0, "namespace": 0, "collection": 0, "objects": 0}
+    root = str(root).rstrip("/")
     for p, info in fs.find(root, detail=True).items():
-        kind = "chunks" if "/chunks/" in p else "pointers" if "/prefix/" in p else "sessions" \
-            if "/sessions/" in p else "namespace"  # the namespace record and numerics profiles
+        rel = p.removeprefix(root)
+        kind = "collection" if rel.startswith("/gc/") else "chunks" if "/chunks/" in rel else "entries" \
+            if "/entries/" in rel else "sessions" if "/sessions/" in rel else "namespace"
         out[kind] += int(info.get("size", 0))
         out["objects"] += 1
-    out["total"] = sum(out[k] for k in ("chunks", "pointers", "sessions", "namespace"))
+    out["total"] = sum(out[k] for k in ("chunks", "entries", "sessions", "namespace"))
     return out
 
 
@@ -118,7 +123,7 @@ def _cold_tier(model, prefix, sessions) -> dict:
         t = time.perf_counter()
         removed = store.gc(max_bytes=0, cold="lm", grace_seconds=0)  # nothing else writes: fold at once
         evict_s = time.perf_counter() - t
-        store.gc(grace_seconds=0)  # the cold chunks' prefix pointers
+        store.gc(grace_seconds=0)  # the cold chunks' prefix entries
         stored = _tree_bytes(fsspec.filesystem("file"), d)
         heads, words = 0, 0
         for p in Path(d).rglob("*.ids"):
@@ -214,7 +219,7 @@ def run_store_bench(args) -> int:
     lines = ["# Store benchmark (`kvz bench --store`)", "",
              f"SmolLM2-135M bf16, a shared prefix of {args.prefix_tokens} tokens (system prompt + tool schema from "
              "the corpus), per-session conversations of 32-256 tokens from the corpus, one in five branching from "
-             "an earlier one; chunks of 256 positions, prefix pointers every 16.", ""]
+             "an earlier one; chunks of 256 positions, prefix entries every 16.", ""]
     per_token = None
     for n_sessions in args.sessions:
         t0 = time.perf_counter()
@@ -310,7 +315,7 @@ def run_lean(args, model, tok, files, n_sessions: int) -> dict:
             "independent_kvz_bytes_estimated": int(indep), "independent_sample": f"1 in {args.sample}",
             "independent_vs_store": round(indep / stored["total"], 2), "lmcache_raw_chunk_bytes": lm,
             "lmcache_raw_vs_store": round(lm / stored["total"], 2), "chunks": st["chunks"],
-            "pointers": st["pointers"], "session_object_bytes_per_session": stored["sessions"] / n_sessions,
+            "entries": st["entries"], "session_object_bytes_per_session": stored["sessions"] / n_sessions,
             "put_p50_ms": round(1e3 * statistics.median(puts), 1), "put_p99_ms": round(1e3 * _pct(puts, 0.99), 1),
             "wall_s": round(time.perf_counter() - t0, 1)}
 

@@ -126,18 +126,6 @@ class Log:
 
 
 # -- roles ---------------------------------------------------------------------------------------------------------
-def _hot_positions(store, key: str) -> int:
-    """How many leading positions of a session are held by hot chunks (whose chains are hot)."""
-    ns, m = store._manifest(key, store.model)
-    n = 0
-    for k, held in m["chain"]:
-        got = store._hot_chain(ns, k, n)
-        if got is None:
-            break
-        n += held.size
-    return n
-
-
 def check_session(store, key: str, ids: np.ndarray) -> str | None:
     """None when the session reads back as it must (module docstring), else what is wrong."""
     import torch
@@ -147,7 +135,7 @@ def check_session(store, key: str, ids: np.ndarray) -> str | None:
         return "other token ids"
     if got.seq_len != ids.size:
         return f"{got.seq_len} positions, not {ids.size}"
-    hot = _hot_positions(store, key)
+    hot = store.hot_tokens(key)
     want = session_cache(ids)
     for a, b in zip(got.keys + got.values, want.keys + want.values):
         if not torch.equal(a[:, :, :hot], b[:, :, :hot]):

@@ -118,14 +118,17 @@ class Collector(WritePath):
             gc_temps = [(rel, it) for rel, it in self.backend.walk("gc") if it.kind == "file" and is_temp(it.name)]
             marks = {ns: self._mark(ns, lst, lease) for ns, lst in listing.items()}
             condemned, sizes = {}, {}  # C3
+            old = (lambda it: now - it.mtime >= grace)
             for ns, lst in listing.items():
-                self._decide(ns, lst, marks[ns], now, grace, condemned, sizes, lease)
+                self._decide(ns, lst, marks[ns], old, condemned, sizes)
             for rel, it in gc_temps:
-                if now - it.mtime >= grace and not self.backend.in_use(rel):
+                if old(it) and not self.backend.in_use(rel):
                     condemned[rel], sizes[rel] = "collect", it.size
             if max_bytes is not None:
                 self._evict(int(max_bytes), listing, marks, condemned, sizes, removed,
                             None if cold == "ids" else model, now, grace, lease, progress)
+            for ns, lst in listing.items():  # what stays hot, after eviction and folding
+                self._reconcile_entries(ns, lst, marks[ns], old, condemned, lease)
             write_record(self.backend, epoch, "sweep", condemned)  # C4
             lease.phase("sweep")
             self._reread(marks, condemned, lease)  # C5
@@ -180,7 +183,8 @@ class Collector(WritePath):
         sessions reach each, which are some chunk's base, and the hot chunks whose whole chain is hot (their
         prefix entries are kept).  A session that cannot be read keeps what its links reach; its namespace's
         chunks are then not folded."""
-        mark = {"reached": set(), "count": defaultdict(int), "based": set(), "broken": [], "seen": set()}
+        mark = {"reached": set(), "count": defaultdict(int), "based": set(), "broken": [], "seen": set(),
+                "unread": set()}
         for session in sorted(lst.sessions if sessions is None else sessions):
             lease.keepalive()
             self._mark_session(ns, session, mark)
@@ -204,6 +208,7 @@ class Collector(WritePath):
         except (KvzError, FileNotFoundError) as e:
             keys = self._follow(ns, bytes.fromhex(session), n)
             mark["broken"].append(f"{session[:16]}…: {e}")
+            mark["unread"].add(session)
         for k in keys:
             mark["count"][k] += 1
             mark["reached"].add(k)
@@ -272,9 +277,9 @@ class Collector(WritePath):
             yield k
 
     # -- C3: what to delete ------------------------------------------------------------------------------------
-    def _decide(self, ns: str, lst: _Listing, mark: dict, now: float, grace: float, condemned: dict,
-                sizes: dict, lease) -> None:
-        old = (lambda it: now - it.mtime >= grace)
+    def _decide(self, ns: str, lst: _Listing, mark: dict, old, condemned: dict, sizes: dict) -> None:
+        """Condemn (C3) what no session reaches, temporary files no writer holds and legacy pointer objects,
+        once ``old``."""
         for rel, it in lst.collectable:
             if old(it) and not (is_temp(it.name) and self.backend.in_use(rel)):
                 condemned[rel], sizes[rel] = "collect", it.size
@@ -285,10 +290,10 @@ class Collector(WritePath):
                 if old(it):
                     rel = chunk_path(ns, key) if kind == "kvz" else cold_path(ns, key)
                     condemned[rel], sizes[rel] = "collect", it.size
-        self._reconcile_entries(ns, lst, mark, old, condemned, lease)
 
     def _live(self, ns: str, key: bytes, mark: dict):
-        """(start, parent, ids) of a reached hot chunk whose chain is hot (what a lookup can use), else None."""
+        """(start, parent, ids, chain keys) of a reached hot chunk whose chain is hot (what a lookup can use),
+        else None."""
         memo = mark.setdefault("live", {})
         if key not in memo:
             memo[key] = None
@@ -300,7 +305,7 @@ class Collector(WritePath):
                 start = hot.start - hot.m
                 got = self._hot_chain(ns, key, start)
                 if got is not None:
-                    memo[key] = (start, got[2], got[0])
+                    memo[key] = (start, got[2], got[0], got[1])
         return memo[key]
 
     def _reconcile_entries(self, ns: str, lst: _Listing, mark: dict, old, condemned: dict, lease) -> None:
@@ -315,11 +320,12 @@ class Collector(WritePath):
         live = {}
         for k in mark["reached"]:
             lease.keepalive()
-            if (v := self._live(ns, k, mark)) is not None:
-                live[k] = v
+            v = self._live(ns, k, mark)
+            if v is not None and not any(chunk_path(ns, c) in condemned for c in v[3]):
+                live[k] = v  # (neither it nor a base is one this collection evicts or folds)
         needed: dict[tuple[str, str], bytes] = {}  # (directory, next ids) -> a live chunk with that level
         described = set()  # (directory, next ids, chunk): the levels of the live chunks
-        for key, (_start, parent, ids) in live.items():
+        for key, (_start, parent, ids, _chain) in live.items():
             for m in entry_levels(ids.size, size, step):
                 at = (entry_dir(ns, chunk_key(nsb, parent, ids[:m])), "".join(f"{int(t):08x}" for t in ids[m:m + step]))
                 needed.setdefault(at, key)
@@ -463,11 +469,12 @@ class Collector(WritePath):
         evicted or folded), and so are the entries naming it."""
         for ns in self.namespaces():
             mark = marks.get(ns)
-            fresh = {"reached": set(), "count": defaultdict(int), "based": set(), "broken": [], "seen": set()}
+            fresh = {"reached": set(), "count": defaultdict(int), "based": set(), "broken": [], "seen": set(),
+                     "unread": set()}
             for rel, it in self.backend.walk(f"ns/{ns}/sessions"):
-                name = it.name
+                name = it.name  # new sessions, and those C2 could not read (a put may have repaired them since)
                 if it.kind == "file" and name.endswith(".kvs") and is_hex64(name[:-4]) and (
-                        mark is None or name[:-4] not in mark["seen"]):
+                        mark is None or name[:-4] not in mark["seen"] or name[:-4] in mark["unread"]):
                     lease.keepalive()
                     self._mark_session(ns, name[:-4], fresh)
             if not fresh["reached"]:

@@ -374,6 +374,19 @@ class ReadPath(Objects):
         kv.tokens = torch.from_numpy(ids)[None]
         return kv
 
+    def hot_tokens(self, key: str, model=None) -> int:
+        """How many leading positions of a stored session are held hot (its chunks and their bases): what
+        :meth:`get` returns without the model; the positions after them were evicted (cold) and are
+        recomputed."""
+        ns, m = self._manifest(key, self.model if model is None else model)
+        n = 0
+        for k, held in m["chain"]:
+            got = self._hot_chain(ns, k, n)
+            if got is None or got[0].size < held.size:
+                break
+            n += held.size
+        return n
+
     def layers(self, key: str):
         """Yield ``(i, keys, values)`` of a stored session layer by layer: each chunk's file is opened once and
         only layer i's sections are read for layer i (range reads on object storage), so layer i is usable

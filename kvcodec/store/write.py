@@ -145,7 +145,7 @@ class WritePath(ReadPath):
         return key
 
     def _entries(self, ns: str, nsb: bytes, parent: bytes, w: np.ndarray, key: bytes, start: int, need: Needs, *,
-                 hit=None, reused: bool = False, force: bool = False) -> None:
+                 hit=None, reused: bool = False, force: bool = False) -> int:
         """A chunk's prefix entries (spec §5), in ascending order of their prefix length, so that whoever
         sees a chunk's entry at one level finds an entry with the same ids at every level below.  Levels a
         lookup's hit proves covered (it shares those ids and the next step's) are relied on, not written;
@@ -153,7 +153,7 @@ class WritePath(ReadPath):
         size, step = self._geometry(ns)
         levels = list(entry_levels(w.size, size, step))
         if not levels:
-            return
+            return 0
         covered = 0 if hit is None or force else hit.common  # levels m with m + step <= covered are covered
         if reused and not force:
             last = levels[-1]
@@ -162,6 +162,7 @@ class WritePath(ReadPath):
             present = {i.name.partition(".")[0] for i in self.backend.listdir(d) or [] if i.kind == "file"}
             if name in present:
                 covered = w.size + step  # established by whoever wrote it; the collector keeps them so
+        created = 0
         for m in levels:
             d = entry_dir(ns, chunk_key(nsb, parent, w[:m]))
             following = w[m:m + step]
@@ -171,7 +172,8 @@ class WritePath(ReadPath):
                 continue
             if hit is not None and not force and m == hit.level and tokens in hit.names:
                 continue
-            self.backend.write(f"{d}/{entry_name(following, key)}", b"", create=True)
+            created += self.backend.write(f"{d}/{entry_name(following, key)}", b"", create=True)
+        return created
 
     # -- P4 ----------------------------------------------------------------------------------------------------
     def _settle(self, ns: str, need: Needs, state, kv: KVCache, ids: np.ndarray) -> None:
@@ -223,9 +225,9 @@ class WritePath(ReadPath):
                 wrote = True
         for start in sorted({s for kind, s in hits if kind == "entry"}):
             key, end, parent = need.chunks[start]
-            self._entries(ns, nsb, parent, ids[start:end], key, start, Needs(), force=True)
-            self.settle_stats["entries_rewritten"] += 1
-            wrote = True
+            created = self._entries(ns, nsb, parent, ids[start:end], key, start, Needs(), force=True)
+            self.settle_stats["entries_rewritten"] += created
+            wrote = wrote or created > 0
         return wrote
 
     # -- what a store keeps ------------------------------------------------------------------------------------
