@@ -43,23 +43,43 @@ def _temp_name(target: str) -> str:
     return os.path.join(d, f".{base}.{HOST}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
 
 
-def _held(path: str) -> bool:
-    """Does a live writer hold this temporary file (its flock)?  Unknown (no locks here) counts as held."""
+def hold(fd: int) -> None:
+    """Take an exclusive ``flock`` on an open file, kept until it is closed (the kernel drops it when the
+    process dies); nothing where this system has no such locks."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):
+        pass
+
+
+def held_elsewhere(fd: int, *, shared: bool = False) -> bool:
+    """Does another open file hold a lock on this file that conflicts with ours (an exclusive one: any lock;
+    ``shared``: an exclusive one)?  True where this system has no such locks (unknown: assume held)."""
     try:
         import fcntl
     except ImportError:
         return True
     try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    return False
+
+
+def _held(path: str) -> bool:
+    """Does a live writer hold this temporary file?"""
+    try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
+        return held_elsewhere(fd)
     finally:
         os.close(fd)
-    return False
 
 
 def sweep_stale(target: str) -> list[str]:
@@ -117,10 +137,7 @@ def atomic_output(target, *, overwrite: bool = True):
     tmp = _temp_name(target)
     f = open(tmp, "xb")
     try:
-        with contextlib.suppress(ImportError, OSError):  # held until closed: a live writer's file is never swept
-            import fcntl
-
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        hold(f.fileno())  # held until closed: a live writer's file is never swept
         yield f
         f.flush()
         os.fsync(f.fileno())

@@ -21,7 +21,7 @@ from kvcodec.store import keys as K
 from kvcodec.store.collect import Collector
 
 from .common import model_cache, tiny_model
-from .test_store import _ids, _path, _session, _shared
+from .test_store import _ids, _path, _session, _shared, s3_server  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,19 +123,10 @@ def test_a_put_settles_only_what_the_collection_condemned(tmp_path, monkeypatch)
 
 # -- 3, 4: reuse of old, unreferenced chunks during a collection: disk and S3 --------------------------------
 @pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    import s3fs
-
-    s3fs.S3FileSystem(**opts).mkdir("kvz-safety")
-    yield opts
-    server.stop()
+def s3(request):
+    """fsspec options for the S3-compatible server test_store.py starts (bucket kvz-test)."""
+    endpoint = request.getfixturevalue("s3_server")
+    return {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": endpoint}}
 
 
 @pytest.mark.parametrize("where", ["disk", "s3"])
@@ -145,7 +136,7 @@ def test_reusing_unreferenced_chunks_during_a_collection(tmp_path, request, monk
     session at each phase of a collection (S3: no touch of an object's time is relied on)."""
     if where == "s3":
         opts = request.getfixturevalue("s3")
-        url = f"s3://kvz-safety/reuse-{at}"
+        url = f"s3://kvz-test/reuse-{at}"
         mk = lambda: _store(url, storage_options=opts, grace_seconds=1)
     else:
         mk = lambda: _store(tmp_path, grace_seconds=0)
@@ -493,7 +484,7 @@ def test_match_is_the_exact_longest_stored_prefix_against_a_brute_force_oracle(t
     for trial in range(3 if where == "s3" else 6):
         size = int(rng.choice([8, 16, 32]))
         step = int(rng.choice([g for g in (1, 3, 4, 8) if g < size]))
-        url = f"s3://kvz-safety/oracle-{trial}" if where == "s3" else tmp_path / str(trial)
+        url = f"s3://kvz-test/oracle-{trial}" if where == "s3" else tmp_path / str(trial)
         store = _store(url, chunk_tokens=size, granularity=step, storage_options=opts)
         stored = []
         vocab = int(rng.choice([3, 128]))  # few distinct ids: long accidental common prefixes
@@ -502,7 +493,8 @@ def test_match_is_the_exact_longest_stored_prefix_against_a_brute_force_oracle(t
             if stored and rng.random() < 0.7:
                 src = stored[rng.integers(len(stored))][1]
                 cut = int(rng.integers(0, src.shape[1] + 1))
-                ids = torch.cat([src[:, :cut], torch.from_numpy(rng.integers(0, vocab, int(rng.integers(1, 40))))[None]], 1)
+                own = torch.from_numpy(rng.integers(0, vocab, int(rng.integers(1, 40))))[None]
+                ids = torch.cat([src[:, :cut], own], 1)
             else:
                 ids = base[:, :int(rng.integers(1, 90))]
             kv, _ = _session(ids[:, :0], ids)
@@ -511,7 +503,8 @@ def test_match_is_the_exact_longest_stored_prefix_against_a_brute_force_oracle(t
         for _ in range(12):
             src = stored[rng.integers(len(stored))][1]
             cut = int(rng.integers(0, src.shape[1] + 1))
-            q = torch.cat([src[:, :cut], torch.from_numpy(rng.integers(0, vocab, int(rng.integers(0, 20))))[None]], 1)
+            q = torch.cat([src[:, :cut], torch.from_numpy(rng.integers(0, vocab, int(rng.integers(0, 20))))[None]],
+                          1)
             if q.shape[1] == 0:
                 continue
             want = max(_shared(q, ids) for _, ids in stored)

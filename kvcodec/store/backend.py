@@ -27,6 +27,7 @@ import stat as stat_
 import time
 from dataclasses import dataclass
 
+from ..atomic import held_elsewhere, hold
 from ..errors import ConfigError, LimitExceeded, UnsafeObject, warn
 from .keys import TEMP_SUFFIX
 
@@ -62,15 +63,6 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _NEW_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
 _UNSAFE = {errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO, errno.EMLINK}
-
-
-def _flock(fd: int) -> None:
-    try:
-        import fcntl
-
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (ImportError, OSError):  # no locks here: the grace period alone protects a writer's file
-        pass
 
 
 class LocalBackend:
@@ -282,7 +274,7 @@ class LocalBackend:
             fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=d)
             try:
                 try:
-                    _flock(fd)  # held while it is written: a collector never takes a live writer's file
+                    hold(fd)  # held while it is written: a collector never takes a live writer's file
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
@@ -314,18 +306,13 @@ class LocalBackend:
     def in_use(self, rel: str) -> bool:
         """Is a temporary file being written now (its writer holds a lock on it, whatever its process id
         namespace or host name)?"""
-        import fcntl
-
         got = self._open_file(rel)
         if got is None:
             return False
         try:
-            fcntl.flock(got[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            return held_elsewhere(got[0])
         finally:
             os.close(got[0])
-        return False
 
     def delete(self, rel: str) -> int:
         """Remove a plain file; its size, or -1 when it was not there (or is not a plain file: never
@@ -425,22 +412,18 @@ class LocalBackend:
 
     def lock_held(self) -> bool:
         """Does some process hold the collector's lock now?"""
-        import fcntl
-
         with self._dir(["gc"]) as d:
             if d is None:
                 return False
             try:
-                fd = os.open("lock", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), dir_fd=d)
+                fd = os.open("lock", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                             dir_fd=d)
             except OSError:
                 return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            return held_elsewhere(fd, shared=True)
         finally:
             os.close(fd)
-        return False
 
 
 class FsspecBackend:

@@ -277,8 +277,9 @@ class ReadPath(Objects):
             expect = min(n, a + size) - a
             link = self._link(ns, k, a, expect=expect)
             if link.count != a + expect - link.first:
-                raise FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds {link.count} tokens, the "
-                                  f"session's count ({n}) places {a + expect - link.first} there", field="Session")
+                raise FormatError(f"chunk {k.hex()[:16]}… of session {session[:16]}… holds {link.count} tokens, "
+                                  f"the session's count ({n}) places {a + expect - link.first} there",
+                                  field="Session")
             links.append((k, link.first, link.count))
             k, a = link.parent, link.first - size
         if k != ROOT_PARENT:
