@@ -513,3 +513,29 @@ def test_match_is_the_exact_longest_stored_prefix_against_a_brute_force_oracle(t
             if n:
                 ref, _ = _session(q[:, :0], q[:, :n])
                 assert cache.equal(ref)
+
+
+def test_a_damaged_or_removed_lease_never_sends_the_epochs_back(tmp_path):
+    """Puts compare collection epochs: a collector that finds the lease damaged or gone numbers its collection
+    after the highest record; a link at gc/lock is refused by name."""
+    store = _store(tmp_path)
+    kv, ids = _session(_ids(20, 1), _ids(4, 2))
+    store.put(kv, tokens=ids)
+    for _ in range(3):
+        store.gc()
+    from kvcodec.store.lease import read_state
+
+    assert read_state(store.backend).epoch == 3
+    (tmp_path / "gc" / "lease.json").write_bytes(b"{not json")
+    with pytest.raises(kvcodec.FormatError):
+        store.put(kv, tokens=ids)  # a put refuses to guess (before writing anything)
+    store.gc()
+    assert read_state(store.backend).epoch == 4
+    (tmp_path / "gc" / "lease.json").unlink()
+    store.gc()
+    assert read_state(store.backend).epoch == 5
+    (tmp_path / "gc" / "lock").unlink()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "gc" / "lock")
+    with pytest.raises(kvcodec.UnsafeObject, match="gc/lock"):
+        store.gc()
+    assert not (tmp_path / "elsewhere").exists()

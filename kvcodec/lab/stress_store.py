@@ -436,7 +436,7 @@ def run_stress_bench(args) -> int:
         print(f"  {w}: {r['puts']} acknowledged puts, {r['deletes']} deletes, {r['gets'] + r['matches']} reads, "
               f"{r['collections']} collections ({r['busy']} refused: busy), {r['kills']} kills, "
               f"{r['puts_that_settled']} puts rewrote what a collection removed, lost {r['lost']}", flush=True)
-    res = {"command": "kvz " + " ".join(getattr(args, "argv", [])), "date": time.strftime("%Y-%m-%d %H:%M"),
+    res = {"command": "kvz bench " + " ".join(getattr(args, "argv", [])), "date": time.strftime("%Y-%m-%d %H:%M"),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "runs": runs}
     lines = ["# Store stress test (`kvz bench --store-stress`)", "",
              f"{res['date']}, {res['machine']}; `{res['command']}`", "",

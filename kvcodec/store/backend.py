@@ -397,8 +397,14 @@ class LocalBackend:
         import fcntl
 
         with self._dir(["gc"], create=True) as d:
-            fd = os.open("lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-                         0o666, dir_fd=d)
+            try:
+                fd = os.open("lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_CLOEXEC", 0), 0o666, dir_fd=d)
+            except OSError as e:
+                if e.errno in _UNSAFE:
+                    raise UnsafeObject("gc/lock is a symbolic link or not a plain file: remove it (no collector "
+                                       "follows it)", field="Object") from None
+                raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

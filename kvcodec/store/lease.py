@@ -69,6 +69,21 @@ def read_state(backend, etag: bool = False) -> State:
                  None if st is None else st.etag, 0.0 if st is None else st.mtime)
 
 
+def _last_epoch(backend, known: int | None = None) -> int:
+    """The last collection's epoch: the lease's, or - when the lease is damaged or missing - the highest record's
+    (epochs must never go back: puts compare them)."""
+    if known is None:
+        try:
+            known = read_state(backend).epoch
+        except FormatError:
+            known = 0
+    for item in backend.listdir("gc/epochs") or []:
+        name = item.name
+        if item.kind == "file" and name.endswith(".json") and name[:-5].isdigit():
+            known = max(known, int(name[:-5]))
+    return known
+
+
 def _holder() -> str:
     return f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
 
@@ -104,21 +119,32 @@ class Lease:
         if b.local:
             self._lock = b.lock()
             if self._lock is None:
-                s = read_state(b)
-                return (f"another collector holds {b.describe()}/gc/lock ({s.holder or 'unknown'}, collection "
-                        f"{s.epoch}, {s.phase}): one collection at a time; it is released when that process ends")
-            prev = read_state(b)
-            self.epoch = prev.epoch + 1
-            b.write(LEASE, self._payload("mark"))
+                try:
+                    s = read_state(b)
+                    who = f"{s.holder or 'unknown'}, collection {s.epoch}, {s.phase}"
+                except FormatError:
+                    who = "its lease is unreadable"
+                return (f"another collector holds {b.describe()}/gc/lock ({who}): one collection at a time; it is "
+                        "released when that process ends")
+            try:
+                self.epoch = _last_epoch(b) + 1
+                b.write(LEASE, self._payload("mark"))
+            except BaseException:
+                b.unlock(self._lock)
+                self._lock = None
+                raise
             self._renewed = time.monotonic()
             self._phase = "mark"
             return None
         st = b.stat(LEASE)
-        prev = read_state(b)
+        try:
+            prev = read_state(b)
+        except FormatError:  # damaged: replaced (conditionally) as if stale, its epoch taken from the records
+            prev = State(_last_epoch(b), "done")
         if st is None and prev.epoch:  # deleted meanwhile: take it as another collector's
             return f"the lease of {b.describe()} changed while it was read"
         if st is None:
-            self.epoch = prev.epoch + 1
+            self.epoch = _last_epoch(b, prev.epoch) + 1
             ok = b.write(LEASE, self._payload("mark"), create=True)
         else:
             if prev.active:
@@ -129,7 +155,7 @@ class Lease:
                             "without renewal; a collector that died is taken over then)")
                 warn(f"kvcodec.Store: collection {prev.epoch} ({prev.holder}) did not renew its lease for "
                      f"{age:.0f} s: taken over")
-            self.epoch = prev.epoch + 1
+            self.epoch = max(prev.epoch, _last_epoch(b, prev.epoch)) + 1
             ok = b.write(LEASE, self._payload("mark"), if_match=st.etag)
         if not ok:
             return f"another collector took the lease of {b.describe()} at the same moment"
