@@ -571,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--where", default="both", choices=["disk", "s3", "both"],
                    help="store-stress: a local directory, an S3-compatible server on loopback (moto), or both")
     s.add_argument("--collectors", type=int, default=2, help="store-stress: collectors running at once")
+    s.add_argument("--kill-every", type=float, nargs=2, default=[1.0, 6.0], metavar=("MIN", "MAX"),
+                   help="store-stress: SIGKILL a random process every MIN..MAX seconds (uniform)")
     s.add_argument("--skew", type=float, default=7200.0,
                    help="store-stress: one collector's clock runs this many seconds ahead (0: none)")
     s.add_argument("--store", action="store_true",

@@ -345,7 +345,8 @@ class ReadPath(Objects):
         return torch.from_numpy(self._manifest(key, self.model if model is None else model)[1]["ids"])[None]
 
     def get(self, key: str, model=None, *, output: str = "dynamic"):
-        """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens).
+        """A whole stored session's cache (``output="kvcache"``: a :class:`KVCache` with its tokens, and
+        ``stored_positions``: how many leading positions it read from the store - the rest were recomputed).
 
         A session whose chunks were evicted (``gc(max_bytes=)``) is **cold**: with a model (this store's or
         ``model=``) the missing positions are recomputed on top of the stored prefix - a valid cache of the
@@ -373,6 +374,7 @@ class ReadPath(Objects):
         if output == "dynamic":
             return kv.to_dynamic_cache()
         kv.tokens = torch.from_numpy(ids)[None]
+        kv.stored_positions = a  # what came from the store (the rest: recomputed by the model)
         return kv
 
     def hot_tokens(self, key: str, model=None) -> int:
