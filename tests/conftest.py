@@ -26,3 +26,24 @@ def smollm2():
     from kvcodec import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on loopback (moto), one for the session (moto's state is the process's),
+    with the bucket ``kvz-test``: its endpoint URL."""
+    pytest.importorskip("s3fs")
+    import contextlib
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    fs = s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": endpoint})
+    with contextlib.suppress(FileExistsError):
+        fs.mkdir("kvz-test")
+    yield endpoint
+    server.stop()

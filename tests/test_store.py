@@ -294,24 +294,7 @@ def test_a_writer_killed_at_any_moment_leaves_no_visible_partial_entry(tmp_path)
     assert store.gc(grace_seconds=0) == {"chunks": 0, "entries": 0, "temporary": 0, "bytes": 0}
 
 
-# -- S3: a real S3-compatible server on loopback ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3_server():
-    pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    import s3fs
-
-    fs = s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": endpoint})
-    fs.mkdir("kvz-test")
-    yield endpoint
-    server.stop()
-
-
+# -- S3: a real S3-compatible server on loopback (tests/conftest.py: s3_server) ---------------------------------
 def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server}}
     store = kvcodec.Store("s3://kvz-test/memory", model_id="test", storage_options=opts, chunk_tokens=16,

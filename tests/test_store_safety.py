@@ -21,7 +21,7 @@ from kvcodec.store import keys as K
 from kvcodec.store.collect import Collector
 
 from .common import model_cache, tiny_model
-from .test_store import _ids, _path, _session, _shared, s3_server  # noqa: F401 (a fixture)
+from .test_store import _ids, _path, _session, _shared
 
 ROOT = Path(__file__).resolve().parent.parent
 

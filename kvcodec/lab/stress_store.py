@@ -26,6 +26,7 @@ and losses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -359,7 +360,8 @@ def run_stress(*, seconds: float, where: str = "disk", workers: int = 3, collect
         server, opts = _moto_server()
         import s3fs
 
-        s3fs.S3FileSystem(**opts).mkdir("kvz-stress")
+        with contextlib.suppress(FileExistsError):  # (moto's state is the process's: a second run finds it)
+            s3fs.S3FileSystem(**opts).mkdir("kvz-stress")
         cfg.update(url=f"s3://kvz-stress/store-{seed}", storage_options=opts)
     else:
         cfg["url"] = os.path.join(tmp, "store")

@@ -488,7 +488,11 @@ class Collector(WritePath):
                     del condemned[rel]
 
     def _sweep(self, condemned: dict, sizes: dict, removed: dict, lease) -> None:
-        paths = sorted(condemned)
+        """C6.  Evicted hot objects go first, folded chunks' objects after them: while a fold is swept, a
+        reader that still finds a chunk hot still finds the parent that hot object names (once the hot
+        object is gone, its cold object covers the folded parents)."""
+        order = {"evict": 0, "fold": 1}
+        paths = sorted(condemned, key=lambda p: (order.get(condemned[p], 2), p))
         for i in range(0, len(paths), BATCH):
             lease.fence()
             batch = paths[i:i + BATCH]
