@@ -532,13 +532,11 @@ class FsspecBackend:
             found = self.fs.find(path, detail=True)
         except FileNotFoundError:
             return
-        base = self.root + "/" if self.root else ""
+        base = self.root + "/" if self.root else ""  # find() names paths as url_to_fs named the root
         for p, info in sorted(found.items()):
-            p = p.lstrip("/") if not base.startswith("/") else p
-            if not p.startswith(base.lstrip("/") if not base.startswith("/") else base):
-                continue
-            relp = p[len(base.lstrip("/")) if not base.startswith("/") else len(base):]
-            yield relp, self._item(relp.rsplit("/", 1)[-1], info)
+            if p.startswith(base):
+                rel_path = p[len(base):]
+                yield rel_path, self._item(rel_path.rsplit("/", 1)[-1], info)
 
     def write(self, rel: str, data: bytes, *, create: bool = False, if_match: str | None = None) -> bool:
         path = self._abs(rel)

@@ -5,14 +5,15 @@ C1  take the lease (one collection at a time; :class:`~kvcodec.errors.StoreBusy`
     publish record e (``mark``);
 C2  the store's clock, one listing of everything, and the **mark**: every session walked from its last chunk
     (a session that cannot be read keeps what its links reach, with a warning);
-C3  decide: unreachable chunk objects, entries that name no live hot chunk, temporary files and legacy pointer
-    objects older than the grace period; with a byte budget, the least recently used hot chunks - each
-    evicted by first publishing its cold object (folding its private parents into it) - and the prefix
-    entries live chunks lack are written now;
+C3  decide: unreachable chunk objects, temporary files no writer holds and legacy pointer objects older
+    than the grace period; with a byte budget, the least recently used hot chunks - each evicted by first
+    publishing its cold object (folding its private parents into it); then the prefix entries the chunks
+    that stay live lack are written, and entries naming none of them condemned;
 C4  publish record e with everything it will delete and why (``sweep``) - before deleting anything;
-C5  list the sessions **again**: whatever a session not seen in C2 reaches is taken out of the condemned set
-    (kept, and no longer evicted or folded);
-C6  delete the condemned objects in batches, the lease renewed (object stores) before each;
+C5  list the sessions **again**: whatever a session not seen in C2 (or not readable then) reaches is taken
+    out of the condemned set (kept, and no longer evicted or folded);
+C6  delete the condemned objects in batches - evicted hot objects first, then folded chunks' - the lease
+    renewed (object stores) before each;
 C7  record e ``done``; the lease released.
 
 A put acknowledged after C5 listed its session is safe from this collection (C5 reached what it needs); a

@@ -5,7 +5,7 @@ session object 12 bytes, a namespace record 64 KiB, a cold object what its token
 through range reads bounded by its own header), (2) checks its form, and (3) says what is wrong with a
 :class:`~kvcodec.errors.KvzError` naming the object.  An object is moved to ``quarantine/`` only when its
 **own** bytes prove it bad (a malformed form, ids and parent that do not hash to its name); a disagreement
-between two objects (a session's count and a chunk, a pointer and the chunk it names) is reported without
+between two objects (a session's count and a chunk, an entry and the chunk it names) is reported without
 moving a chunk other sessions may share.
 """
 
