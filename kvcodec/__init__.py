@@ -36,6 +36,7 @@ from .errors import (  # noqa: E402
     OffsetError,
     PredictorsRequired,
     ReservedBitSet,
+    ResidualWarning,
     StoreBusy,
     TrailingData,
     TruncatedFile,
@@ -58,6 +59,6 @@ __all__ = [
     "TrailingData", "OffsetError", "LimitExceeded", "ChecksumMismatch", "ModelMismatch", "NumericsMismatch",
     "PredictorsRequired", "UnsupportedCache", "UnsafeObject", "ObjectMissing", "StoreBusy",
     "ConfigError",
-    "BackendUnavailable", "FallbackWarning",
+    "BackendUnavailable", "FallbackWarning", "ResidualWarning",
 ]
 

@@ -159,6 +159,11 @@ class FallbackWarning(UserWarning):
     the file's ``info.fallback``)."""
 
 
+class ResidualWarning(UserWarning):
+    """A token tier's regeneration does not reproduce the cache at many positions, so the file carries a large
+    residual (the message names the fraction of positions that differ, the likely cause and the sizes)."""
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -44,6 +44,7 @@ from ..errors import (
     LimitExceeded,
     ModelMismatch,
     NumericsMismatch,
+    ResidualWarning,
     UnknownId,
     warn,
 )
@@ -52,7 +53,15 @@ from ..registry import register_tier
 from ..state import LayerState, decode_payload
 from ..tokens import lm
 from ..tokens.lm import LMTokenCoder
-from ..tokens.plan import STEP_THREADS, Plan, infer_plan, padding_candidates, replay, schedule_arg, step_threads
+from ..tokens.plan import (
+    Plan,
+    infer_plan,
+    padding_candidates,
+    replay,
+    schedule_arg,
+    step_thread_candidates,
+    step_threads,
+)
 from ..tokens.rangecoder import TokenStream, pack_stream, unpack_stream
 from ..tokens.recover import recover
 from ..tokens.schedule import expand, runs
@@ -122,14 +131,9 @@ class ExactTier(Tier):
         job.info = job.base_info()
         job.info.setdefault("schedule_source", enc.how)
         job.report.update(cross_entropy_bits=enc.token_bits, schedule_source=enc.how)
-        writer = KvzWriter(job.sink, job.header(self.tier_id, IntResidualRans().get_config(),
-                                                extra=(self.header_key, enc.header_tokens),
-                                                num_tokens=int(enc.tokens.shape[1])))
-        for r, stream in enumerate(enc.streams):
-            writer.write_section(L.SECTION_TOKEN_STREAM, pack_stream(stream), chunk=r)
+        payloads, sums = [], []
         if tolerance is not None:
             codec = IntResidualRans(tolerance=tolerance)
-            payloads, sums = [], []
             for li, part, c, where in job.slice_jobs():
                 orig, reg = tensor_slice(kv, li, part, where), tensor_slice(enc.regen, li, part, where)
                 payload = codec.encode(orig, where, prediction=reg)
@@ -140,6 +144,13 @@ class ExactTier(Tier):
                     target = bit_patterns(orig)
                 sums.append(checksum(target))
                 payloads.append(((li, part, c), payload))
+            self._judge_residual(job, enc, tolerance, sum(len(p) for _, p in payloads if p is not None))
+        writer = KvzWriter(job.sink, job.header(self.tier_id, IntResidualRans().get_config(),
+                                                extra=(self.header_key, enc.header_tokens),
+                                                num_tokens=int(enc.tokens.shape[1])))
+        for r, stream in enumerate(enc.streams):
+            writer.write_section(L.SECTION_TOKEN_STREAM, pack_stream(stream), chunk=r)
+        if tolerance is not None:
             # layer states (1.3): checked like slices; stored whole where regeneration does not reproduce them
             differs = set()
             for li, (st, rs) in enumerate(zip(kv.states, enc.regen.states)):
@@ -154,6 +165,62 @@ class ExactTier(Tier):
                     writer.write_section(L.SECTION_RESIDUAL, payload, layer=li, part=part, chunk=c)
             write_states(writer, kv, lambda li, j: (li, j) in differs)
         return writer.close()
+
+    #: a residual is large (a warning) when it is more than this many bytes and ...
+    WARN_BYTES = 16384
+    #: ... more than this many times the rest of the file (token streams, and ~2 KiB for the header)
+    WARN_FACTOR = 4
+
+    def _judge_residual(self, job: EncodeJob, enc: TokenEncoding, tolerance, residual_bytes: int) -> None:
+        """Say so when regeneration does not reproduce the cache and the residual is large: a
+        :class:`ResidualWarning` naming the positions that differ and the likely cause.  (The file is never much
+        larger than the lossless tier's: a slice the regeneration predicts worse than nothing is coded directly,
+        as the lossless tier codes it - spec §12, mode 2.)"""
+        kv, regen = job.kv, enc.regen
+        raw = sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+        streams = sum(s.nbytes for s in enc.streams)
+        if residual_bytes <= max(self.WARN_BYTES, self.WARN_FACTOR * (streams + 2048)):
+            return
+        n = int(enc.tokens.shape[1])
+        differs = torch.zeros(n, dtype=torch.bool)
+        for a, b in zip(kv.keys + kv.values, regen.keys + regen.values):
+            if a.shape[2] == n and a.numel():
+                differs |= (bit_patterns(a) != bit_patterns(b)).reshape(a.shape[0], a.shape[1], n, -1).any(-1).any(
+                    1).any(0)
+        if not residual_bytes or not bool(differs.any()):
+            return
+        schedule = expand(enc.header_tokens["schedule"])
+        single, pos = torch.zeros(n, dtype=torch.bool), 0
+        for size in schedule:
+            single[pos] = size == 1 and pos > 0
+            pos += size
+        k, where = int(differs.sum()), torch.nonzero(differs).flatten()
+        threads = enc.header_tokens["procedure"]["numerics"].get("step_threads")
+        tried = f"it tried one-token calls on {step_thread_candidates()} threads"
+        first = int(where[0])
+        if enc.how.startswith("unknown") and first > 0 and k == n - first:
+            cause = (f"positions 0..{first - 1} are reproduced by one prefill and every later one differs: the cache "
+                     f"looks like a prefill of {first} tokens followed by calls of one token (generate(), a decode "
+                     f"loop) made under settings the encoder did not find ({tried}): another thread count, "
+                     "attention implementation or torch build than this process's")
+        elif bool((differs & ~single).any()):
+            cause = (f"positions inside multi-token calls differ (the first at {first}): the cache was "
+                     f"filled by other calls than the plan found ({enc.how}; pass schedule= or fill a "
+                     "kvcodec.tokens.RecordingCache), or its calls of several tokens ran on another thread count "
+                     f"than this process's {torch.get_num_threads()}, another attention implementation, dtype or "
+                     "torch build")
+        else:
+            cause = (f"only one-token calls differ: they ran under settings the encoder did not find ({tried} "
+                     f"and kept {threads}): another thread count, attention implementation or torch build than "
+                     "this process's")
+        size = residual_bytes + streams
+        msg = (f"recomputing this cache from its tokens reproduces {n - k} of its {n} positions bit for bit; the "
+               f"other {k} ({100 * k / n:.1f} %) are stored as a residual of {residual_bytes:,} bytes "
+               f"({raw / size:,.0f}x smaller than the raw cache instead of thousands of times). Likely cause: "
+               f"{cause}. Encoding in the process that made the cache, with the same model object and settings, "
+               "avoids it (slices predicted worse than nothing are stored as the lossless tier stores them)")
+        job.report["residual_positions"] = k
+        warn(msg, ResidualWarning)
 
     # -- container ----------------------------------------------------------------------------------
     def parse_header(self, v, header, limits: dict) -> TokenChannel:
@@ -268,9 +335,9 @@ class TokenEncoding:
 
 def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     """Everything of a token-tier file but the residual sections; raises :class:`Fallback`.  One-token calls
-    run on ``STEP_THREADS`` threads, which the numerics profile records (``step_threads``)."""
-    with step_threads(STEP_THREADS):
-        return _prepare(job, tolerance)
+    run on the thread count that reproduces the cache's own (found by :func:`infer_plan`; ``STEP_THREADS``
+    where none does), which the numerics profile records (``step_threads``)."""
+    return _prepare(job, tolerance)
 
 
 def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
@@ -316,6 +383,13 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
         raise ConfigError(f"token ids must be in [0, {vocab})")
     given = schedule_arg(job.schedule, job.cache, n)
     plan, how, verified = infer_plan(mdl, kv, tokens, padding_candidates(tokens, job.attention_mask, mdl, tok), given)
+    with step_threads(plan.step_threads):
+        return _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, attn, plan, how, verified)
+
+
+def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, attn, plan, how,
+          verified) -> TokenEncoding:
+    """The token streams and the regenerated cache of ``plan`` (one-token calls on ``plan.step_threads``)."""
     draft_rec = None
     if token_model == "lm":
         coder = LMTokenCoder(mdl, lm.CHUNK_TOKENS)
@@ -343,9 +417,10 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
             regen = verified
             if job.progress:
                 job.progress(n)
-    procedure = {**procedure, "numerics": {**numerics.profile(mdl), "step_threads": STEP_THREADS}}
+    procedure = {**procedure, "numerics": {**numerics.profile(mdl), "step_threads": plan.step_threads}}
     if token_model == "draft":
-        procedure["draft_numerics"] = {**numerics.profile(split_model(opts.draft)[0]), "step_threads": STEP_THREADS}
+        procedure["draft_numerics"] = {**numerics.profile(split_model(opts.draft)[0]),
+                                       "step_threads": plan.step_threads}
     if regen.num_layers != kv.num_layers or any(a.shape != b.shape for a, b in zip(regen.keys + regen.values,
                                                                                    kv.keys + kv.values)) or any(
             (a is None) != (b is None) or (a is not None and a.descriptor() != b.descriptor())

@@ -31,7 +31,7 @@ from .schedule import expand
 
 __all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg", "step_threads",
            "STEP_THREADS",
-           "padding_candidates", "infer_plan"]
+           "padding_candidates", "infer_plan", "step_thread_candidates"]
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Plan:
     #: cache (a cache built without the model's config holds full layers even for sliding-window attention);
     #: None: the layers the model's config asks for; []: plain layers created as the model fills them
     windows: list | None = None
+    #: intra-op threads of the one-token calls (the numerics profile's ``step_threads``): the count the cache's
+    #: own one-token calls ran on, where the encoder found it (:func:`infer_plan`)
+    step_threads: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +150,8 @@ def forward(model, ids, cache, kw, all_logits: bool = True):
 @torch.no_grad()
 def replay(model, tokens: torch.Tensor, plan: Plan, progress=None):
     """Run ``plan``'s forward calls over ``tokens [B, N]``; returns the DynamicCache.  ``progress(n)`` after
-    each call of n positions."""
+    each call of n positions.  One-token calls run on the thread count :func:`step_threads` set (the caller
+    sets ``plan.step_threads``: a decoder takes it from the file)."""
     dev = next(model.parameters()).device
     tokens = tokens.to(dev)
     cache = new_cache(model, plan)
@@ -230,47 +234,106 @@ def _probe_single_step(model, kv: KVCache, tokens, plan: Plan, j: int) -> bool:
 _SCHEDULE_TRIES = 3  # prefill lengths checked from the probe's answer on
 
 
-def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule) -> tuple[Plan, str, KVCache | None]:
+def step_thread_candidates() -> list[int]:
+    """The thread counts a cache's one-token calls most likely ran on, most likely first: ``STEP_THREADS``
+    (what kvcodec itself uses), torch's current count (what ``generate()`` and a hand-written loop use by
+    default) and the machine's CPU count.  Each is tried with one probe call (:func:`infer_plan`)."""
+    import os
+
+    out = [STEP_THREADS]
+    for t in (torch.get_num_threads(), os.cpu_count() or 1):
+        if 1 <= t <= 1024 and t not in out:
+            out.append(t)
+    return out
+
+
+def _step_probe(model, kv, tokens, plan: Plan, j: int, threads) -> int | None:
+    """The first of ``threads`` on which position j, computed as one single-token call on top of the original
+    prefix, reproduces the cache bit for bit; None if none does."""
+    for t in threads:
+        with step_threads(t):
+            if _probe_single_step(model, kv, tokens, plan, j):
+                return t
+    return None
+
+
+def _with(plan: Plan, **changes) -> Plan:
+    return Plan(**{**plan.__dict__, **changes})
+
+
+def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule,
+               threads=None) -> tuple[Plan, str, KVCache | None]:
     """Find the plan that regenerates ``kv`` bit for bit; returns (plan, how it was found, its regeneration
-    when it was verified by one)."""
+    when it was verified by one).  ``threads``: the thread counts to try for one-token calls (default
+    :func:`step_thread_candidates`); the plan's ``step_threads`` is the one found (a one-token call's last
+    bits can depend on it: a cache made by ``generate()`` under torch's default count is regenerated
+    exactly only on that count)."""
+    threads = list(threads or step_thread_candidates())
     n = tokens.shape[1]
     pos_modes = ["mask", "arange"]
-    plans = [Plan(given_schedule or [n], pads, mode, pid, list(kv.sliding_window)) for pads, pid in candidates
-             for mode in (pos_modes if any(pads) else ["mask"])]
+    plans = [Plan(given_schedule or [n], pads, mode, pid, list(kv.sliding_window), threads[0])
+             for pads, pid in candidates for mode in (pos_modes if any(pads) else ["mask"])]
+    probe_ok = not (n < 3 or any(lay.shape[2] != n for lay in kv.keys) or kv.has_state)  # states: no prefix
+    note = ""
+    if given_schedule is not None:
+        # the given schedule's one-token calls: which thread count reproduces the last of them?
+        singles = [j for j, size in zip(_starts(given_schedule), given_schedule) if size == 1 and j >= 1]
+        if singles and probe_ok and len(threads) > 1:
+            found = None
+            for i, plan in enumerate(plans):
+                found = _step_probe(model, kv, tokens, plan, singles[-1], threads)
+                if found is not None:
+                    plans = [_with(p, step_threads=found) for p in [plans[i]] + plans[:i] + plans[i + 1:]]
+                    break
+            if found is None:
+                note = f" (its one-token calls are reproduced on none of {threads} threads: residual)"
     if given_schedule is not None and len(plans) == 1:
-        return plans[0], "given", None
+        return plans[0], "given" + note, None
     first = None
     for plan in plans:  # one prefill (or the given schedule): cheap, and the commonest
-        regen = to_canonical(replay(model, tokens, plan))
+        with step_threads(plan.step_threads):
+            regen = to_canonical(replay(model, tokens, plan))
         first = regen if first is None else first
         if regen.equal(kv):
             return plan, "given" if given_schedule else "verified: one prefill", regen
     if given_schedule is not None:
-        return plans[0], "given (not verified)", first
-    if n < 3 or any(lay.shape[2] != n for lay in kv.keys) or kv.has_state:  # states have no prefix to probe
+        return plans[0], "given (not verified)" + note, first
+    if not probe_ok:
         return plans[0], "unknown: one prefill assumed", first
     # "one prefill of P tokens, then single steps" (generate()): positions >= P pass the single-step probe
     for plan in plans:
-        if not _probe_single_step(model, kv, tokens, plan, n - 1):
+        t = _step_probe(model, kv, tokens, plan, n - 1, threads)
+        if t is None:
             continue
+        plan = _with(plan, step_threads=t)
         lo, hi = 1, n - 1  # smallest j whose probe passes
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _probe_single_step(model, kv, tokens, plan, mid):
-                hi = mid
-            else:
-                lo = mid + 1
+        with step_threads(t):
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _probe_single_step(model, kv, tokens, plan, mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+        on = f" on {t} thread{'s' if t > 1 else ''}"
         # The probe checks one position on top of the original prefix; a prefill of another length can give
         # the prefix other bits (other matmul blocking), and a CPU may give a position the same bits as a
         # single step and inside the prefill (bf16 here: prefill 31 passed the probe of a 32-token prefill).
         # So the prefill itself is checked, one forward call of p tokens: the first of lo, lo + 1, ... whose
         # prefill reproduces positions [0, p) bit for bit wins (the caller's replay confirms the rest).
         for p in range(lo, min(n, lo + _SCHEDULE_TRIES)):
-            head = Plan([p], plan.padding, plan.positions, plan.pad_token, plan.windows)
+            head = _with(plan, schedule=[p])
             got = to_canonical(replay(model, tokens[:, :p], head))
             if all(torch.equal(a[:, :, :p], b) for a, b in zip(kv.keys + kv.values, got.keys + got.values)):
-                return Plan([p] + [1] * (n - p), plan.padding, plan.positions, plan.pad_token, plan.windows), \
-                    f"inferred: prefill {p}, then {n - p} single steps", None
-        return Plan([lo] + [1] * (n - lo), plan.padding, plan.positions, plan.pad_token, plan.windows), \
-            f"inferred: prefill {lo}, then {n - lo} single steps (its prefill differs: residual)", None
-    return plans[0], "unknown: one prefill assumed", first
+                return _with(plan, schedule=[p] + [1] * (n - p)), \
+                    f"inferred: prefill {p}, then {n - p} single steps{on}", None
+        return _with(plan, schedule=[lo] + [1] * (n - lo)), \
+            f"inferred: prefill {lo}, then {n - lo} single steps{on} (its prefill differs: residual)", None
+    return plans[0], f"unknown: one prefill assumed (no single step reproduced on {threads} threads)", first
+
+
+def _starts(schedule) -> list[int]:
+    out, pos = [], 0
+    for size in schedule:
+        out.append(pos)
+        pos += size
+    return out
