@@ -642,6 +642,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-tokens", type=int, default=512, help="token tiers: tokens of the timing runs")
     s.add_argument("--long-tokens", type=int, default=2048, help="token tiers: tokens of the by-position texts")
     s.add_argument("--draft-layers", type=int, default=6, help="token tiers: layers of the SmolLM2 draft")
+    s.add_argument("--token-sections", default=None,
+                   help="token tiers: sections to run (channel,exact,times,positions,user,models; default all)")
+    s.add_argument("--user-prefill", type=int, default=200, help="token tiers: prompt tokens of the user-made caches")
+    s.add_argument("--user-steps", type=int, default=40, help="token tiers: one-token steps of the user-made caches")
+    s.add_argument("--restore-lengths", type=int, nargs="*", default=[512, 2048, 8192],
+                   help="token tiers: lengths of the token-model comparison")
+    s.add_argument("--restore-genres", nargs="*", default=None,
+                   help="token tiers: corpus texts of the token-model comparison (default: all long enough)")
+    s.add_argument("--lm-max-tokens", type=int, default=512,
+                   help="token tiers: the sequential lm coder is measured up to this length (one call per token)")
     s.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"], help="lossless: the cache dtypes to measure")
     s.add_argument("--no-zstd19", action="store_true", help="skip the slow zstd-19 baseline")
     s.set_defaults(func=cmd_bench)

@@ -322,6 +322,10 @@ def token_cases():
     mask[1, :3] = 0
     yield "tokens_tolerance_padded", model, cache, {"token_model": "static", "tier": "tokens", "tolerance": 1e-8,
                                                     "schedule": [[15, 1]], "attention_mask": mask.tolist()}
+    # (1.9) token model blocks: two rows (the second left-padded by 3), blocks of 4 tokens (rows of 15 and 12
+    # coded tokens: blocks of 4, 4, 4, 3 and 4, 4, 4), the cache filled by a prefill and single steps
+    yield "exact_blocks_padded", model, cache, {"token_model": "blocks", "block_tokens": 4,
+                                                "schedule": [[11, 1], [1, 4]], "attention_mask": mask.tolist()}
     # (1.3) state only: layer 0's states are regenerated, layer 1's recurrent state is perturbed, so the file
     # stores it whole in a state section
     mamba = tiny_mamba()

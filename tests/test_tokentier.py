@@ -236,7 +236,7 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
     ids = torch.randint(0, VOCAB, (1, 40))
     rec, _ = _generate(model, ids, new=4)
     threads = torch.get_num_threads()
-    data = kvcodec.encode(rec, model, schedule="prefill")  # non-empty residuals
+    data = kvcodec.encode(rec, model, schedule="prefill", token_model="lm")  # non-empty residuals
     assert any(m != 0 for m in _residual_modes(data))
 
     def trunc(e, p):

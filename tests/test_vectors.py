@@ -23,7 +23,7 @@ LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_slidi
             "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced", "lossless_selected",
             "lossless_spread", "lossless_heads"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
-               "tokens_tolerance_padded", "exact_state"]
+               "tokens_tolerance_padded", "exact_state", "exact_blocks_padded"]
 LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted",
          "lossy_predicted", "lossy_heads"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY
@@ -165,7 +165,8 @@ def test_token_tier_vector_container(case):
     """Portable: the file, its header and every checksum, read without a model; decoding asks for one."""
     meta, data = _load(case)
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
-    assert data[8:12] == (b"\x01\x00\x03\x00" if "state" in case else b"\x01\x00\x01\x00")  # 1.3 / 1.1
+    want = 3 if "state" in case else 9 if "blocks" in case else 1  # 1.3 / 1.9 / 1.1
+    assert data[8:12] == bytes([1, 0, want, 0])
     info = kvcodec.inspect(data, verify_checksums=True)
     assert info["tier"] == meta["options"].get("tier", "exact")
     assert info["token_channel"]["token_model"] == meta["options"]["token_model"]
@@ -173,7 +174,7 @@ def test_token_tier_vector_container(case):
         kvcodec.decode(data)  # the model is required
 
 
-@pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if "static" in c or "padded" in c])
+@pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if "static" in c or c == "tokens_tolerance_padded"])
 def test_token_tier_vector_static_stream(case):
     """Portable: the static coder is integer arithmetic, so its streams decode to the same ids anywhere."""
     from kvcodec.tokens.rangecoder import unpack_stream

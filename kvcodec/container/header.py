@@ -88,6 +88,8 @@ class StateInfo:
 #: the format minor version that let the heads of a reduced layer hold different numbers of entries
 #: (``parts.heads``, spec section 14.2)
 HEADS_MINOR = 8
+#: the format minor version that introduced token model ``blocks`` (procedure ``lm-blocks-v1``)
+BLOCKS_MINOR = 9
 
 
 @dataclass(frozen=True)
@@ -248,13 +250,14 @@ class Header:
         return max(t.min_minor if t.read_minor is None else t.read_minor, self._feature_minor())
 
     def _feature_minor(self) -> int:
+        blocks = BLOCKS_MINOR if getattr(getattr(self, "tier_info", None), "token_model", None) == "blocks" else 0
         if self.predict is not None:
             return PREDICT_MINOR
         if self.reduce is not None:
             if any(lay.heads is not None for lay in self.layers):
                 return max(HEADS_MINOR, reduce_minor(self.reduce))
             return reduce_minor(self.reduce)
-        return STATE_MINOR if self.has_state else 0
+        return max(blocks, STATE_MINOR if self.has_state else 0)
 
     def output_bytes(self) -> int:
         """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors, the layer states and 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
+from .header import BLOCKS_MINOR, HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
 
 
 class KvzWriter:
@@ -51,6 +51,8 @@ class KvzWriter:
                 minor = max(minor, HEADS_MINOR)  # (1.8) heads of a reduced layer holding different numbers
         if "predict" in header:
             minor = max(minor, PREDICT_MINOR)
+        if (header.get("tokens") or {}).get("token_model") == "blocks":
+            minor = max(minor, BLOCKS_MINOR)  # (1.9)
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))

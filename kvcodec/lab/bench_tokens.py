@@ -15,9 +15,18 @@ One process, side by side (SmolLM2-135M-Instruct in bfloat16, the serving dtype)
    with eager attention, regenerated with SDPA);
 3. encode and restore times next to a bare prefill and a bare incremental pass
    of the same tokens (medians of ``--repeats``; sequential passes once each);
-4. bits per token by position over the longest texts.
+4. bits per token by position over the longest texts;
+5. caches as users make them (issue 46): ``generate()`` and a hand-written decode
+   loop under torch's default thread count, with and without ``RecordingCache``,
+   fp32 and bf16, ``--user-prefill`` + ``--user-steps`` tokens, encoded with
+   defaults: ratio to the raw bf16 cache, the thread count the encoder found, and
+   whether it warned;
+6. token models side by side (issue 46): per text and length (``--restore-lengths``),
+   a bare prefill (median of ``--repeats``) and, per token model, bits per token,
+   file size, encode and restore time (one each) and restore / prefill.
 
-Results: ``OUT/bench_tokens.json`` and ``OUT/bench_tokens.md``.
+``--token-sections`` picks sections (``channel,exact,times,positions,user,models``;
+default all).  Results: ``OUT/bench_tokens.json`` and ``OUT/bench_tokens.md``.
 """
 
 from __future__ import annotations
@@ -92,14 +101,18 @@ def run(args) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     comps = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim  # K+V components per token
     draft = layer_draft(model, args.draft_layers)
-    res = {"command": f"kvz bench --token-tiers --tokens {args.tokens} --long-tokens {args.long_tokens}",
+    res = {"command": f"kvz bench --token-tiers --tokens {args.tokens} --long-tokens {args.long_tokens}"
+                      + (f" --token-sections {args.token_sections}" if getattr(args, "token_sections", None) else "")
+                      + (" --restore-lengths " + " ".join(map(str, args.restore_lengths))
+                         if getattr(args, "restore_lengths", None) else ""),
            "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "model": "SmolLM2-135M-Instruct (bfloat16)", "components_per_token": comps,
            "draft": f"SmolLM2 layers 0..{args.draft_layers - 1} + final norm + head", "channel": [], "exact": [],
            "times": {}, "by_position": []}
 
+    want = set((getattr(args, "token_sections", None) or "channel,exact,times,positions,user,models").split(","))
     # 1. token channel per text
-    for f in files:
+    for f in (files if "channel" in want else []):
         ids = tokenize(tok, f.read_text(encoding="utf-8"), args.tokens)
         n = int(ids.shape[1])
         cache = prefill(model, ids)
@@ -133,7 +146,8 @@ def run(args) -> dict:
     eager = copy.deepcopy(model)
     eager.config._attn_implementation = "eager"
     for kind, build in (("prefill", lambda m: prefill(m, ids)), ("prefill+generate", lambda m: _gen(m, tok, ids[:, :p],
-                                                                                                   args.generate))):
+                                                                                                   args.generate)))[
+            :2 if "exact" in want else 0]:
         cache = build(model)
         kv = to_canonical(cache)
         raw = kv.nbytes()
@@ -158,6 +172,12 @@ def run(args) -> dict:
             print(f"exact {kind} / {name}: {len(data)} B, {raw / len(data):,.1f}x, residual {rb} B, ok {ok}",
                   flush=True)
 
+    if "user" in want:
+        res["user_caches"] = run_user_caches(args, files)
+    if "models" in want:
+        res["token_models"] = run_token_models(args, files, model, tok)
+    if "times" not in want:
+        return res
     # 3. times, one text, side by side
     ids = tokenize(tok, text, args.time_tokens)
     cache = prefill(model, ids)
@@ -180,7 +200,7 @@ def run(args) -> dict:
     print("times:", json.dumps(res["times"]), flush=True)
 
     # 4. bits per token by position, longest texts
-    for f in files:
+    for f in (files if "positions" in want else []):
         if f.name not in LONG:
             continue
         ids = tokenize(tok, f.read_text(encoding="utf-8"), args.long_tokens)
@@ -190,6 +210,112 @@ def run(args) -> dict:
             {"from": a, "to": min(b, bits.size), "bits_per_token": float(bits[a:b].mean())}
             for a, b in BUCKETS if a < bits.size]})
     return res
+
+
+@torch.no_grad()
+def _user_cache(model, tok, ids, steps, how, recording):
+    """A cache made as users make them, under torch's current thread count: ``generate()`` or a hand loop of
+    greedy one-token calls after a prefill."""
+    from transformers.cache_utils import DynamicCache
+
+    from ..tokens import RecordingCache
+    from ..tokens.plan import cache_kwarg
+
+    cache = (RecordingCache if recording else DynamicCache)(config=model.config)
+    kw = {cache_kwarg(model): cache}
+    if how == "generate":
+        model.generate(ids, **kw, max_new_tokens=steps + 1, do_sample=False, pad_token_id=tok.eos_token_id)
+    else:
+        nxt = model(ids, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            nxt = model(nxt, use_cache=True, **kw).logits[:, -1:].argmax(-1)
+    return cache
+
+
+def run_user_caches(args, files) -> list:
+    """Section 5: caches made by generate() and hand loops under the default threads, encoded with defaults."""
+    import warnings
+
+    from .. import api
+    from ..cache import to_canonical
+    from ..errors import FallbackWarning, ResidualWarning
+    from ..models import load_model, tokenize
+
+    text = next((f for f in files if f.name == LONG[1]), files[-1]).read_text(encoding="utf-8")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model, tok = load_model("smollm2", dtype=dtype)
+        ids = tokenize(tok, text[len(text) // 2:], args.user_prefill)
+        for how in ("generate", "hand loop"):
+            for recording in (False, True):
+                cache = _user_cache(model, tok, ids, args.user_steps, how, recording)
+                kv = to_canonical(cache)
+                raw_bf16 = kv.nbytes() * 2 // kv.keys[0].element_size()
+                enc = api.Encoder()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    t = time.perf_counter()
+                    data = enc.encode(cache, (model, tok))
+                    enc_s = time.perf_counter() - t
+                info = api.inspect(data)
+                tc = info.get("token_channel") or {}
+                t = time.perf_counter()
+                ok = to_canonical(api.decode(data, (model, tok))).equal(kv)
+                dec_s = time.perf_counter() - t
+                row = {"dtype": str(dtype)[6:], "made_by": how, "recording_cache": recording,
+                       "tokens": int(kv.seq_len), "threads": torch.get_num_threads(), "file_bytes": len(data),
+                       "ratio_vs_bf16": raw_bf16 / len(data), "tier": info["tier"],
+                       "token_model": tc.get("token_model"), "residual_bytes": tc.get("residual_bytes"),
+                       "step_threads": (tc.get("procedure") or {}).get("numerics", {}).get("step_threads"),
+                       "schedule_source": info["info"].get("schedule_source"),
+                       "warnings": [str(w.message)[:200] for w in caught
+                                    if issubclass(w.category, (ResidualWarning, FallbackWarning))],
+                       "bit_identical": ok, "encode_seconds": enc_s, "restore_seconds": dec_s}
+                rows.append(row)
+                print(f"user cache {row['dtype']} {how}{' (RecordingCache)' if recording else ''}: {len(data)} B, "
+                      f"{row['ratio_vs_bf16']:,.0f}x, step_threads {row['step_threads']}, ok {ok}", flush=True)
+    return rows
+
+
+def run_token_models(args, files, model, tok) -> list:
+    """Section 6: per text and length, a bare prefill and each token model's size, encode and restore time."""
+    from .. import api
+    from ..cache import to_canonical
+    from ..models import prefill, tokenize
+
+    options = [("static", {"token_model": "static"}), ("blocks L=16", {"token_model": "blocks", "block_tokens": 16}),
+               ("blocks L=32", {"token_model": "blocks", "block_tokens": 32}),
+               ("blocks L=64", {"token_model": "blocks", "block_tokens": 64}), ("default (auto)", {})]
+    rows = []
+    texts = [f for f in files if not args.restore_genres or f.name in set(args.restore_genres)]
+    for n in args.restore_lengths:
+        for f in texts:
+            ids = tokenize(tok, f.read_text(encoding="utf-8"), n)
+            if ids.shape[1] < n:
+                continue
+            cache = prefill(model, ids)
+            kv = to_canonical(cache)
+            t_pre, _ = median_time(lambda ids=ids: prefill(model, ids), args.repeats)
+            opts = options + ([("lm", {"token_model": "lm"})] if n <= args.lm_max_tokens else [])
+            for name, kw in opts:
+                enc = api.Encoder(**kw)
+                t = time.perf_counter()
+                data = enc.encode(cache, (model, tok), tokens=ids)
+                enc_s = time.perf_counter() - t
+                t = time.perf_counter()
+                back = api.decode(data, (model, tok))
+                dec_s = time.perf_counter() - t
+                tc = api.inspect(data)["token_channel"]
+                row = {"file": f.name, "tokens": n, "option": name, "token_model": tc["token_model"],
+                       "block_tokens": tc["procedure"].get("block_tokens"), "file_bytes": len(data),
+                       "stream_bytes": tc["token_stream_bytes"], "bits_per_token": tc["bits_per_token"],
+                       "bare_prefill_s": t_pre, "encode_s": enc_s, "restore_s": dec_s,
+                       "restore_vs_prefill": dec_s / t_pre, "bit_identical": to_canonical(back).equal(kv),
+                       "auto": enc.last_report.get("auto")}
+                rows.append(row)
+                print(f"{f.name} {n}: {name}: {row['bits_per_token']} b/t, {len(data)} B, restore "
+                      f"{dec_s:.2f} s = {row['restore_vs_prefill']:.2f}x prefill ({t_pre:.2f} s)", flush=True)
+    return rows
 
 
 def _f(x, spec=".2f"):
@@ -223,7 +349,7 @@ def to_markdown(res: dict) -> str:
         out.append(f"| {r['cache']} | {r['tokens']} | {r['case']} | {r['file_bytes']} | {r['ratio_vs_bf16']:,.1f} | "
                    f"{r['residual_bytes']} | {r['residual_bits_per_component']:.3f} | {r['schedule_source']} | "
                    f"{'yes' if r['bit_identical'] else 'NO'} |")
-    t = res["times"]
+    t = res.get("times")
     if t:
         out += ["", f"### Times ({t['tokens']} tokens, one text, seconds)", "",
                 "| bare prefill | bare incremental pass | static encode | static restore | lm encode | lm restore | "
@@ -235,6 +361,31 @@ def to_markdown(res: dict) -> str:
                 f"lm restore / bare incremental pass = **{t['lm_restore_vs_incremental']:.2f}×** (target ≤ 1.1); "
                 f"lm encode / incremental = {t['lm_encode_vs_incremental']:.2f}×; static encode / prefill = "
                 f"{t['static_encode_vs_prefill']:.2f}×."]
+    if res.get("user_caches"):
+        out += ["", "### Caches as users make them (default threads, default encoder)", "",
+                "| dtype | made by | RecordingCache | tokens | file B | ratio vs bf16 | token model | residual B | "
+                "step_threads found | warned | bit-identical |", "|---|---|:-:|---:|---:|---:|---|---:|---:|:-:|:-:|"]
+        for r in res["user_caches"]:
+            out.append(f"| {r['dtype']} | {r['made_by']} | {'yes' if r['recording_cache'] else 'no'} | {r['tokens']} | "
+                       f"{r['file_bytes']:,} | {r['ratio_vs_bf16']:,.0f} | {r['token_model']} | {r['residual_bytes']} | "
+                       f"{r['step_threads']} | {'yes' if r['warnings'] else 'no'} | "
+                       f"{'yes' if r['bit_identical'] else 'NO'} |")
+    if res.get("token_models"):
+        out += ["", "### Token models: bits and restore time against a bare prefill", "",
+                "| text | tokens | option | token model | bits/token | file B | encode s | restore s | bare prefill s | "
+                "restore / prefill | bit-identical |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|:-:|"]
+        for r in res["token_models"]:
+            tm = r["token_model"] + (f" L={r['block_tokens']}" if r["block_tokens"] else "")
+            out.append(f"| {r['file']} | {r['tokens']} | {r['option']} | {tm} | {_f(r['bits_per_token'])} | "
+                       f"{r['file_bytes']:,} | {r['encode_s']:.2f} | {r['restore_s']:.2f} | {r['bare_prefill_s']:.2f} | "
+                       f"**{r['restore_vs_prefill']:.2f}** | {'yes' if r['bit_identical'] else 'NO'} |")
+        by = {}
+        for r in res["token_models"]:
+            by.setdefault(r["option"], []).append(r)
+        out += ["", "| option | texts | median restore / prefill | median bits/token |", "|---|---:|---:|---:|"]
+        for name, rs in by.items():
+            out.append(f"| {name} | {len(rs)} | {statistics.median(r['restore_vs_prefill'] for r in rs):.2f} | "
+                       f"{statistics.median(r['bits_per_token'] for r in rs):.2f} |")
     if res["by_position"]:
         out += ["", "### lm bits per token by position", "", "| text | " + " | ".join(
             f"{a}–{b}" for a, b in BUCKETS) + " |", "|---|" + "---:|" * len(BUCKETS)]

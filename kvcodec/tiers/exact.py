@@ -23,6 +23,8 @@ tier with a tolerance.  See ``spec/kvz.md`` sections 5.3-5.5, 9, 11, 12.
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +53,7 @@ from ..errors import (
 from ..identity import check_model, model_record, split_model, vocab_size
 from ..registry import register_tier
 from ..state import LayerState, decode_payload
-from ..tokens import lm
+from ..tokens import blocks, lm
 from ..tokens.lm import LMTokenCoder
 from ..tokens.plan import (
     Plan,
@@ -68,8 +70,19 @@ from ..tokens.schedule import expand, runs
 from ..tokens.static import StaticTokenCoder
 from .base import UNSET, EncodeJob, Fallback, Options, Tier, tensor_slice, write_states
 
-TOKEN_MODELS = ("lm", "static", "draft")
-PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"]}
+TOKEN_MODELS = ("lm", "static", "draft", "blocks")
+#: what an encoder may be asked for: a token model, or "auto" (the default: chosen per cache, below)
+TOKEN_MODEL_OPTIONS = (*TOKEN_MODELS, "auto")
+PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"],
+              "blocks": blocks.PROCEDURE}
+BLOCKS_MINOR = 9  #: (1.9) token model "blocks"
+#: token model "auto": the longest block of ``blocks`` whose decoding is estimated to take at most this share of
+#: a bare prefill (so that a restore - decoding, then the replay - takes about 2 prefills); "static" if none of
+#: at least ``AUTO_MIN_BLOCK`` tokens does
+AUTO_BUDGET = 0.9
+AUTO_BLOCKS = (128, 64, 32, 16)
+#: shorter blocks code worse than "static" (SmolLM2: 8.7-9.3 bits/token at L = 8 against 8.5)
+AUTO_MIN_BLOCK = 16
 POSITIONS = ("mask", "arange")
 MAX_SCHEDULE_RUNS = 1 << 20
 MAX_VOCAB = (1 << 24) - 2  # the largest alphabet the 24-bit frequencies of spec 11.2.1 can code
@@ -106,7 +119,7 @@ class ExactTier(Tier):
     min_minor = 1
     needs_model = True
     header_key = "tokens"
-    option_names = frozenset({"token_model", "draft", "tolerance"})
+    option_names = frozenset({"token_model", "draft", "tolerance", "block_tokens"})
 
     # -- encoder ------------------------------------------------------------------------------------
     def tolerance(self, opts: Options):
@@ -120,8 +133,8 @@ class ExactTier(Tier):
         if model is None:
             raise ConfigError(f"tier {self.tier_id!r} stores the cache as its tokens and needs the model: "
                               "encode(cache, model)")
-        if opts.token_model is not None and opts.token_model not in TOKEN_MODELS:
-            raise ConfigError(f"token_model must be one of {list(TOKEN_MODELS)}, not {opts.token_model!r}")
+        if opts.token_model is not None and opts.token_model not in TOKEN_MODEL_OPTIONS:
+            raise ConfigError(f"token_model must be one of {list(TOKEN_MODEL_OPTIONS)}, not {opts.token_model!r}")
         self.tolerance(opts)
 
     def write(self, job: EncodeJob) -> int:
@@ -247,6 +260,10 @@ class ExactTier(Tier):
         if t["procedure"]["id"] != PROCEDURES[tm]:
             v.fail(f"{p}.procedure.id", f"{t['procedure']['id']!r} is not a procedure of token model {tm!r}",
                    UnknownId)
+        if tm == "blocks":  # (1.9) the block length is part of the procedure
+            if "block_tokens" not in t["procedure"]:
+                v.fail(f"{p}.procedure.block_tokens", "missing: token model 'blocks' needs the block length")
+            v.int(t["procedure"], "block_tokens", f"{p}.procedure", 1, blocks.MAX_BLOCK_TOKENS, LimitExceeded)
         if ntok < 1:
             v.fail("cache.num_tokens", f"tier {tier!r} needs num_tokens >= 1")
         if header.start_position != 0:
@@ -343,7 +360,7 @@ def prepare(job: EncodeJob, tolerance) -> TokenEncoding:
 def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     kv, opts = job.kv, job.options
     mdl, tok = split_model(job.model)
-    token_model = opts.token_model or ("draft" if opts.draft is not None else "lm")
+    token_model = opts.token_model or ("draft" if opts.draft is not None else "auto")
     p = next(mdl.parameters())
     if p.dtype != kv.dtype:
         raise ConfigError(f"the cache is {kv.dtype_name}, the model computes in {str(p.dtype)[6:]}: pass the model "
@@ -382,7 +399,9 @@ def _prepare(job: EncodeJob, tolerance) -> TokenEncoding:
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ConfigError(f"token ids must be in [0, {vocab})")
     given = schedule_arg(job.schedule, job.cache, n)
+    t0 = time.perf_counter()
     plan, how, verified = infer_plan(mdl, kv, tokens, padding_candidates(tokens, job.attention_mask, mdl, tok), given)
+    job.report["plan_seconds"] = time.perf_counter() - t0  # with a verified plan: about one bare prefill
     with step_threads(plan.step_threads):
         return _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, attn, plan, how, verified)
 
@@ -391,7 +410,27 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
           verified) -> TokenEncoding:
     """The token streams and the regenerated cache of ``plan`` (one-token calls on ``plan.step_threads``)."""
     draft_rec = None
-    if token_model == "lm":
+    rows = [tokens[r, plan.padding[r] if plan.padding else 0:] for r in range(kv.batch)]
+    if token_model in ("auto", "blocks"):
+        if verified is None:  # the regeneration first: "auto" weighs the token decoding against this prefill
+            t0 = time.perf_counter()
+            verified = to_canonical(replay(mdl, tokens, plan, job.progress))
+            prefill_s = time.perf_counter() - t0
+        else:
+            prefill_s = job.report["plan_seconds"]
+            if job.progress:
+                job.progress(n)
+        regen = verified
+        block = opts.codec.get("block_tokens") if token_model == "blocks" else None
+        if block is None:
+            block = blocks.default_block_tokens(max(x.numel() for x in rows)) if token_model == "blocks" else \
+                _auto_block(mdl, [int(x.numel()) for x in rows], prefill_s, job.report)
+        token_model = "static" if block is None else "blocks"
+        job.report["token_model"] = token_model
+    if token_model == "blocks":
+        coder = blocks.BlockTokenCoder(mdl, int(block), lm.CHUNK_TOKENS, plan.pad_token)
+        streams, procedure = coder.encode(rows), coder.procedure()
+    elif token_model == "lm":
         coder = LMTokenCoder(mdl, lm.CHUNK_TOKENS)
         streams, regen = coder.encode_replay(tokens, plan, job.progress)
         procedure, regen = coder.procedure(lm.SCHEDULE), to_canonical(regen)
@@ -410,7 +449,7 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
             coder = LMTokenCoder(dm, lm.CHUNK_TOKENS)
             vocab = coder.vocab
             procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
-        streams = [coder.encode(tokens[r, plan.padding[r] if plan.padding else 0:]) for r in range(kv.batch)]
+        streams = [coder.encode(x) for x in rows]
         if verified is None:
             regen = to_canonical(replay(mdl, tokens, plan, job.progress))
         else:
@@ -444,6 +483,56 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
         "max_abs_deviation": dev if dev != float("inf") else None,
     }
     return TokenEncoding(header_tokens, streams, regen, tokens, how, float(sum(s.cross_entropy_bits for s in streams)))
+
+
+def _auto_block(model, lengths: list[int], prefill_s: float, report: dict) -> int | None:
+    """Token model "auto": the longest block (``AUTO_BLOCKS``) whose ``L - 1`` batched decoding steps are
+    estimated, from one timed step of that batch, to take at most ``AUTO_BUDGET`` x the bare prefill just
+    timed; None (token model "static") if none of at least ``AUTO_MIN_BLOCK`` tokens fits.  Measured on this
+    machine, so a file says which it chose (``procedure.block_tokens``)."""
+    from transformers.cache_utils import DynamicCache
+
+    from ..tokens.plan import cache_kwarg
+
+    key = (tuple(lengths), torch.get_num_threads(), str(next(model.parameters()).dtype))
+    try:
+        memo = _AUTO_MEMO.setdefault(model, {})
+    except TypeError:
+        memo = {}
+    if key in memo:  # one process encodes one cache (and its copies) the same way
+        report["auto"] = memo[key][1]
+        return memo[key][0]
+    block, report["auto"] = _measure_block(model, lengths, prefill_s, DynamicCache, cache_kwarg)
+    memo[key] = (block, report["auto"])
+    return block
+
+
+_AUTO_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _measure_block(model, lengths, prefill_s, DynamicCache, cache_kwarg):  # noqa: N803
+    longest = max(lengths)
+    dev = next(model.parameters()).device
+    tried = {}
+    for block in AUTO_BLOCKS:
+        steps = min(block, longest) - 1
+        if steps < AUTO_MIN_BLOCK - 1:
+            break
+        if block > longest and block // 2 >= longest:  # the next shorter block is as long as the rows
+            continue
+        rows = sum(-(-m // block) for m in lengths)
+        ids = torch.zeros((rows, 1), dtype=torch.int64, device=dev)
+        step_s = float("inf")
+        with torch.no_grad():
+            for _ in range(2):  # the faster of two: the first call of a new shape also sets up kernels
+                cache = DynamicCache(config=model.config)
+                t0 = time.perf_counter()
+                model(ids, use_cache=True, **{cache_kwarg(model): cache})
+                step_s = min(step_s, time.perf_counter() - t0)
+        tried[block] = round(steps * step_s, 4)
+        if steps * step_s <= AUTO_BUDGET * prefill_s:
+            return block, {"prefill_seconds": round(prefill_s, 4), "estimated_decode_seconds": tried}
+    return None, {"prefill_seconds": round(prefill_s, 4), "estimated_decode_seconds": tried}
 
 
 # --- decoding ---------------------------------------------------------------------------------------
@@ -531,6 +620,9 @@ class _TokenDecoder:
         token_diffs = []
         if t.token_model == "lm":
             token_diffs = diffs
+        elif t.token_model == "blocks":  # batched calls: the thread count matters (multi-token shaped)
+            token_diffs = numerics.differences_here(proc["numerics"], split_model(f.model)[0],
+                                                    step_threads=self._step_threads(), multi_token_calls=True)
         elif t.token_model == "draft" and isinstance(proc.get("draft_numerics"), dict) and f.draft is not None:
             token_diffs = numerics.differences_here(proc["draft_numerics"], split_model(f.draft)[0],
                                                     step_threads=proc["draft_numerics"].get("step_threads"),
@@ -657,12 +749,19 @@ def _regenerate(header, streams: list[TokenStream], model, draft=None, progress=
         raise ModelMismatch(f"the header describes {len(header.layers)} layers, the model has {n_layers}",
                             field="Header.cache.layers")
     plan = t.plan([lay.sliding_window for lay in header.layers])
-    if t.token_model in ("lm", "static") and vocab_size(mdl) != t.vocab:
+    if t.token_model in ("lm", "static", "blocks") and vocab_size(mdl) != t.vocab:
         raise FormatError(f"tokens.vocab {t.vocab} differs from the model's {vocab_size(mdl)}",
                           field="Header.tokens.vocab")
     if t.token_model == "lm":
         tokens, regen = LMTokenCoder(mdl, t.checksum_tokens).decode_replay(streams, plan, progress)
         return tokens, to_canonical(regen)
+    if t.token_model == "blocks":
+        coder = blocks.BlockTokenCoder(mdl, int(t.raw["procedure"]["block_tokens"]), t.checksum_tokens, t.pad_token)
+        rows = coder.decode(streams)
+        tokens = torch.full((header.batch, header.num_tokens), t.pad_token, dtype=torch.int64)
+        for r, ids in enumerate(rows):
+            tokens[r, t.padding[r]:] = ids
+        return tokens, to_canonical(replay(mdl, tokens, plan, progress))
     if t.token_model == "static":
         coder = StaticTokenCoder(t.vocab, t.checksum_tokens)
     else:

@@ -27,9 +27,10 @@ from .lm import next_token_probs
 from .plan import cache_kwarg
 from .rangecoder import TokenStream, categorical, chunk_checksums, decode_symbol, encode_symbol
 
-__all__ = ["PROCEDURE", "SOFTMAX_ROWS", "BlockTokenCoder", "default_block_tokens"]
+__all__ = ["MAX_BLOCK_TOKENS", "PROCEDURE", "SOFTMAX_ROWS", "BlockTokenCoder", "default_block_tokens"]
 
 PROCEDURE = "lm-blocks-v1"
+MAX_BLOCK_TOKENS = 1 << 16  #: the largest block_tokens a header may state
 #: rows of logits turned into distributions at once (bounds the float64 probabilities held: 64 x V)
 SOFTMAX_ROWS = 64
 

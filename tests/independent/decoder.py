@@ -37,7 +37,7 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 8  # (1.8) reduced layers whose parts has heads (§3, §5, §14.2)
+IMPL_MINOR = 9  # (1.9) token model blocks, procedure lm-blocks-v1 (§11.1, §11.2)
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -326,7 +326,7 @@ def validate_header(h, minor):
             linear = L["state"] is not None and L["state"]["kind"] == "linear"
             if L["cl"] != (0 if linear else nt):
                 raise FormatError("cumulative_length != N")
-        validate_tokens(h["tokens"], tier, B, nt)
+        validate_tokens(h["tokens"], tier, B, nt, minor)
     else:
         if "tokens" in h:
             raise FormatError("tokens object forbidden in this tier")
@@ -799,15 +799,17 @@ def state_tensors(info):
             for j, t in enumerate(L["state"]["tensors"])]
 
 
-def validate_tokens(t, tier, B, N):
+def validate_tokens(t, tier, B, N, minor=9):
     keys = ["token_model", "draft", "vocab", "chunk_tokens", "procedure", "schedule", "padding",
             "positions", "pad_token", "tolerance", "max_abs_deviation"]
     _keys(t, keys, (), "tokens")
     tm = t["token_model"]
     if not isinstance(tm, str):
         raise FormatError("tokens.token_model")
-    if tm not in ("lm", "static", "draft"):
+    if tm not in ("lm", "static", "draft", "blocks"):
         raise UnknownId(f"token_model {tm}")
+    if tm == "blocks" and minor < 9:
+        raise FormatError(f"token_model blocks in a file stamped 1.{minor} (needs 1.9)")
     if (t["draft"] is not None) != (tm == "draft"):
         raise FormatError("tokens.draft")
     if t["draft"] is not None:
@@ -817,9 +819,14 @@ def validate_tokens(t, tier, B, N):
     p = t["procedure"]
     if not isinstance(p, dict) or "id" not in p or not isinstance(p["id"], str):
         raise FormatError("tokens.procedure")
-    want = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1"}[tm]
+    want = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1",
+            "blocks": "lm-blocks-v1"}[tm]
     if p["id"] != want:
         raise FormatError("tokens.procedure.id")
+    if tm == "blocks":
+        if "block_tokens" not in p:
+            raise FormatError("tokens.procedure.block_tokens")
+        _int(p, "block_tokens", 1, None, "tokens.procedure", limit=1 << 16)
     for k in ("numerics", "draft_numerics"):
         if k in p and not isinstance(p[k], dict):
             raise FormatError(f"tokens.procedure.{k}")
