@@ -44,11 +44,15 @@ class Encoder:
         Tokens per kv / residual section: the granularity of random access.
     threads : int, optional
         Sections coded in parallel; default: ``$KVCODEC_THREADS`` or every core.
-    token_model : ``"lm"`` (default), ``"static"`` or ``"draft"``
+    token_model : ``"auto"`` (default), ``"lm"``, ``"blocks"``, ``"static"`` or ``"draft"``
         Token tiers: the probability model of the token channel - the model
-        itself (decoding runs it token by token), an adaptive context model
-        (decoding = one prefill), or ``draft=`` (a smaller model with the same
-        tokenizer).
+        itself (``lm``: the fewest bits; decoding runs it token by token), the
+        model in parallel blocks of ``block_tokens=`` tokens (decoding = that
+        many batched calls), an adaptive context model (``static``: decoding =
+        one prefill), or ``draft=`` (a smaller model with the same tokenizer).
+        ``auto`` picks ``blocks`` where their decoding is measured to cost
+        less than the prefill, else ``static``, so a restore takes about two
+        prefills (the file records the choice).
     tolerance : float or None
         Token tiers: 0 = lossless residual, eps = max abs error eps, None = no residual.
     **codec_options

@@ -136,6 +136,8 @@ def cmd_encode(args) -> int:
     opts = {}
     if registry.tier(args.tier).needs_model:
         opts["token_model"] = args.token_model
+        if args.block_tokens is not None:
+            opts["block_tokens"] = args.block_tokens
     elif args.tier == "lossy":
         opts = dict(lossy)
         opts.update({"max_kl": args.max_kl} if args.max_kl is not None else {"bits": args.bits})
@@ -476,9 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "these predictors (safetensors, kvz calibrate --predictors); decoding then needs them")
     s.add_argument("--lossy-options", default=None,
                    help='lossy: other vq_rans options as JSON, e.g. \'{"window": 64, "quantizer": "kivi"}\'')
-    s.add_argument("--token-model", default="lm", choices=["lm", "static"],
+    s.add_argument("--token-model", default="auto", choices=["auto", "lm", "static", "blocks"],
                    help="tiers exact/tokens: code the tokens with the model itself (lm: fewest bits, restore "
-                        "steps one token at a time) or a static context model (restore is one prefill)")
+                        "steps one token at a time), in parallel blocks (blocks: block-length batched steps), or "
+                        "a static context model (restore is one prefill); auto (default): blocks where they are "
+                        "measured to restore in about two prefills, else static")
+    s.add_argument("--block-tokens", type=int, default=None,
+                   help="token model blocks: the block length (default: 32 up to 4,096 tokens, else 64)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="--text: the model's dtype, hence the cache's (default bf16)")
     s.add_argument("--max-tokens", type=int, default=2048, help="--text: tokens of the text to run (default 2048)")

@@ -35,7 +35,9 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
           f"{info['ratio']}x, {info['bits_per_component']} bits/component")
     tc = info.get("token_channel")
     if tc:
-        out(f"  token channel: {tc['token_model']}, {tc['coded_tokens']} tokens in {human(tc['token_stream_bytes'])}"
+        blocks = tc["procedure"].get("block_tokens") if tc["token_model"] == "blocks" else None
+        out(f"  token channel: {tc['token_model']}{f' (blocks of {blocks})' if blocks else ''}, "
+            f"{tc['coded_tokens']} tokens in {human(tc['token_stream_bytes'])}"
               f" = {tc['bits_per_token']} bits/token; schedule {tc['schedule']}, padding {tc['padding']}")
         out(f"  residual     : {human(tc['residual_bytes'])}, tolerance {tc['tolerance']}, max abs deviation of "
               f"a bare recompute at encode time {tc['max_abs_deviation']}")

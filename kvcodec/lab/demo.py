@@ -48,12 +48,17 @@ def run_demo(args) -> int:
     print(f"[3/8] lossless tier -> {lossless_path}: {_human(n_lossless)} ({kv.nbytes() / n_lossless:.3f}x) "
           f"in {time.perf_counter() - t:.2f} s (decodes without the model)")
     t = time.perf_counter()
-    with progress_bar(prompt.shape[1], "      encoding (one model step per token)", "token") as bar:
+    with progress_bar(prompt.shape[1], "      encoding", "token") as bar:
         # tier "exact": tokens recovered from the cache itself
         n = api.save(args.output, cache, (model, tok), progress=bar.update)
     t_enc = time.perf_counter() - t
+    tm = api.inspect(args.output)["token_channel"]
+    coder = tm["token_model"] + (f" (blocks of {tm['procedure']['block_tokens']})" if tm["token_model"] == "blocks"
+                                 else "")
     print(f"[4/8] exact tier -> {args.output}: {_human(n)} ({kv.nbytes() / n:,.0f}x) in {t_enc:.1f} s "
-          "(tokens recovered from the cache, arithmetic-coded with the model, residual against the recompute)")
+          f"(tokens recovered from the cache and arithmetic-coded by the {coder} token model, chosen for a restore "
+          "in about two prefills; a residual against the recompute. token_model='lm' codes fewer bits and "
+          "restores one model step per token)")
 
     print("[5/8] kvz inspect:")
     print(inspection_text(api.inspect(args.output, verify_checksums=True), args.output, sections=False))
@@ -62,7 +67,7 @@ def run_demo(args) -> int:
     same_lossless = to_canonical(api.load(lossless_path)).equal(kv)
     t_ll = time.perf_counter() - t
     t = time.perf_counter()
-    with progress_bar(prompt.shape[1], "      restoring (one model step per token)", "token") as bar:
+    with progress_bar(prompt.shape[1], "      restoring", "token") as bar:
         restored = api.load(args.output, (model, tok), progress=bar.update)
     t_dec = time.perf_counter() - t
     same = to_canonical(restored).equal(kv)
@@ -113,7 +118,8 @@ def run_demo(args) -> int:
     print(f"  {'method':{w}s} {'bytes':>12s} {'ratio':>10s} {'bits/comp':>10s}")
     for name, size in rows:
         print(f"  {name:{w}s} {size:12d} {len(raw) / size:10.1f} {8 * size / comps:10.5f}")
-    print(f"  token stream: {tc['bits_per_token']} bits/token; restoring runs the model over the tokens again, "
-          f"one step per token while their codes are decoded ({t_dec:.1f} s here, vs {t_prefill:.2f} s for a bare "
-          "prefill; the static token model restores in one prefill)")
+    print(f"  token stream ({tc['token_model']}): {tc['bits_per_token']} bits/token; restoring decodes the tokens "
+          f"and runs the model over them again ({t_dec:.1f} s here, vs {t_prefill:.2f} s for a bare prefill); "
+          "token_model='lm' spends about half the bits and restores one model step per token (BENCHMARKS.md, "
+          "\"Token models\")")
     return 0

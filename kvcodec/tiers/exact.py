@@ -77,8 +77,9 @@ PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenC
               "blocks": blocks.PROCEDURE}
 BLOCKS_MINOR = 9  #: (1.9) token model "blocks"
 #: token model "auto": the longest block of ``blocks`` whose decoding is estimated to take at most this share of
-#: a bare prefill (so that a restore - decoding, then the replay - takes about 2 prefills); "static" if none of
-#: at least ``AUTO_MIN_BLOCK`` tokens does
+#: the regeneration the encoder just timed (so that a restore - decoding, then the same replay - takes about two
+#: of them), kept if its streams are smaller than "static"'s; "static" if no block of ``AUTO_MIN_BLOCK`` tokens
+#: or more fits (spec/kvz.md §11.5)
 AUTO_BUDGET = 0.9
 AUTO_BLOCKS = (128, 64, 32, 16)
 #: shorter blocks code worse than "static" (SmolLM2: 8.7-9.3 bits/token at L = 8 against 8.5)
@@ -411,32 +412,37 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
     """The token streams and the regenerated cache of ``plan`` (one-token calls on ``plan.step_threads``)."""
     draft_rec = None
     rows = [tokens[r, plan.padding[r] if plan.padding else 0:] for r in range(kv.batch)]
-    if token_model in ("auto", "blocks"):
-        if verified is None:  # the regeneration first: "auto" weighs the token decoding against this prefill
-            t0 = time.perf_counter()
-            verified = to_canonical(replay(mdl, tokens, plan, job.progress))
-            prefill_s = time.perf_counter() - t0
-        else:
-            prefill_s = job.report["plan_seconds"]
-            if job.progress:
-                job.progress(n)
-        regen = verified
-        block = opts.codec.get("block_tokens") if token_model == "blocks" else None
-        if block is None:
-            block = blocks.default_block_tokens(max(x.numel() for x in rows)) if token_model == "blocks" else \
-                _auto_block(mdl, [int(x.numel()) for x in rows], prefill_s, job.report)
-        token_model = "static" if block is None else "blocks"
-        job.report["token_model"] = token_model
-    if token_model == "blocks":
-        coder = blocks.BlockTokenCoder(mdl, int(block), lm.CHUNK_TOKENS, plan.pad_token)
-        streams, procedure = coder.encode(rows), coder.procedure()
-    elif token_model == "lm":
+    if token_model == "lm":  # coded while the plan is replayed: one pass gives the streams and the regeneration
         coder = LMTokenCoder(mdl, lm.CHUNK_TOKENS)
         streams, regen = coder.encode_replay(tokens, plan, job.progress)
         procedure, regen = coder.procedure(lm.SCHEDULE), to_canonical(regen)
     else:
-        if token_model == "static":
-            coder = StaticTokenCoder(vocab, lm.CHUNK_TOKENS)
+        prefill_s = job.report["plan_seconds"]
+        if verified is None:  # the regeneration first ("auto" weighs the token decoding against this prefill)
+            t0 = time.perf_counter()
+            verified = to_canonical(replay(mdl, tokens, plan, job.progress))
+            prefill_s = time.perf_counter() - t0
+        elif job.progress:
+            job.progress(n)
+        regen = verified
+        if token_model in ("auto", "blocks"):
+            block = opts.codec.get("block_tokens")
+            if token_model == "auto":
+                block = _auto_block(mdl, [int(x.numel()) for x in rows], prefill_s, job.report)
+            elif block is None:
+                block = blocks.default_block_tokens(max(int(x.numel()) for x in rows))
+            streams = procedure = None
+            if block is not None:
+                coder = blocks.BlockTokenCoder(mdl, int(block), lm.CHUNK_TOKENS, plan.pad_token)
+                streams, procedure = coder.encode(rows), coder.procedure()
+            if token_model == "auto":  # the static coder is cheap and wins on repetitive text (logs)
+                static = [StaticTokenCoder(vocab, lm.CHUNK_TOKENS).encode(x) for x in rows]
+                if streams is None or sum(x.nbytes for x in static) < sum(x.nbytes for x in streams):
+                    streams, procedure = static, dict(StaticTokenCoder.PROCEDURE)
+            token_model = "blocks" if procedure["id"] == blocks.PROCEDURE else "static"
+            job.report["token_model"] = token_model
+        elif token_model == "static":
+            streams = [StaticTokenCoder(vocab, lm.CHUNK_TOKENS).encode(x) for x in rows]
             procedure = dict(StaticTokenCoder.PROCEDURE)
         else:
             if opts.draft is None:
@@ -449,13 +455,7 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
             coder = LMTokenCoder(dm, lm.CHUNK_TOKENS)
             vocab = coder.vocab
             procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
-        streams = [coder.encode(x) for x in rows]
-        if verified is None:
-            regen = to_canonical(replay(mdl, tokens, plan, job.progress))
-        else:
-            regen = verified
-            if job.progress:
-                job.progress(n)
+            streams = [coder.encode(x) for x in rows]
     procedure = {**procedure, "numerics": {**numerics.profile(mdl), "step_threads": plan.step_threads}}
     if token_model == "draft":
         procedure["draft_numerics"] = {**numerics.profile(split_model(opts.draft)[0]),
