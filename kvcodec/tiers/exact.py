@@ -81,6 +81,8 @@ BLOCKS_MINOR = 9  #: (1.9) token model "blocks"
 #: of them), kept if its streams are smaller than "static"'s; "static" if no block of ``AUTO_MIN_BLOCK`` tokens
 #: or more fits (spec/kvz.md §11.5)
 AUTO_BUDGET = 0.9
+#: ... and whose coding (the same calls as its decoding) took at most this share of it, else the next shorter
+AUTO_LIMIT = 1.0
 AUTO_BLOCKS = (128, 64, 32, 16)
 #: shorter blocks code worse than "static" (SmolLM2: 8.7-9.3 bits/token at L = 8 against 8.5)
 AUTO_MIN_BLOCK = 16
@@ -427,14 +429,27 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
         regen = verified
         if token_model in ("auto", "blocks"):
             block = opts.codec.get("block_tokens")
+            lengths = [int(x.numel()) for x in rows]
+            settled = True
             if token_model == "auto":
-                block = _auto_block(mdl, [int(x.numel()) for x in rows], prefill_s, job.report)
+                block, settled = _auto_block(mdl, lengths, prefill_s, job.report)
             elif block is None:
-                block = blocks.default_block_tokens(max(int(x.numel()) for x in rows))
+                block = blocks.default_block_tokens(max(lengths))
             streams = procedure = None
-            if block is not None:
+            while block is not None:
                 coder = blocks.BlockTokenCoder(mdl, int(block), lm.CHUNK_TOKENS, plan.pad_token)
+                t0 = time.perf_counter()
                 streams, procedure = coder.encode(rows), coder.procedure()
+                took = time.perf_counter() - t0  # the decoder makes the same calls: about its decoding time
+                if settled or took <= AUTO_LIMIT * prefill_s:
+                    break
+                # the estimate was optimistic (later steps attend to more): the next shorter block, if any
+                job.report["auto"].setdefault("measured_decode_seconds", {})[block] = round(took, 4)
+                shorter = [b for b in AUTO_BLOCKS if b < block and b >= AUTO_MIN_BLOCK]
+                block = shorter[0] if shorter else None
+                streams = procedure = None
+            if token_model == "auto" and not settled:
+                _remember_block(mdl, lengths, block, job.report)
             if token_model == "auto":  # the static coder is cheap and wins on repetitive text (logs)
                 static = [StaticTokenCoder(vocab, lm.CHUNK_TOKENS).encode(x) for x in rows]
                 if streams is None or sum(x.nbytes for x in static) < sum(x.nbytes for x in streams):
@@ -485,26 +500,40 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
     return TokenEncoding(header_tokens, streams, regen, tokens, how, float(sum(s.cross_entropy_bits for s in streams)))
 
 
-def _auto_block(model, lengths: list[int], prefill_s: float, report: dict) -> int | None:
+def _auto_block(model, lengths: list[int], prefill_s: float, report: dict) -> tuple[int | None, bool]:
     """Token model "auto": the longest block (``AUTO_BLOCKS``) whose ``L - 1`` batched decoding steps are
     estimated, from one timed step of that batch, to take at most ``AUTO_BUDGET`` x the bare prefill just
-    timed; None (token model "static") if none of at least ``AUTO_MIN_BLOCK`` tokens fits.  Measured on this
-    machine, so a file says which it chose (``procedure.block_tokens``)."""
+    timed; None (token model "static") if none of at least ``AUTO_MIN_BLOCK`` tokens fits; and whether that is
+    settled (remembered for these lengths in this process, or None) or still to be confirmed by timing the
+    coding itself (``AUTO_LIMIT``).  Measured on this machine, so a file says which it chose
+    (``procedure.block_tokens``)."""
     from transformers.cache_utils import DynamicCache
 
     from ..tokens.plan import cache_kwarg
 
-    key = (tuple(lengths), torch.get_num_threads(), str(next(model.parameters()).dtype))
-    try:
-        memo = _AUTO_MEMO.setdefault(model, {})
-    except TypeError:
-        memo = {}
+    memo = _memo(model)
+    key = _memo_key(model, lengths)
     if key in memo:  # one process encodes one cache (and its copies) the same way
         report["auto"] = memo[key][1]
-        return memo[key][0]
+        return memo[key][0], True
     block, report["auto"] = _measure_block(model, lengths, prefill_s, DynamicCache, cache_kwarg)
-    memo[key] = (block, report["auto"])
-    return block
+    return block, False
+
+
+def _memo(model) -> dict:
+    try:
+        return _AUTO_MEMO.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: no memo
+        return {}
+
+
+def _memo_key(model, lengths) -> tuple:
+    return tuple(lengths), torch.get_num_threads(), str(next(model.parameters()).dtype)
+
+
+def _remember_block(model, lengths, block, report) -> None:
+    """The block length "auto" settled on for rows of these lengths (after measuring its coding)."""
+    _memo(model)[_memo_key(model, lengths)] = (block, report["auto"])
 
 
 _AUTO_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
