@@ -45,14 +45,11 @@ class Encoder:
     threads : int, optional
         Sections coded in parallel; default: ``$KVCODEC_THREADS`` or every core.
     token_model : ``"auto"`` (default), ``"lm"``, ``"blocks"``, ``"static"`` or ``"draft"``
-        Token tiers: the probability model of the token channel - the model
-        itself (``lm``: the fewest bits; decoding runs it token by token), the
-        model in parallel blocks of ``block_tokens=`` tokens (decoding = that
-        many batched calls), an adaptive context model (``static``: decoding =
-        one prefill), or ``draft=`` (a smaller model with the same tokenizer).
-        ``auto`` picks ``blocks`` where their decoding is measured to cost
-        less than the prefill, else ``static``, so a restore takes about two
-        prefills (the file records the choice).
+        Token tiers: the token channel's probability model - the model itself
+        (``lm``: fewest bits, decoding runs it token by token), in parallel
+        blocks of ``block_tokens=`` (that many batched calls), an adaptive
+        context model (``static``: no network), or ``draft=``; ``auto`` picks
+        blocks or static so a restore takes about two prefills (recorded).
     tolerance : float or None
         Token tiers: 0 = lossless residual, eps = max abs error eps, None = no residual.
     **codec_options

@@ -84,7 +84,8 @@ AUTO_BUDGET = 0.9
 #: ... and whose coding (the same calls as its decoding) took at most this share of it, else the next shorter
 AUTO_LIMIT = 1.0
 AUTO_BLOCKS = (128, 64, 32, 16)
-#: shorter blocks code worse than "static" (SmolLM2: 8.7-9.3 bits/token at L = 8 against 8.5)
+#: not shorter: SmolLM2's L = 8 decoded in 2.9x a 512-token prefill at 8.7-9.3 bits/token, about what "static"
+#: codes on longer text (7.7-9.6 at 8,192 tokens; BENCHMARKS.md "Token models")
 AUTO_MIN_BLOCK = 16
 POSITIONS = ("mask", "arange")
 MAX_SCHEDULE_RUNS = 1 << 20
