@@ -214,8 +214,18 @@ def test_token_tier_vector_residuals(case):
 def test_decode_token_tier_vector(case):
     """Numerics-bound: decoding with the shipped tiny model, checked against the input tensors' hashes (exact
     tier) or within the tolerance (every slice is also checked by its tensor checksum inside the decoder)."""
-    _require_numerics(case)
     meta, data = _load(case)
+    threads = torch.get_num_threads()
+    if meta["options"]["token_model"] == "blocks":  # its batched calls ran on the recorded thread count (§11.2)
+        torch.set_num_threads(KvzReader(data).header.tier_info.raw["procedure"]["numerics"]["threads"])
+    try:
+        _decode_token_tier_vector(case, meta, data)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode_token_tier_vector(case, meta, data):
+    _require_numerics(case)
     if meta["options"].get("tier", "exact") == "exact":
         check_vector(case, _vector_model(case), numerics=MATCHED)
     else:  # within the tolerance: the decoder checks every slice against its tensor checksum
