@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.container import layout as L
 from kvcodec.tokens.blocks import BlockTokenCoder
 
 from .common import VOCAB, check_rejects, fuzz_tools, recorded_generate, tiny_model
@@ -68,19 +67,11 @@ def test_the_coder_makes_block_length_minus_one_calls():
 
 
 def test_corrupt_blocks_stream_is_a_checksum_mismatch_naming_the_row_and_chunk():
-    from .test_tokentier import _rewrite
+    from .test_tokentier import _rewrite, flip_stream_words
 
     model, _rec, data = _blocks_file()
-
-    def flip(e, p):
-        if e.section_type != L.SECTION_TOKEN_STREAM:
-            return p
-        b = bytearray(p)
-        b[-1] ^= 0x55
-        return bytes(b)
-
     with pytest.raises((kvcodec.ChecksumMismatch, kvcodec.FormatError)) as ei:
-        kvcodec.decode(_rewrite(data, flip), model)
+        kvcodec.decode(_rewrite(data, flip_stream_words), model)
     assert ei.value.field.startswith("Token_Stream")
 
 

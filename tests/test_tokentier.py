@@ -48,6 +48,15 @@ def _rewrite(data, edit):
     return buf.getvalue()
 
 
+def flip_stream_words(e, p):
+    """A ``_rewrite`` edit: flip bits of the last byte of every token stream (its range coder's words)."""
+    if e.section_type != L.SECTION_TOKEN_STREAM:
+        return p
+    b = bytearray(p)
+    b[-1] ^= 0x55
+    return bytes(b)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2_mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_model", ["lm", "static"])
@@ -246,14 +255,7 @@ def test_corrupt_and_truncated_token_streams_and_residuals_raise_named_errors(mo
         kvcodec.decode(_rewrite(data, trunc), model)
     assert ei.value.field.startswith("Token_Stream")
 
-    def flip_words(e, p):
-        if e.section_type != L.SECTION_TOKEN_STREAM:
-            return p
-        b = bytearray(p)
-        b[-1] ^= 0x55
-        return bytes(b)
-
-    check_rejects(kvcodec.ChecksumMismatch, _rewrite(data, flip_words), model, match="token chunk.*most likely corrupt")
+    check_rejects(kvcodec.ChecksumMismatch, _rewrite(data, flip_stream_words), model, match="token chunk.*most likely corrupt")
 
     def corrupt_residual(e, p):
         if e.section_type != L.SECTION_RESIDUAL or p[0] != 1 or e.layer != 1:

@@ -61,6 +61,7 @@ from ..tokens.plan import (
     padding_candidates,
     replay,
     schedule_arg,
+    single_steps,
     step_thread_candidates,
     step_threads,
 )
@@ -75,7 +76,6 @@ TOKEN_MODELS = ("lm", "static", "draft", "blocks")
 TOKEN_MODEL_OPTIONS = (*TOKEN_MODELS, "auto")
 PROCEDURES = {"lm": lm.SCHEDULE, "draft": lm.INCREMENTAL, "static": StaticTokenCoder.PROCEDURE["id"],
               "blocks": blocks.PROCEDURE}
-BLOCKS_MINOR = 9  #: (1.9) token model "blocks"
 #: token model "auto": the longest block of ``blocks`` whose decoding is estimated to take at most this share of
 #: the regeneration the encoder just timed (so that a restore - decoding, then the same replay - takes about two
 #: of them), kept if its streams are smaller than "static"'s; "static" if no block of ``AUTO_MIN_BLOCK`` tokens
@@ -204,13 +204,10 @@ class ExactTier(Tier):
             if a.shape[2] == n and a.numel():
                 differs |= (bit_patterns(a) != bit_patterns(b)).reshape(a.shape[0], a.shape[1], n, -1).any(-1).any(
                     1).any(0)
-        if not residual_bytes or not bool(differs.any()):
+        if not bool(differs.any()):
             return
-        schedule = expand(enc.header_tokens["schedule"])
-        single, pos = torch.zeros(n, dtype=torch.bool), 0
-        for size in schedule:
-            single[pos] = size == 1 and pos > 0
-            pos += size
+        single = torch.zeros(n, dtype=torch.bool)
+        single[single_steps(expand(enc.header_tokens["schedule"]))] = True
         k, where = int(differs.sum()), torch.nonzero(differs).flatten()
         threads = enc.header_tokens["procedure"]["numerics"].get("step_threads")
         tried = f"it tried one-token calls on {step_thread_candidates()} threads"
@@ -505,19 +502,15 @@ def _auto_block(model, lengths: list[int], prefill_s: float, report: dict) -> tu
     """Token model "auto": the longest block (``AUTO_BLOCKS``) whose ``L - 1`` batched decoding steps are
     estimated, from one timed step of that batch, to take at most ``AUTO_BUDGET`` x the bare prefill just
     timed; None (token model "static") if none of at least ``AUTO_MIN_BLOCK`` tokens fits; and whether that is
-    settled (remembered for these lengths in this process, or None) or still to be confirmed by timing the
-    coding itself (``AUTO_LIMIT``).  Measured on this machine, so a file says which it chose
+    settled (remembered for these lengths in this process) or still to be confirmed by timing the coding
+    itself (``AUTO_LIMIT``).  Measured on this machine, so a file says which it chose
     (``procedure.block_tokens``)."""
-    from transformers.cache_utils import DynamicCache
-
-    from ..tokens.plan import cache_kwarg
-
     memo = _memo(model)
     key = _memo_key(model, lengths)
     if key in memo:  # one process encodes one cache (and its copies) the same way
         report["auto"] = memo[key][1]
         return memo[key][0], True
-    block, report["auto"] = _measure_block(model, lengths, prefill_s, DynamicCache, cache_kwarg)
+    block, report["auto"] = _measure_block(model, lengths, prefill_s)
     return block, False
 
 
@@ -540,7 +533,11 @@ def _remember_block(model, lengths, block, report) -> None:
 _AUTO_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _measure_block(model, lengths, prefill_s, DynamicCache, cache_kwarg):  # noqa: N803
+def _measure_block(model, lengths, prefill_s) -> tuple[int | None, dict]:
+    from transformers.cache_utils import DynamicCache
+
+    from ..tokens.plan import cache_kwarg
+
     longest = max(lengths)
     dev = next(model.parameters()).device
     tried = {}
@@ -785,25 +782,22 @@ def _regenerate(header, streams: list[TokenStream], model, draft=None, progress=
     if t.token_model == "lm":
         tokens, regen = LMTokenCoder(mdl, t.checksum_tokens).decode_replay(streams, plan, progress)
         return tokens, to_canonical(regen)
-    if t.token_model == "blocks":
-        coder = blocks.BlockTokenCoder(mdl, int(t.raw["procedure"]["block_tokens"]), t.checksum_tokens, t.pad_token)
-        rows = coder.decode(streams)
-        tokens = torch.full((header.batch, header.num_tokens), t.pad_token, dtype=torch.int64)
-        for r, ids in enumerate(rows):
-            tokens[r, t.padding[r]:] = ids
-        return tokens, to_canonical(replay(mdl, tokens, plan, progress))
-    if t.token_model == "static":
-        coder = StaticTokenCoder(t.vocab, t.checksum_tokens)
+    if t.token_model == "blocks":  # every row at once: their blocks are one batch
+        rows = blocks.BlockTokenCoder(mdl, int(t.raw["procedure"]["block_tokens"]), t.checksum_tokens,
+                                      t.pad_token).decode(streams)
     else:
-        if draft is None:
-            raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
-        coder = LMTokenCoder(split_model(draft)[0], t.checksum_tokens)
-        if coder.vocab != t.vocab:
-            raise FormatError(f"tokens.vocab {t.vocab} differs from the draft model's {coder.vocab}",
-                              field="Header.tokens.vocab")
+        if t.token_model == "static":
+            coder = StaticTokenCoder(t.vocab, t.checksum_tokens)
+        else:
+            if draft is None:
+                raise ConfigError("this file's tokens were coded with a draft model: decode(data, model, draft=...)")
+            coder = LMTokenCoder(split_model(draft)[0], t.checksum_tokens)
+            if coder.vocab != t.vocab:
+                raise FormatError(f"tokens.vocab {t.vocab} differs from the draft model's {coder.vocab}",
+                                  field="Header.tokens.vocab")
+        rows = (coder.decode(s) for s in streams)
     tokens = torch.full((header.batch, header.num_tokens), t.pad_token, dtype=torch.int64)
-    for r, s in enumerate(streams):
-        ids = coder.decode(s)
+    for r, ids in enumerate(rows):
         if ids.numel() and int(ids.max()) >= vocab_size(mdl):
             raise FormatError(f"batch row {r}: a decoded token id is outside the model's vocabulary",
                               field="Token_Stream.Words")

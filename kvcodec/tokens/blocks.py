@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ChecksumMismatch, FormatError
+from ..errors import FormatError
 from .lm import next_token_probs
 from .plan import cache_kwarg
-from .rangecoder import TokenStream, categorical, chunk_checksums, decode_symbol, encode_symbol
+from .rangecoder import TokenStream, categorical, check_chunk, chunk_checksums, decode_symbol, encode_symbol
 
 __all__ = ["MAX_BLOCK_TOKENS", "PROCEDURE", "SOFTMAX_ROWS", "BlockTokenCoder", "default_block_tokens"]
 
@@ -78,9 +78,8 @@ class BlockTokenCoder:
         if not blocks:
             return
         dev = next(self.model.parameters()).device
-        uniform = None
         for j, b in enumerate(blocks):  # step 0: every block's first token, uniform
-            step(j, b, 0, uniform)
+            step(j, b, 0, None)
         if progress:
             progress(len(blocks))
         steps = max(length for _, _, length in blocks)
@@ -141,12 +140,9 @@ class BlockTokenCoder:
                                            f"batch row {r}, token {a + s}")
 
         self._run(rows, lengths, step, progress)
-        for r, (x, s) in enumerate(zip(rows, streams)):
-            got = chunk_checksums(x, self.chunk_tokens)
-            bad = next((c for c, (u, v) in enumerate(zip(got, s.chunk_checksums)) if u != v), None)
-            if bad is not None:
-                a = bad * self.chunk_tokens
-                raise ChecksumMismatch(f"batch row {r}, token chunk {bad} (tokens {a}..{min(a + self.chunk_tokens, x.size) - 1}) "
-                                       f"decodes to ids whose checksum differs: {self.MISMATCH_HINT}",
-                                       field="Token_Stream.Chunk_Checksums")
+        for r, (x, s) in enumerate(zip(rows, streams)):  # in position order, once the row is decoded
+            for end in range(self.chunk_tokens, s.num_tokens + self.chunk_tokens, self.chunk_tokens):
+                k = min(end, s.num_tokens) - 1  # the chunk's last token
+                check_chunk(s, k, lambda a, x=x, k=k: x[a:k + 1], self.MISMATCH_HINT, "Token_Stream.Chunk_Checksums",
+                            f"batch row {r}, ")
         return [torch.from_numpy(x) for x in rows]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,7 +31,7 @@ from .schedule import expand
 
 __all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg", "step_threads",
            "STEP_THREADS",
-           "padding_candidates", "infer_plan", "step_thread_candidates"]
+           "padding_candidates", "infer_plan", "step_thread_candidates", "single_steps"]
 
 
 @dataclass
@@ -257,10 +257,6 @@ def _step_probe(model, kv, tokens, plan: Plan, j: int, threads) -> int | None:
     return None
 
 
-def _with(plan: Plan, **changes) -> Plan:
-    return Plan(**{**plan.__dict__, **changes})
-
-
 def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule,
                threads=None) -> tuple[Plan, str, KVCache | None]:
     """Find the plan that regenerates ``kv`` bit for bit; returns (plan, how it was found, its regeneration
@@ -277,13 +273,13 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule,
     note = ""
     if given_schedule is not None:
         # the given schedule's one-token calls: which thread count reproduces the last of them?
-        singles = [j for j, size in zip(_starts(given_schedule), given_schedule) if size == 1 and j >= 1]
+        singles = single_steps(given_schedule)
         if singles and probe_ok and len(threads) > 1:
             found = None
             for i, plan in enumerate(plans):
                 found = _step_probe(model, kv, tokens, plan, singles[-1], threads)
                 if found is not None:
-                    plans = [_with(p, step_threads=found) for p in [plans[i]] + plans[:i] + plans[i + 1:]]
+                    plans = [replace(p, step_threads=found) for p in [plans[i]] + plans[:i] + plans[i + 1:]]
                     break
             if found is None:
                 note = f" (its one-token calls are reproduced on none of {threads} threads: residual)"
@@ -305,7 +301,7 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule,
         t = _step_probe(model, kv, tokens, plan, n - 1, threads)
         if t is None:
             continue
-        plan = _with(plan, step_threads=t)
+        plan = replace(plan, step_threads=t)
         lo, hi = 1, n - 1  # smallest j whose probe passes
         with step_threads(t):
             while lo < hi:
@@ -321,19 +317,22 @@ def infer_plan(model, kv: KVCache, tokens, candidates, given_schedule,
         # So the prefill itself is checked, one forward call of p tokens: the first of lo, lo + 1, ... whose
         # prefill reproduces positions [0, p) bit for bit wins (the caller's replay confirms the rest).
         for p in range(lo, min(n, lo + _SCHEDULE_TRIES)):
-            head = _with(plan, schedule=[p])
+            head = replace(plan, schedule=[p])
             got = to_canonical(replay(model, tokens[:, :p], head))
             if all(torch.equal(a[:, :, :p], b) for a, b in zip(kv.keys + kv.values, got.keys + got.values)):
-                return _with(plan, schedule=[p] + [1] * (n - p)), \
+                return replace(plan, schedule=[p] + [1] * (n - p)), \
                     f"inferred: prefill {p}, then {n - p} single steps{on}", None
-        return _with(plan, schedule=[lo] + [1] * (n - lo)), \
+        return replace(plan, schedule=[lo] + [1] * (n - lo)), \
             f"inferred: prefill {lo}, then {n - lo} single steps{on} (its prefill differs: residual)", None
     return plans[0], f"unknown: one prefill assumed (no single step reproduced on {threads} threads)", first
 
 
-def _starts(schedule) -> list[int]:
+def single_steps(schedule) -> list[int]:
+    """The positions a schedule's one-token calls fill, past position 0 (a first call of one token is the
+    prefill of a one-token prompt)."""
     out, pos = [], 0
     for size in schedule:
-        out.append(pos)
+        if size == 1 and pos >= 1:
+            out.append(pos)
         pos += size
     return out
