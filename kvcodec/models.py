@@ -99,6 +99,21 @@ def _convert(name: str, target: Path) -> None:
         os.replace(tmp, target)
 
 
+def model_dir(name: str = "smollm2") -> Path:
+    """The transformers directory (safetensors weights, tokenizer) of an embedded model, converted from its
+    GGUF on first use - what engines that load a directory (vLLM) are given; a local directory as it is."""
+    if name in EMBEDDED_MODELS:
+        target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}"
+        if not (target / "kvcodec_conversion.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert(name, target)
+        return target
+    path = Path(name)
+    if not path.is_dir():
+        raise ConfigError(f"model {name!r}: not an embedded model name nor a local directory")
+    return path
+
+
 def load_model(name: str = "smollm2", *, dtype=None, device: str = "cpu"):
     """Load a model and its tokenizer, offline.
 
@@ -118,16 +133,7 @@ def load_model(name: str = "smollm2", *, dtype=None, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
-    if name in EMBEDDED_MODELS:
-        target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}"
-        if not (target / "kvcodec_conversion.json").is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _convert(name, target)
-        path = target
-    else:
-        path = Path(name)
-        if not path.is_dir():
-            raise ConfigError(f"model {name!r}: not an embedded model name nor a local directory")
+    path = model_dir(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:

@@ -636,20 +636,7 @@ class ReadPath(Objects):
             raise ConfigError(f"output must be 'dynamic', 'kvcache' or 'layers', not {output!r}")
         ids = token_ids(tokens)
         ns = self.namespace(model, dtype)
-        nsb, size = bytes.fromhex(ns), self.record(ns)["chunk_tokens"]
-        plan = []  # (chunk key, first position, tokens used from it)
-        parent, a = ROOT_PARENT, 0
-        while a < ids.size:
-            b = min(ids.size, a + size)
-            key = chunk_key(nsb, parent, ids[a:b])
-            if self._exists(chunk_path(ns, key)):
-                plan.append((key, a, b - a))
-                parent, a = key, b
-                continue
-            hit = self._lookup(ns, parent, ids[a:b], a)
-            if hit is not None:
-                plan.append((hit.key, a, hit.common))
-            break
+        plan = self._plan(ns, ids)
         total = sum(m for _, _, m in plan)
         if total and self._recompute_is_faster(model, plan):
             mdl = split_model(self.model if model is None else model)[0]
@@ -691,6 +678,33 @@ class ReadPath(Objects):
         if not n:
             return 0, None
         return n, self._output(parts, output)
+
+    def _plan(self, ns: str, ids: np.ndarray) -> list[tuple[bytes, int, int]]:
+        """The chunks that hold the longest stored prefix of ``ids``: (chunk key, first position, tokens used
+        from it) - whole chunks found by key, then the stored chunk sharing the most of the next one's ids."""
+        nsb, size = bytes.fromhex(ns), self.record(ns)["chunk_tokens"]
+        plan = []
+        parent, a = ROOT_PARENT, 0
+        while a < ids.size:
+            b = min(ids.size, a + size)
+            key = chunk_key(nsb, parent, ids[a:b])
+            if self._exists(chunk_path(ns, key)):
+                plan.append((key, a, b - a))
+                parent, a = key, b
+                continue
+            hit = self._lookup(ns, parent, ids[a:b], a)
+            if hit is not None:
+                plan.append((hit.key, a, hit.common))
+            break
+        return plan
+
+    def lookup(self, tokens, model=None, *, dtype: torch.dtype | None = None) -> int:
+        """How many leading tokens of ``tokens`` :meth:`match` would find stored, without reading a cache
+        (a scheduler's question: chunks are found by key and by their prefix entries, nothing is decoded).
+        A chunk can vanish or prove corrupt between this answer and a match: the match then returns less."""
+        ids = token_ids(tokens)
+        ns = self.namespace(model, dtype)
+        return sum(m for _, _, m in self._plan(ns, ids))
 
     def _check_ids(self, ns: str, key: bytes, start: int, want: np.ndarray) -> None:
         """A chunk (with its bases) holds ``want`` as its first ids: else :class:`FormatError` (and the chunk is

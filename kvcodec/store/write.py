@@ -80,6 +80,13 @@ class WritePath(ReadPath):
             self._settle_stats = {"records_read": 0, "waits": 0, "chunks_rewritten": 0, "entries_rewritten": 0}
         return self._settle_stats
 
+    @property
+    def put_stats(self) -> dict:
+        """What this object's puts wrote: chunks reused (already stored) and written, and the bytes written."""
+        if "_put_stats" not in self.__dict__:
+            self._put_stats = {"chunks_reused": 0, "chunks_written": 0, "bytes_written": 0}
+        return self._put_stats
+
     def put(self, cache, model=None, tokens=None, progress=None) -> str:
         """Store one session's cache (batch 1) and return its key.  ``tokens`` (1-D or ``[1, n]``): the ids of
         the positions the cache holds; else recovered from the cache with the model, as :func:`encode` does.
@@ -118,6 +125,7 @@ class WritePath(ReadPath):
             need.chunk(ns, a, b, key, parent, got[1][1:])
             self.backend.touch(chunk_path(ns, key))  # used now: what eviction orders by
             self._entries(ns, nsb, parent, w, key, a, need, reused=True)
+            self.put_stats["chunks_reused"] += 1
             return key
         hit = None if whole else self._lookup(ns, parent, w, a)
         m, bases = 0, []
@@ -137,9 +145,12 @@ class WritePath(ReadPath):
         # an object already at the name that is not a usable copy (malformed: quarantined; on an evicted
         # base; cold only) is replaced; else a writer that published it meanwhile is kept
         present = self._exists(chunk_path(ns, key))
-        if not self.backend.write(chunk_path(ns, key), data, create=not present and not whole) \
-                and self._hot_chain(ns, key, a) is None:
-            self.backend.write(chunk_path(ns, key), data)
+        wrote = self.backend.write(chunk_path(ns, key), data, create=not present and not whole)
+        if not wrote and self._hot_chain(ns, key, a) is None:
+            wrote = self.backend.write(chunk_path(ns, key), data) or True
+        if wrote:
+            self.put_stats["chunks_written"] += 1
+            self.put_stats["bytes_written"] += len(data)
         need.chunk(ns, a, b, key, parent, bases)
         self._entries(ns, nsb, parent, w, key, a, need, hit=hit)
         return key

@@ -1,0 +1,59 @@
+"""Run prompts through vLLM (its CPU build, in the test venv built by scripts/vllm_env.sh), with or without
+kvcodec's connector, and print one JSON line: per prompt its greedy output ids and how many prompt tokens the
+engine did not compute (``num_cached_tokens``), the connector's metrics and its store namespace's model id.
+
+    python tests/engines/vllm_driver.py CONFIG.json     (tests/test_vllm.py writes CONFIG)
+
+CONFIG: ``model`` (directory), ``prompts`` (lists of token ids), ``max_tokens``, ``store`` (None: no connector),
+``storage_options``, ``extra`` (more kv_connector_extra_config), ``dtype``, ``repeat`` (serve the prompts again,
+one at a time, after the first pass), ``stats_out`` (where to write the connector's counters).
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    cfg = json.loads(open(sys.argv[1]).read())
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if cfg.get("store") is not None:
+        from kvcodec.vllm import transfer_config
+
+        kw["kv_transfer_config"] = transfer_config(cfg["store"], storage_options=cfg.get("storage_options"),
+                                                   **cfg.get("extra", {}))
+    t0 = time.perf_counter()
+    llm = LLM(model=cfg["model"], enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
+              dtype=cfg.get("dtype", "bfloat16"), enable_prefix_caching=cfg.get("prefix_caching", False),
+              disable_log_stats=False, seed=0, **kw)
+    started = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 12))
+    results = []
+    for ids in cfg["prompts"]:  # one at a time: each request's time to first token is its own
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        results.append({"output": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
+                        "prompt": len(ids), "seconds": round(time.perf_counter() - t, 3)})
+    metrics = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:kvz_"):
+                metrics[m.name] = metrics.get(m.name, 0) + getattr(m, "value", 0)
+    except Exception as e:  # noqa: BLE001 - metrics are reported, not required here
+        metrics["error"] = repr(e)
+    model_id = None
+    if cfg.get("store") is not None:
+        from kvcodec.vllm import model_identity
+
+        model_id = model_identity(llm.llm_engine.vllm_config)
+    print("KVZ-RESULT " + json.dumps({"results": results, "metrics": metrics, "model_id": model_id,
+                                      "start_seconds": round(started, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
