@@ -334,6 +334,8 @@ def cmd_store(args) -> int:
         return 0
     if args.action == "stats":
         st = store.stats()
+        for ns, d in store.usage().items():  # the design's metrics (compression, dedup, tail bits)
+            st["namespaces"].setdefault(ns, {})["metrics"] = d
         if args.json:
             print(json.dumps(st, indent=2))
             return 0
@@ -345,6 +347,11 @@ def cmd_store(args) -> int:
             print(f"  namespace {ns[:16]}…: model {model}…, {rec.get('dtype')}, tier {rec.get('tier')} "
                   f"{json.dumps(rec.get('options', {}))}, chunks of {rec.get('chunk_tokens')} tokens: "
                   f"{d['sessions']} sessions, {d['chunks']} chunks ({_human(d['chunk_bytes'])})")
+            m = d.get("metrics")
+            if m and m["stored_positions"]:
+                print(f"    {m['positions']} positions in sessions, {m['stored_positions']} stored (dedup "
+                      f"{m['dedup_ratio']}x; {100 * m['shared_share']:.1f} % of them shared), compression "
+                      f"{m['compression_ratio']}x, tail {m['tail_bits']} bits per component")
         return 0
     if args.action == "gc":
         bar = _progress(None, "evicting", "chunk") if args.max_bytes is not None else None

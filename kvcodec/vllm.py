@@ -590,6 +590,8 @@ class KvzConnector(KVConnectorBase_V1):
                 log.warning("kvcodec.vllm: a stored prefix does not fit the engine's pages (%s): recomputed", e)
                 good = job.start
         if good < n:
+            log.warning("kvcodec.vllm: request %s: %d of the %d tokens found in the store could be loaded; the "
+                        "rest is recomputed", job.req_id, good, n)
             self._invalid.update(job.block_ids[max(first, good // bs):n // bs])
             with self._lock:
                 self._stats.data["load_failures"] += 1

@@ -744,6 +744,69 @@ class ReadPath(Objects):
         return dict(self._rates)
 
     # -- counts ----------------------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        """The store's metrics, per namespace (every session walked, nothing decoded): ``positions`` (sessions'
+        positions, counted per session), ``stored_positions`` (positions held by hot chunks, each once),
+        ``dedup_ratio`` (the first over the second), ``shared_share`` (of stored positions, the share held by
+        chunks several sessions use), ``compression_ratio`` (raw bytes of the stored positions in the
+        namespace's dtype against their chunks' bytes) and ``tail_bits`` (bits per component of the chunks only
+        one session uses: what each session stores beyond shared prefixes).  Sessions that cannot be walked
+        (damaged, collected meanwhile) are counted in ``unreadable``."""
+        out = {}
+        for ns in self.namespaces():
+            refs: dict[bytes, int] = {}
+            info: dict[bytes, tuple[int, int]] = {}  # hot key -> (own positions, bytes)
+            d = {"sessions": 0, "unreadable": 0, "positions": 0}
+            comps = dsize = None
+            for key in self.sessions():
+                sns, session = key.split(":")
+                if sns != ns:
+                    continue
+                d["sessions"] += 1
+                try:
+                    n = self._session_count(ns, session)
+                    chain = self._walk(ns, session, n)
+                except (KeyError, KvzError, OSError):
+                    d["unreadable"] += 1
+                    continue
+                d["positions"] += n
+                used = set()
+                for k, _first, _count in chain:
+                    used.add(k)
+                    hot = self._hot(ns, k) if k not in info else None
+                    if k not in info and hot is not None:
+                        item = self.backend.stat(chunk_path(ns, k))
+                        info[k] = (int(hot.ids.size), item.size if item is not None else 0)
+                        if hot.base is not None:
+                            used.add(hot.base)
+                        if comps is None:
+                            comps, dsize = self._components(ns, k)
+                for k in used:
+                    refs[k] = refs.get(k, 0) + 1
+            stored = sum(p for p, _ in info.values())
+            nbytes = sum(b for _, b in info.values())
+            tail = [info[k] for k, r in refs.items() if r == 1 and k in info]
+            tail_pos, tail_bytes = sum(p for p, _ in tail), sum(b for _, b in tail)
+            d.update(stored_positions=stored, chunk_bytes=nbytes,
+                     dedup_ratio=round(d["positions"] / stored, 3) if stored else 0.0,
+                     shared_share=round(sum(info[k][0] for k, r in refs.items() if r > 1 and k in info) / stored, 4)
+                     if stored else 0.0,
+                     compression_ratio=round(stored * comps * dsize / nbytes, 3) if nbytes and comps else 0.0,
+                     tail_bits=round(8 * tail_bytes / (tail_pos * comps), 3) if tail_pos and comps else 0.0)
+            out[ns] = d
+        return out
+
+    def _components(self, ns: str, key: bytes) -> tuple[int, int]:
+        """(key and value components per position, bytes per component) of a namespace, from one chunk."""
+        from ..file import KvzFile
+
+        def header(fh):
+            with KvzFile(fh) as f:
+                return f.header
+        h = self._read_file(chunk_path(ns, key), header)
+        comps = sum(layer.kv_heads * (layer.k_dim + layer.v_dim) for layer in h.layers)
+        return comps, torch.empty(0, dtype=getattr(torch, h.dtype)).element_size()
+
     def stats(self) -> dict:
         """Counts and bytes: sessions, hot chunks (keys and values), cold chunks (token ids only: evicted),
         prefix entries, quarantined objects, per namespace and in total."""

@@ -1,12 +1,14 @@
-"""Run prompts through vLLM (its CPU build, in the test venv built by scripts/vllm_env.sh), with or without
-kvcodec's connector, and print one JSON line: per prompt its greedy output ids and how many prompt tokens the
-engine did not compute (``num_cached_tokens``), the connector's metrics and its store namespace's model id.
+"""Run prompts through vLLM (its CPU build, in the venv scripts/vllm_env.sh builds), with kvcodec's connector,
+vLLM's example connector or none, and print one JSON line: per prompt its greedy output ids, how many prompt
+tokens the engine did not compute (``num_cached_tokens``) and its seconds, the connector's metrics and its store
+namespace's model id.  Used by tests/test_vllm.py and ``kvz bench --vllm`` (each engine a fresh process).
 
-    python tests/engines/vllm_driver.py CONFIG.json     (tests/test_vllm.py writes CONFIG)
+    python -m kvcodec.lab.vllm_driver CONFIG.json
 
-CONFIG: ``model`` (directory), ``prompts`` (lists of token ids), ``max_tokens``, ``store`` (None: no connector),
-``storage_options``, ``extra`` (more kv_connector_extra_config), ``dtype``, ``repeat`` (serve the prompts again,
-one at a time, after the first pass), ``stats_out`` (where to write the connector's counters).
+CONFIG: ``model`` (directory), ``prompts`` (lists of token ids, served one at a time), ``max_tokens``,
+``store`` (None: no connector), ``connector`` (``"kvz"``, default, or ``"example"``: vLLM's ExampleConnector
+with ``store`` as its directory), ``storage_options``, ``extra`` (more kv_connector_extra_config), ``dtype``,
+``max_model_len``, ``prefix_caching``.
 """
 
 import json
@@ -19,14 +21,20 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def main() -> None:
     cfg = json.loads(open(sys.argv[1]).read())
+    import kvcodec.vllm  # noqa: F401 - (running this module loaded kvcodec, and numba: the module's llvmlite shim)
     from vllm import LLM, SamplingParams
 
     kw = {}
-    if cfg.get("store") is not None:
+    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
         from kvcodec.vllm import transfer_config
 
         kw["kv_transfer_config"] = transfer_config(cfg["store"], storage_options=cfg.get("storage_options"),
                                                    **cfg.get("extra", {}))
+    elif cfg.get("store") is not None:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                                    kv_connector_extra_config={"shared_storage_path": cfg["store"]})
     t0 = time.perf_counter()
     llm = LLM(model=cfg["model"], enforce_eager=True, max_model_len=cfg.get("max_model_len", 2048),
               dtype=cfg.get("dtype", "bfloat16"), enable_prefix_caching=cfg.get("prefix_caching", False),
@@ -47,7 +55,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - metrics are reported, not required here
         metrics["error"] = repr(e)
     model_id = None
-    if cfg.get("store") is not None:
+    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
         from kvcodec.vllm import model_identity
 
         model_id = model_identity(llm.llm_engine.vllm_config)
