@@ -50,6 +50,9 @@ from .predict import Predictors, calibrate_predictors  # noqa: E402
 from .reduction import ReducedCache, reduce  # noqa: E402
 from .store import Store  # noqa: E402
 from .version import __version__
+from ._compat import llvmlite_shim  # noqa: E402
+
+llvmlite_shim()  # numba is loaded: let vLLM's workers start beside it (kvcodec/_compat.py)
 
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",

@@ -66,23 +66,6 @@ except ImportError as e:  # pragma: no cover - only vLLM imports this module
 from .cache import KVCache
 from .errors import ConfigError, KvzError, UnsupportedCache
 
-
-def _llvmlite_shim() -> None:
-    """vLLM 0.32's Triton-override registration scans every loaded module's objects with ``vars(x).get``;
-    llvmlite's library wrapper (loaded by numba, which kvcodec's rANS uses) answers ``__dict__`` through its
-    ``__getattr__`` with a wrapped C function, and the scan raises ``AttributeError`` at worker start.  Give
-    that wrapper an empty ``__dict__`` answer (nothing in llvmlite asks for it)."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return
-    tab = getattr(ffi.lib, "_fntab", None)
-    if isinstance(tab, dict):
-        tab.setdefault("__dict__", {})
-
-
-_llvmlite_shim()
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 

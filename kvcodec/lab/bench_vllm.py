@@ -85,6 +85,21 @@ def _workload(tok, corpus) -> dict:
             "miss": [other[i * 700:(i + 1) * 700] for i in range(3)]}
 
 
+def _kl(ref, got) -> float | None:
+    """KL(reference || run) in nats of the first output position's next-token distribution, over the
+    reference's top 20 tokens (each renormalised there; a token missing from the run's top 20 gets the run's
+    smallest listed probability): vLLM returns top-k log-probabilities, not the whole distribution."""
+    import math
+
+    if not ref or not got:
+        return None
+    r, g = dict(map(tuple, ref)), dict(map(tuple, got))
+    floor = min(g.values())
+    zr = math.log(sum(math.exp(v) for v in r.values()))
+    zg = math.log(sum(math.exp(g.get(k, floor)) for k in r))
+    return sum(math.exp(v - zr) * ((v - zr) - (g.get(k, floor) - zg)) for k, v in r.items())
+
+
 def run_vllm_bench(args) -> int:
     from transformers import AutoTokenizer
 
@@ -103,7 +118,7 @@ def run_vllm_bench(args) -> int:
             tmp = Path(d)
             store = tmp / "store"
             base = {"model": model, "store": None if connector is None else str(store),
-                    "connector": connector or "kvz", "extra": extra, "max_tokens": 1}
+                    "connector": connector or "kvz", "extra": extra, "max_tokens": 1, "logprobs": 20}
             writer = [w["system"][L][0] for L in LENGTHS]
             a = _drive(python, {**base, "prompts": writer}, tmp)
             chat = _drive(python, {**base, "prompts": [w["chat_doc"]], "max_tokens": 32}, tmp)
@@ -130,6 +145,10 @@ def run_vllm_bench(args) -> int:
     ref = runs[0]["first_tokens"]
     for r in runs:
         r["same_first_tokens"] = sum(x == y for x, y in zip(r["first_tokens"], ref))
+        kls = [_kl(a.get("logprobs"), b.get("logprobs")) for a, b in zip(runs[0]["reader"], r["reader"])]
+        kls = [k for k in kls if k is not None]
+        r["kl_first_token_median"] = statistics.median(kls) if kls else None
+        r["kl_first_token_max"] = max(kls) if kls else None
     # LMCache's local disk: raw bf16 KV of every distinct whole 256-token chunk (prefix-chained) of every prompt
     # the engines served
     per_token = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (K, V) x kv heads x head size x bf16 bytes
@@ -145,13 +164,16 @@ def run_vllm_bench(args) -> int:
              "fresh process (in-process engine core); times are one request each (`max_tokens=1`: time to first "
              "token), medians of 3 requests per row.", "",
              "| configuration | bytes on disk | TTFT 512-token prefix | 1,024 | 1,536 | resumed chat | miss (700 "
-             "tokens, nothing stored) | reader's first tokens = no connector's |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "tokens, nothing stored) | reader's first tokens = no connector's | KL of the first token vs no "
+             "connector (median, max; nats, top 20) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['config']} | {r['bytes'] / 2**20:.2f} MiB | " +
                      " | ".join(f"{r[f'ttft_{L}']:.3f} s ({r[f'cached_{L}']:.0f} loaded)" for L in LENGTHS) +
                      f" | {r['ttft_chat']:.3f} s ({r['cached_chat']} loaded) | {r['ttft_miss']:.3f} s | "
-                     f"{r['same_first_tokens']}/{len(ref)} |")
+                     f"{r['same_first_tokens']}/{len(ref)} | "
+                     + (f"{r['kl_first_token_median']:.2g}, {r['kl_first_token_max']:.2g} |"
+                        if r["kl_first_token_median"] is not None else "- |"))
     lines += ["", f"LMCache's local disk backend (raw bf16 256-token chunks, computed, not run): "
               f"{lmcache_bytes / 2**20:.2f} MiB for the prompts the stores above hold.", "",
               "vLLM's ExampleConnector finds a prompt only when the whole prompt (less its last token, in whole "

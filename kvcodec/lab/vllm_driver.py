@@ -24,8 +24,6 @@ def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
 
-    import kvcodec.vllm  # noqa: F401 - (running this module loaded kvcodec, and numba: the module's llvmlite shim)
-
     kw = {}
     if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
         from kvcodec.vllm import transfer_config
@@ -42,13 +40,28 @@ def main() -> None:
               dtype=cfg.get("dtype", "bfloat16"), enable_prefix_caching=cfg.get("prefix_caching", False),
               disable_log_stats=False, seed=0, **kw)
     started = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 12))
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.get("max_tokens", 12), logprobs=cfg.get("logprobs"))
     results = []
     for ids in cfg["prompts"]:  # one at a time: each request's time to first token is its own
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        results.append({"output": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
-                        "prompt": len(ids), "seconds": round(time.perf_counter() - t, 3)})
+        r = {"output": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
+             "prompt": len(ids), "seconds": round(time.perf_counter() - t, 3)}
+        if cfg.get("logprobs") and out.outputs[0].logprobs:  # the first position's top tokens
+            r["logprobs"] = [[int(k), float(v.logprob)] for k, v in out.outputs[0].logprobs[0].items()]
+        results.append(r)
+    flush = 0
+    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
+        # saves run in the background and their counters reach the metrics with the engine's next step:
+        # wait for them (in-process engine), then step once with a one-token prompt (nothing looked up or saved)
+        try:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().wait_for_saves(timeout=600)
+        except Exception:  # noqa: BLE001 - a multiprocess engine: its worker is elsewhere
+            time.sleep(3.0)
+        llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        flush = 1
     metrics = {}
     try:
         for m in llm.get_metrics():
@@ -62,7 +75,7 @@ def main() -> None:
 
         model_id = model_identity(llm.llm_engine.vllm_config)
     print("KVZ-RESULT " + json.dumps({"results": results, "metrics": metrics, "model_id": model_id,
-                                      "start_seconds": round(started, 2)}), flush=True)
+                                      "start_seconds": round(started, 2), "flush_tokens": flush}), flush=True)
 
 
 if __name__ == "__main__":
