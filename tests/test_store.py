@@ -77,6 +77,31 @@ def test_sessions_sharing_a_prefix_store_it_once(tmp_path):
     assert held == 100 + sum(kv.seq_len - 100 for kv in caches)
 
 
+def test_usage_counts_what_is_shared_and_what_each_session_adds(tmp_path):
+    """Store.usage (kvz store stats): positions in sessions against positions stored once, the share of those
+    several sessions use, and the bytes of the rest - counted here from the sessions' own shapes, not by the
+    store's code."""
+    store = kvcodec.Store(tmp_path, model_id="test", chunk_tokens=32, granularity=0)
+    prefix = _ids(64, 7)  # two whole chunks, shared by all three sessions
+    tails = [_ids(32 * (i + 1), 70 + i) for i in range(3)]  # whole chunks each: no delta chunks
+    for t in tails:
+        kv, ids = _session(prefix, t)
+        store.put(kv, tokens=ids)
+    (u,) = store.usage().values()
+    own = sum(t.shape[1] for t in tails)
+    assert u["sessions"] == 3 and u["unreadable"] == 0
+    assert u["positions"] == 3 * 64 + own and u["stored_positions"] == 64 + own
+    assert u["shared_share"] == round(64 / (64 + own), 4)
+    assert u["dedup_ratio"] == round((3 * 64 + own) / (64 + own), 3)
+    comps = 2 * 2 * (8 + 8)  # layers x heads x (key + value dims)
+    tail_files = [p for p in (tmp_path / "ns").rglob("chunks/*/*.kvz") if kvcodec.inspect(p)["start_position"] >= 64]
+    assert len(tail_files) == own // 32
+    assert u["tail_bits"] == round(8 * sum(p.stat().st_size for p in tail_files) / (own * comps), 3)
+    every = sum(p.stat().st_size for p in (tmp_path / "ns").rglob("chunks/*/*.kvz"))
+    assert u["chunk_bytes"] == every
+    assert u["compression_ratio"] == round((64 + own) * comps * 2 / every, 3)  # bf16: 2 bytes a component
+
+
 def _shared(a, b) -> int:
     """How many leading token ids two [1, n] tensors share (the oracle: no store code)."""
     n = min(a.shape[1], b.shape[1])
@@ -96,6 +121,7 @@ def test_match_finds_the_longest_stored_prefix_to_the_token(tmp_path):
         assert expect >= shared
         n, cache = store.match(q, dtype=torch.bfloat16, output="kvcache")
         assert n == expect, (shared, n)
+        assert store.lookup(q, dtype=torch.bfloat16) == expect  # the same answer, nothing decoded
         if n:
             assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(cache.keys, kv.keys))
         else:

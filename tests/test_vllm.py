@@ -23,6 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128  # vLLM's block size on CPU
+CHUNK = 4 * BLOCK  # the connector's default store chunk (chunk_blocks=4)
 PREFIX = 1100
 
 pytestmark = pytest.mark.slow
@@ -167,7 +168,7 @@ def test_the_store_on_s3(vllm_python, model_path, prompts, baseline, tmp_path):
 
 
 def test_a_corrupt_chunk_is_a_miss(vllm_python, model_path, prompts, stored, tmp_path):
-    """One chunk of the stored prefix damaged (positions 512-639): the engine loads the four blocks before it,
+    """One chunk of the stored prefix damaged (positions 512-1023): the engine loads the four blocks before it,
     recomputes the rest (the chunk is quarantined, a warning logged) and answers exactly as an engine whose
     store never had that chunk - the same positions loaded, the same computed: never wrong KV, never a failed
     request.  (Against an engine without the connector the greedy output may part after a few tokens: bf16
@@ -180,7 +181,7 @@ def test_a_corrupt_chunk_is_a_miss(vllm_python, model_path, prompts, stored, tmp
         copy = tmp_path / how / "store"
         shutil.copytree(store_dir, copy)
         chunks = sorted(copy.rglob("chunks/*/*.kvz"))
-        assert len(chunks) == whole_blocks(len(prompts[0])) // BLOCK
+        assert len(chunks) == whole_blocks(len(prompts[0])) // CHUNK
         s = Store(str(copy), model_id=a["model_id"])
         victim = next(p for p in chunks if s._hot(p.parents[2].name, bytes.fromhex(p.stem)).start == 512)
         if how == "missing":
@@ -242,7 +243,7 @@ def test_two_engines_write_one_store_while_a_collector_runs(vllm_python, model_p
     stop, errors, runs = threading.Event(), [], [0]
 
     def collect():
-        s = Store(str(store), model_id=a["model_id"], chunk_tokens=BLOCK)
+        s = Store(str(store), model_id=a["model_id"], chunk_tokens=CHUNK)
         from kvcodec.errors import StoreBusy
 
         while not stop.is_set():
@@ -275,7 +276,7 @@ def test_two_engines_write_one_store_while_a_collector_runs(vllm_python, model_p
     t.join()
     assert not errors, errors
     assert runs[0] > 0
-    s = Store(str(store), model_id=a["model_id"], chunk_tokens=BLOCK)
+    s = Store(str(store), model_id=a["model_id"], chunk_tokens=CHUNK)
     s.gc(grace_seconds=0)
     assert len(s.sessions()) == 5  # two branches per engine, one shared prompt prefix for both
     for key in s.sessions():
