@@ -354,8 +354,10 @@ def _moto_server():
 
 def run_stress(*, seconds: float, where: str = "disk", workers: int = 3, collectors: int = 1, skew: float = 0.0,
                kill_every: tuple[float, float] = (1.0, 6.0), seed: int = 0, root: str | None = None,
-               progress=None) -> dict:
-    """Run the stress test for ``seconds`` (module docstring) and return the report."""
+               progress=None, until: dict | None = None, max_seconds: float | None = None) -> dict:
+    """Run the stress test for ``seconds`` (module docstring) and return the report.  ``until``: minimum
+    counts (of :func:`read_logs`: ``puts``, ``collections``, ``busy``...) the run must reach - it goes on past
+    ``seconds`` until they are, up to ``max_seconds`` (a slow or loaded machine does less per second)."""
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -393,7 +395,22 @@ def run_stress(*, seconds: float, where: str = "disk", workers: int = 3, collect
         for slot, role in enumerate(roles):
             start(slot, role)
         next_kill = t0 + 5 + rng.uniform(*kill_every)  # the first processes import and warm up first
-        while time.monotonic() - t0 < seconds:
+        checked_at = 0.0
+
+        def more() -> bool:
+            nonlocal checked_at
+            elapsed = time.monotonic() - t0
+            if elapsed < seconds:
+                return True
+            if not until or elapsed >= (max_seconds or seconds):
+                return False
+            if elapsed - checked_at < 2.0:
+                return True
+            checked_at = elapsed
+            counts = read_logs(log_dir)["counts"]
+            return any(counts.get(k, 0) < v for k, v in until.items())
+
+        while more():
             time.sleep(0.05)
             for slot, (role, p) in list(procs.items()):
                 if p.poll() is not None:  # died by itself: a finding (its .err says why), and replaced
