@@ -752,16 +752,17 @@ class ReadPath(Objects):
         namespace's dtype against their chunks' bytes) and ``tail_bits`` (bits per component of the chunks only
         one session uses: what each session stores beyond shared prefixes).  Sessions that cannot be walked
         (damaged, collected meanwhile) are counted in ``unreadable``."""
+        by_ns: dict[str, list[str]] = {}
+        for key in self.sessions():  # listed once, grouped by namespace
+            ns, session = key.split(":")
+            by_ns.setdefault(ns, []).append(session)
         out = {}
         for ns in self.namespaces():
             refs: dict[bytes, int] = {}
-            info: dict[bytes, tuple[int, int]] = {}  # hot key -> (own positions, bytes)
+            info: dict[bytes, tuple[int, int, bytes | None]] = {}  # hot key -> (own positions, bytes, its base)
             d = {"sessions": 0, "unreadable": 0, "positions": 0}
             comps = dsize = None
-            for key in self.sessions():
-                sns, session = key.split(":")
-                if sns != ns:
-                    continue
+            for session in by_ns.get(ns, []):
                 d["sessions"] += 1
                 try:
                     n = self._session_count(ns, session)
@@ -773,20 +774,22 @@ class ReadPath(Objects):
                 used = set()
                 for k, _first, _count in chain:
                     used.add(k)
-                    hot = self._hot(ns, k) if k not in info else None
-                    if k not in info and hot is not None:
+                    if k not in info:
+                        hot = self._hot(ns, k)
+                        if hot is None:  # cold: its ids only, no positions stored
+                            continue
                         item = self.backend.stat(chunk_path(ns, k))
-                        info[k] = (int(hot.ids.size), item.size if item is not None else 0)
-                        if hot.base is not None:
-                            used.add(hot.base)
+                        info[k] = (int(hot.ids.size), item.size if item is not None else 0, hot.base)
                         if comps is None:
                             comps, dsize = self._components(ns, k)
+                    if info[k][2] is not None:  # a delta chunk's first positions are its base's
+                        used.add(info[k][2])
                 for k in used:
                     refs[k] = refs.get(k, 0) + 1
-            stored = sum(p for p, _ in info.values())
-            nbytes = sum(b for _, b in info.values())
+            stored = sum(p for p, _, _ in info.values())
+            nbytes = sum(b for _, b, _ in info.values())
             tail = [info[k] for k, r in refs.items() if r == 1 and k in info]
-            tail_pos, tail_bytes = sum(p for p, _ in tail), sum(b for _, b in tail)
+            tail_pos, tail_bytes = sum(p for p, _, _ in tail), sum(b for _, b, _ in tail)
             d.update(stored_positions=stored, chunk_bytes=nbytes,
                      dedup_ratio=round(d["positions"] / stored, 3) if stored else 0.0,
                      shared_share=round(sum(info[k][0] for k, r in refs.items() if r > 1 and k in info) / stored, 4)

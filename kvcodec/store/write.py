@@ -147,7 +147,8 @@ class WritePath(ReadPath):
         present = self._exists(chunk_path(ns, key))
         wrote = self.backend.write(chunk_path(ns, key), data, create=not present and not whole)
         if not wrote and self._hot_chain(ns, key, a) is None:
-            wrote = self.backend.write(chunk_path(ns, key), data) or True
+            self.backend.write(chunk_path(ns, key), data)
+            wrote = True
         if wrote:
             self.put_stats["chunks_written"] += 1
             self.put_stats["bytes_written"] += len(data)
