@@ -1,8 +1,9 @@
 """kvcodec inside vLLM: :class:`KvzConnector`, a KV connector (vLLM's V1 connector API) backed by
 :class:`kvcodec.Store`.
 
-Every request's KV prefix (its whole blocks, prompt and generated tokens) is put in the store when the request
-finishes, compressed (lossless by default) and deduplicated with every other session that shares its chunks; a
+Every request's KV prefix (its whole blocks: the prompt's when its prefill completes, the prompt's and the
+generated tokens' when it finishes) is put in the store, compressed (lossless by default) and deduplicated
+with every other session that shares its chunks; a
 later request - in this engine or in any other engine on the same store, a directory or ``s3://`` - that
 shares a stored prefix loads it into its pages instead of computing it::
 
@@ -23,8 +24,9 @@ How it works (docs/vllm.md has the whole story):
   blocks alive until the worker has copied them.
 * **Worker side**: pages are read and written through a :class:`PageLayout` *measured from the attention
   backend itself* - its own cache-update kernel writes probe keys and values into a scratch copy of a layer's
-  paged buffer, and where each (head, position, dimension) landed is the layout (on CPU, keys are stored
-  transposed inside each page; GPU backends differ; nothing is assumed).  Saving copies the blocks out of
+  paged buffer, and where each (head, position, dimension) landed is the layout (on this CPU build, a packed
+  order: pairs of dimensions 16 positions at a time; GPU backends differ; nothing is assumed).  Saving copies
+  the blocks out of
   the pages (then the blocks may be freed) and encodes and puts them on a background thread; loading
   decodes the matched prefix and writes it into the allocated pages before the forward.  Bit-exact both ways
   with the lossless tier.
@@ -64,7 +66,7 @@ except ImportError as e:  # pragma: no cover - only vLLM imports this module
                       f"0.32.0 on a CPU machine): {e}") from None
 
 from .cache import KVCache
-from .errors import ConfigError, KvzError, UnsupportedCache
+from .errors import ConfigError, KvzError, StoreBusy, UnsupportedCache
 from .pages import PageLayout
 
 if TYPE_CHECKING:
@@ -84,9 +86,10 @@ def transfer_config(store: str, *, storage_options: dict | None = None, tier: st
                     chunk_blocks: int = 4, max_bytes: int | None = None, **options):
     """A ``KVTransferConfig`` that plugs :class:`KvzConnector` into vLLM on ``store`` (a directory or an fsspec
     URL such as ``s3://bucket/prefix``).  ``tier``: ``"lossless"`` (bit-exact) or ``"lossy"`` (its options in
-    ``options``, e.g. ``bits=4``); ``chunk_blocks``: store chunks of this many vLLM blocks (default 4:
-    every chunk is one encode, whose fixed cost small chunks pay often; matches stay exact to the token); ``max_bytes``: the
-    store's byte budget, kept by a collection after saves (least recently used sessions evicted first).
+    ``options``, e.g. ``bits=4``); ``chunk_blocks``: store chunks of this many vLLM blocks (default 4: every
+    chunk is one encode, whose fixed cost small chunks pay often; matches stay exact to the token);
+    ``max_bytes``: the store's byte budget, kept by a collection after saves (least recently used sessions
+    evicted first).
     Failed loads are recomputed (``kv_load_failure_policy="recompute"``)."""
     from vllm.config import KVTransferConfig
 
@@ -95,8 +98,13 @@ def transfer_config(store: str, *, storage_options: dict | None = None, tier: st
         extra["storage_options"] = storage_options
     if max_bytes is not None:
         extra["max_bytes"] = int(max_bytes)
-    return KVTransferConfig(kv_connector="KvzConnector", kv_connector_module_path="kvcodec.vllm",
-                            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    return KVTransferConfig(**_config_fields(extra))
+
+
+def _config_fields(extra: dict) -> dict:
+    """The ``KVTransferConfig`` fields that name this connector (``transfer_config``, ``python -m kvcodec.vllm``)."""
+    return {"kv_connector": "KvzConnector", "kv_connector_module_path": "kvcodec.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 # -- identity ------------------------------------------------------------------------------------------------------
@@ -263,9 +271,9 @@ class KvzConnector(KVConnectorBase_V1):
         self.dtype = _kv_dtype(vllm_config)
         self.model_id = model_identity(vllm_config, extra.get("model_id"))
         tier_options = dict(extra.get("tier_options") or {})
-        for k in ("bits",):
-            if k in extra:
-                tier_options[k] = extra[k]
+        if "bits" in extra:  # the lossy tier's rate, given beside the tier as transfer_config(bits=) does
+            tier_options["bits"] = extra["bits"]
+
         def open_store():
             return Store(url, None, extra.get("storage_options"), model_id=self.model_id,
                          chunk_tokens=self.block_size * chunk_blocks, tier=extra.get("tier", "lossless"),
@@ -334,7 +342,7 @@ class KvzConnector(KVConnectorBase_V1):
         stepped = []  # (state, tokens computed once this step has run)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
-            if st is None:  # (not asked: a request this connector never saw) - saved all the same
+            if st is None:  # a request this connector was never asked about: neither loaded nor saved
                 continue
             st["blocks"] = list(new.block_ids[0])
             meta.prompt_tokens += len(new.prompt_token_ids or [])
@@ -512,8 +520,6 @@ class KvzConnector(KVConnectorBase_V1):
                 self._stats.data["save_failures"] += 1
 
     def _collect(self) -> None:
-        from .errors import StoreBusy
-
         try:
             self._save_store.gc(max_bytes=int(self.max_bytes))
         except StoreBusy:
@@ -594,6 +600,4 @@ if __name__ == "__main__":  # python -m kvcodec.vllm STORE: the --kv-transfer-co
     if len(sys.argv) != 2:
         print("usage: python -m kvcodec.vllm STORE   (prints vllm serve's --kv-transfer-config)", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps({"kv_connector": "KvzConnector", "kv_connector_module_path": "kvcodec.vllm",
-                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                      "kv_connector_extra_config": {"store": sys.argv[1]}}))
+    print(json.dumps(_config_fields({"store": sys.argv[1]})))

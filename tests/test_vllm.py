@@ -10,7 +10,6 @@ store on an S3-compatible server on loopback (moto, through fsspec), a corrupt c
 a failed request), a store of another model and of another dtype (never loaded), two engines writing one store
 while a collector runs, and the keys and values in the store against the transformers model's own."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from kvcodec.lab.vllm_driver import drive, venv_python
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128  # vLLM's block size on CPU
@@ -32,17 +33,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def vllm_python():
     try:
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_env.sh")], check=False, capture_output=True,
-                           text=True, timeout=1800, cwd=ROOT)
-        ok = r.returncode == 0
-        why = (r.stderr or r.stdout)[-1500:]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        ok, why = False, repr(e)
-    if not ok:
-        if os.environ.get("KVCODEC_REQUIRE_VLLM") == "1":
-            pytest.fail(f"the vLLM test venv could not be built: {why}")
-        pytest.skip(f"vLLM's CPU build could not be installed here (scripts/vllm_env.sh): {why}")
-    return str(ROOT / r.stdout.strip().splitlines()[-1])
+        return venv_python(ROOT)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        why = str(e)
+    if os.environ.get("KVCODEC_REQUIRE_VLLM") == "1":
+        pytest.fail(f"the vLLM test venv could not be built: {why}")
+    pytest.skip(f"vLLM's CPU build could not be installed here (scripts/vllm_env.sh): {why}")
 
 
 @pytest.fixture(scope="session")
@@ -64,21 +60,6 @@ def prompts(model_path):
     questions = ["\n\nQuestion: Who is Mr. Bingley? Answer:", "\n\nQuestion: What does Mrs. Bennet want? Answer:",
                  "\n\nSummarise the passage in one sentence:", "\n\nQuestion: Where is Netherfield? Answer:"]
     return [prefix + tok(q, add_special_tokens=False)["input_ids"] for q in questions]
-
-
-def drive(python: str, cfg: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900) -> dict:
-    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
-    path.write_text(json.dumps(cfg))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
-                       text=True,
-                       timeout=timeout, env=env, cwd=tmp)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
-    assert r.returncode == 0 and lines, f"the engine failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    out = json.loads(lines[-1][len("KVZ-RESULT "):])
-    out["log"] = r.stdout + r.stderr
-    return out
 
 
 @pytest.fixture(scope="session")

