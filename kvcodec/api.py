@@ -23,7 +23,7 @@ from .tiers.base import DEFAULT_CHUNK_TOKENS, UNSET, EncodeJob, Fallback, Option
 
 __all__ = ["Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile"]
 
-_PER_CACHE = ("tokens", "schedule", "attention_mask", "info", "progress")
+_PER_CACHE = ("tokens", "schedule", "attention_mask", "info", "progress", "engine")
 
 
 class Encoder:
@@ -89,8 +89,10 @@ class Encoder:
         return "tokens" if o.tolerance is not UNSET and o.tolerance != 0 else "exact"
 
     def write(self, sink, cache, model=None, *, tokens=None, schedule=None, attention_mask=None,
-              info: dict | None = None, progress=None) -> int:
-        """Encode ``cache`` into the binary file-like ``sink`` (written sequentially); returns bytes written."""
+              info: dict | None = None, progress=None, engine: tuple | None = None) -> int:
+        """Encode ``cache`` into the binary file-like ``sink`` (written sequentially); returns bytes written.
+        ``engine``: ``(engine_file object, verbatim bytes)`` of an engine's state file the file rebuilds (format
+        1.10, spec section 15; :mod:`kvcodec.llama_cpp` makes them); tiers ``lossless`` and ``lossy`` only."""
         opts = self.options
         kv = to_canonical(cache)
         tier_id = self.tier_for(model)
@@ -104,7 +106,9 @@ class Encoder:
         if tokens is not None:
             tokens = torch.as_tensor(tokens)
             tokens = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens
-        job = EncodeJob(sink, cache, kv, model, opts, tokens, schedule, attention_mask, info, progress)
+        if engine is not None and tier_id not in ("lossless", "lossy"):
+            raise ConfigError(f"an engine's state file is stored by tier 'lossless' or 'lossy', not {tier_id!r}")
+        job = EncodeJob(sink, cache, kv, model, opts, tokens, schedule, attention_mask, info, progress, engine=engine)
         self.last_report = job.report
         try:
             return tier.write(job)

@@ -5,6 +5,8 @@
     kvz encode --model smollm2 --text FILE [-o OUT.kvz] [--tier lossless] [--dtype bf16] [-f]
     kvz decode FILE -o OUT.safetensors [-f]      -o - writes standard output
     kvz verify FILE
+    kvz pack STATE --model GGUF [-o OUT.kvz] [--tier lossy --bits 4]   a llama.cpp state file -> .kvz
+    kvz unpack STATE.kvz --model GGUF [-o OUT]                      ... and back, byte for byte
     kvz bench [--out DIR] [--tokens N] [--genres ...]
     kvz claims [--out docs]           the seed paper's claims, measured (docs/claims.md)
     kvz store ls|stats|put|get|rm|gc URL ...      many sessions, shared prefixes stored once (spec/store.md)
@@ -36,8 +38,24 @@ def _source(name: str):
 
 def cmd_inspect(args) -> int:
     from .api import inspect
+    from .container import layout as L
 
-    info = inspect(_source(args.file), verify_checksums=args.verify)
+    src = _source(args.file)
+    if isinstance(src, str) and "://" not in src and Path(src).is_file():
+        with open(src, "rb") as fh:
+            head = fh.read(len(L.MAGIC))
+        if head != L.MAGIC:  # not a .kvz file: a llama.cpp state file, described as it is (or its own error)
+            from .llama_cpp import parse
+
+            st = parse(Path(src).read_bytes()).describe()
+            print(json.dumps(st, indent=2) if args.json else
+                  f"{args.file}: llama.cpp {st['kind'].replace('_', ' ')}" + (f" version {st['version']}" if
+                                                                                st["version"] else "")
+                  + f", {_human(st['bytes'])}: {st['tokens']} token ids, {st['cells']} cells, {st['layers']} layers,"
+                  f" rows {', '.join(st['row_types'])}, v_trans {st['v_trans']}"
+                  + (f", architecture {st['arch']}" if st["arch"] else "") + " (kvz pack stores it)")
+            return 0
+    info = inspect(src, verify_checksums=args.verify)
     print(json.dumps(info, indent=2) if args.json else inspection_text(info, args.file))
     return 0
 
@@ -206,6 +224,40 @@ def cmd_decode(args) -> int:
         print(text, file=sys.stderr)
     else:
         _report(args, text, file=args.output, layers=len(kv.keys), dtype=kv.dtype_name, bytes=kv.nbytes())
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from .llama_cpp import pack
+
+    opts = {} if args.bits is None else {"bits": args.bits}
+    if args.bits is not None and args.tier != "lossy":
+        raise ConfigError("--bits is tier lossy's (--tier lossy --bits 4)")
+    if args.model is None and not args.no_model:
+        raise ConfigError("pass --model (the GGUF the state was saved with, or 'smollm2'): it is recorded so that the "
+                          "state is never rebuilt for another model; --no-model records none")
+    t0 = time.perf_counter()
+    r = pack(args.file, args.output, None if args.no_model else args.model, overwrite=args.force, tier=args.tier,
+             **opts)
+    dt = time.perf_counter() - t0
+    _report(args, f"{r['file']}: llama.cpp {r['kind'].replace('_', ' ')} of {r['tokens'] or r['cells']} tokens, "
+                  f"{r['layers']} layers ({', '.join(r['row_types'])}): {_human(r['bytes'])} -> "
+                  f"{_human(r['packed_bytes'])} ({r['ratio']}x, tier {args.tier}) in {dt:.2f} s",
+            **r, seconds=round(dt, 3), tier=args.tier)
+    return 0
+
+
+def cmd_unpack(args) -> int:
+    from .llama_cpp import unpack
+
+    if args.model is None and not args.no_model_check:
+        raise ConfigError("pass --model (the GGUF the state will be loaded into, or 'smollm2'): a state is never "
+                          "rebuilt for another model; --no-model-check skips the check")
+    t0 = time.perf_counter()
+    r = unpack(args.file, args.output, args.model, overwrite=args.force, check_model=not args.no_model_check)
+    dt = time.perf_counter() - t0
+    _report(args, f"{r['file']}: {_human(r['bytes'])} llama.cpp state rebuilt in {dt:.2f} s", **r,
+            seconds=round(dt, 3))
     return 0
 
 
@@ -550,6 +602,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", help="quantizer weighted: the profile (JSON; default: calibrated on the embedded text)")
     s.add_argument("--predictors", help='configurations with "predictors": true: the predictors (kvz calibrate)')
     s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser("pack", help="store a llama.cpp state file (slot save, state_seq_save_file, save_state) "
+                                    "as .kvz; unpack rebuilds it byte for byte")
+    s.add_argument("file", help="the llama.cpp state file")
+    s.add_argument("--model", help="the GGUF it was saved with (a path, or 'smollm2'): recorded and checked")
+    s.add_argument("--no-model", action="store_true", help="record no model (unpack then needs --no-model-check)")
+    s.add_argument("-o", "--output", help="the .kvz file to write (default: FILE.kvz)")
+    s.add_argument("--tier", default="lossless", choices=["lossless", "lossy"],
+                   help="lossless (default: rebuilt byte for byte) or lossy (a state llama.cpp loads, other bytes)")
+    s.add_argument("--bits", type=float, help="tier lossy: bits per component (default 4)")
+    s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("unpack", help="rebuild the llama.cpp state file a packed .kvz holds")
+    s.add_argument("file", help="the packed .kvz file")
+    s.add_argument("--model", help="the GGUF the state will be loaded into (a path, or 'smollm2'): must be the one "
+                                   "it was packed with")
+    s.add_argument("--no-model-check", action="store_true", help="rebuild without checking the model")
+    s.add_argument("-o", "--output", help="the state file to write (default: FILE without .kvz)")
+    s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_unpack)
 
     s = sub.add_parser("verify", help="decode fully and check every checksum")
     s.add_argument("file", help="the .kvz file, a URL (s3://...) or - for standard input")

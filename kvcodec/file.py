@@ -6,9 +6,11 @@ opens the bytes, checks the model against the header and assembles caches.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 
+import numpy as np
 import torch
 
 from . import registry
@@ -16,8 +18,9 @@ from .cache import KVCache
 from .container import layout as L
 from .container.reader import KvzReader
 from .dtypes import DTYPES, bit_patterns
-from .errors import ConfigError
+from .errors import ChecksumMismatch, ConfigError
 from .identity import check_model
+from .state import decode_bytes_payload
 
 __all__ = ["KvzFile", "open_path"]
 
@@ -108,6 +111,35 @@ class KvzFile:
             raise IndexError(f"layer {i} of {len(self.header.layers)}")
         d = self._decoder.layers([i])
         return d[i, L.PART_KEYS], d[i, L.PART_VALUES]
+
+    def engine_file(self, progress=None) -> bytes:
+        """(1.10) The engine state file this file rebuilds (spec section 15): its pieces, the verbatim bytes of
+        the ``engine_bytes`` section and the decoded keys and values laid out as rows or columns, joined.  Tier
+        ``lossless``: checked against the SHA-256 the file records (:class:`ChecksumMismatch`).  :mod:`kvcodec.
+        llama_cpp` checks the engine's model before calling it."""
+        h, r = self.header, self.reader
+        if h.engine is None:
+            raise ConfigError("this .kvz file holds a cache, not an engine's state file (no engine_file)")
+        e = r.entry(L.SECTION_ENGINE_BYTES)
+        verbatim = decode_bytes_payload(r.read_payload(e), h.engine["verbatim"], e.payload_offset, "Engine")
+        used = sorted({li for kind, li, _ in h.engine["pieces"] if kind != "bytes"})
+        tensors = self._decoder.layers(used, progress) if used else {}
+        out = bytearray()
+        for kind, a, b in h.engine["pieces"]:
+            if kind == "bytes":
+                out += verbatim[a:a + b]
+                continue
+            t = tensors[a, L.PART_KEYS if kind == "keys" else L.PART_VALUES][0]  # [H, S, D] of batch row 0
+            bits = bit_patterns(t)
+            # rows: per position, its H x D elements (head-major); columns: per (head, dim), its S elements
+            arr = bits.transpose(1, 0, 2) if b == "rows" else bits.transpose(0, 2, 1)
+            out += np.ascontiguousarray(arr).astype(f"<u{bits.dtype.itemsize}", copy=False).tobytes()
+        data = bytes(out)
+        digest = h.engine["sha256"]
+        if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+            raise ChecksumMismatch("the engine file rebuilt does not have the SHA-256 engine_file.sha256 records",
+                                   field="Header.engine_file.sha256", offset=L.PREAMBLE.size)
+        return data
 
     def to_kvcache(self, progress=None, *, regenerated: KVCache | None = None, into=None) -> KVCache:
         """Decode the whole file.  Token tiers: ``regenerated=`` applies the file's residuals to those tensors
@@ -237,6 +269,11 @@ class KvzFile:
             "reduce": None if h.reduce is None else self._describe_reduce(),
             # (1.6) the slices are residuals of a cross-layer prediction: decoding needs these predictors
             "predict": None if h.predict is None else dict(h.predict),
+            # (1.10) the file rebuilds an engine's state file (llama.cpp's): what it was, without its pieces
+            "engine_file": None if h.engine is None else {
+                k: x for k, x in h.raw["engine_file"].items() if k != "pieces"} | {
+                "pieces": len(h.engine["pieces"]),
+                "tensor_pieces": sum(1 for p in h.engine["pieces"] if p[0] != "bytes")},
             "checksums": status,
             "sections": sections,
         }

@@ -62,6 +62,17 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
             f"{rd['parts']['sinks']} sinks, {len(levels)} summaries ({sum(levels)} atoms), "
             f"{rd['parts']['buffer']} raw recent; appended tokens "
             + (f"keep being reduced ({rd['reducer']})" if rd["reducer"] else "are kept raw"))
+    ef = info.get("engine_file")
+    if ef:
+        m = ef.get("model") or {}
+        desc = (info.get("info") or {}).get("llama_cpp") or {}
+        what = ", ".join(f"{k} {desc[k]}" for k in ("tokens", "cells", "layers", "row_types", "v_trans") if k in desc)
+        out(f"  engine file  : {ef['engine']} {ef['kind']} of {human(ef['length'])}"
+            + (f" ({what})" if what else "")
+            + f"; {ef['tensor_pieces']} key/value pieces coded, {human(ef['verbatim'])} verbatim; rebuilt "
+            + ("byte for byte (SHA-256 checked)" if ef["sha256"] else "from the lossy tensors (other bytes)"))
+        out(f"  engine model : " + (f"{m.get('name') or 'unnamed'} ({m.get('architecture') or '?'}, GGUF SHA-256 "
+                                   f"{m['file_sha256'][:16]}…)" if m else "none recorded"))
     pr = info.get("predict")
     if pr:
         out(f"  predict      : residuals of a cross-layer prediction; decoding needs the predictors of SHA-256 "

@@ -11,13 +11,17 @@ weights version.  ``model`` arguments are a transformers model or a
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import weakref
+from pathlib import Path
 
 from .container import layout as L
 from .errors import ModelMismatch
 from .models import model_fingerprint, tokenizer_fingerprint
 
-__all__ = ["split_model", "vocab_size", "fingerprint", "model_record", "check_model"]
+__all__ = ["split_model", "vocab_size", "fingerprint", "model_record", "check_model", "file_digest"]
 
 _MODEL_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZER_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -82,3 +86,35 @@ def check_model(recorded: dict | None, model, what: str = "model") -> None:
     if "tokenizer" in rec and "tokenizer" in recorded and rec["tokenizer"] != recorded["tokenizer"]:
         raise ModelMismatch(f"file was made with a {what} whose tokenizer differs from the one given",
                             field=f"Header.{what}.tokenizer", offset=L.PREAMBLE.size)
+
+
+def file_digest(path) -> str:
+    """SHA-256 of a file, remembered beside kvcodec's model cache by path, size and modification time (weights
+    are hashed once per machine, not per engine start)."""
+    from .models import cache_dir
+
+    path = Path(path)
+    st = path.stat()
+    memo_path = cache_dir() / "file-digests.json"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), str):
+        return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    digest = h.hexdigest()
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = digest
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass
+    return digest

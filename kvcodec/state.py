@@ -196,11 +196,16 @@ def absent_entries(parts: dict, device=None) -> torch.Tensor:
 def encode_payload(t: torch.Tensor) -> bytes:
     """A ``state`` section payload: Coding, 7 zero bytes, the tensor's bit patterns (LE, C order) raw or as
     one zstd frame, whichever is smaller."""
-    raw = bit_patterns(t).astype(f"<u{of(t.dtype).itemsize}", copy=False).tobytes()
+    return bytes_payload(bit_patterns(t).astype(f"<u{of(t.dtype).itemsize}", copy=False).tobytes())
+
+
+def bytes_payload(raw: bytes) -> bytes:
+    """A ``state`` (section 5.6) or ``engine_bytes`` (section 15) payload of ``raw``: Coding, 7 zero bytes, the
+    bytes raw or as one zstd frame, whichever is smaller."""
     packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
     if len(packed) < len(raw):
         return bytes([CODING_ZSTD]) + bytes(7) + packed
-    return bytes([CODING_RAW]) + bytes(7) + raw
+    return bytes([CODING_RAW]) + bytes(7) + bytes(raw)
 
 
 def decode_payload(payload: bytes, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
@@ -209,47 +214,56 @@ def decode_payload(payload: bytes, dtype: str, shape: tuple[int, ...], offset: i
     the header declares before any allocation beyond it)."""
     dt = DTYPES[dtype]
     n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if len(payload) < PAYLOAD_HEAD:
-        raise FormatError(f"state payload of {len(payload)} bytes is shorter than its {PAYLOAD_HEAD}-byte head",
-                          field="State.Coding", offset=offset)
-    coding = payload[0]
-    if any(payload[1:PAYLOAD_HEAD]):
-        raise FormatError("state payload reserved bytes are not zero", field="State.Reserved", offset=offset + 1)
-    data = payload[PAYLOAD_HEAD:]
-    if coding == CODING_RAW:
-        if len(data) != n:
-            raise FormatError(f"raw state data of {len(data)} bytes, the header declares {n}", field="State.Data",
-                              offset=offset + PAYLOAD_HEAD)
-    elif coding == CODING_ZSTD:
-        data = _bounded_zstd(data, n, offset + PAYLOAD_HEAD)
-    else:
-        raise FormatError(f"state Coding {coding} is not 0 (raw) or 1 (zstd)", field="State.Coding", offset=offset)
+    data = decode_bytes_payload(payload, n, offset, "State")
     arr = np.frombuffer(data, dtype=f"<u{dt.itemsize}").astype(dt.uint).reshape(shape)
     return from_bit_patterns(arr, dt.torch)
 
 
-def _bounded_zstd(data: bytes, n: int, offset: int) -> bytes:
+def decode_bytes_payload(payload, n: int, offset: int, name: str) -> bytes:
+    """The ``n`` bytes of a ``state`` / ``engine_bytes`` payload (``name``: the fields' prefix in errors)."""
+    if len(payload) < PAYLOAD_HEAD:
+        raise FormatError(f"{name.lower()} payload of {len(payload)} bytes is shorter than its {PAYLOAD_HEAD}-byte "
+                          "head", field=f"{name}.Coding", offset=offset)
+    coding = payload[0]
+    if any(payload[1:PAYLOAD_HEAD]):
+        raise FormatError(f"{name.lower()} payload reserved bytes are not zero", field=f"{name}.Reserved",
+                          offset=offset + 1)
+    data = payload[PAYLOAD_HEAD:]
+    if coding == CODING_RAW:
+        if len(data) != n:
+            raise FormatError(f"raw {name.lower()} data of {len(data)} bytes, the header declares {n}",
+                              field=f"{name}.Data", offset=offset + PAYLOAD_HEAD)
+        return bytes(data)
+    if coding == CODING_ZSTD:
+        return _bounded_zstd(bytes(data), n, offset + PAYLOAD_HEAD, name)
+    raise FormatError(f"{name.lower()} Coding {coding} is not 0 (raw) or 1 (zstd)", field=f"{name}.Coding",
+                      offset=offset)
+
+
+def _bounded_zstd(data: bytes, n: int, offset: int, name: str = "State") -> bytes:
     """One zstd frame whose header declares exactly ``n`` content bytes and nothing after it: the size is
     checked before decompressing, so a hostile frame cannot make the decoder allocate more."""
+    what, field = name.lower(), f"{name}.Data"
     if data[:4] != ZSTD_MAGIC:
-        raise FormatError("state data is not a zstd frame (no frame magic; skippable frames are not allowed)",
-                          field="State.Data", offset=offset)
+        raise FormatError(f"{what} data is not a zstd frame (no frame magic; skippable frames are not allowed)",
+                          field=field, offset=offset)
     try:
         params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError as e:
-        raise FormatError(f"state zstd frame header: {e}", field="State.Data", offset=offset) from None
+        raise FormatError(f"{what} zstd frame header: {e}", field=field, offset=offset) from None
     if params.dict_id:
-        raise FormatError(f"state zstd frame needs dictionary {params.dict_id}", field="State.Data", offset=offset)
+        raise FormatError(f"{what} zstd frame needs dictionary {params.dict_id}", field=field, offset=offset)
     declared = params.content_size
     if declared != n:
-        raise FormatError(f"state zstd frame declares {declared if declared != zstandard.CONTENTSIZE_UNKNOWN else 'no'}"
-                          f" content size; the header declares {n} bytes", field="State.Data", offset=offset)
+        said = declared if declared != zstandard.CONTENTSIZE_UNKNOWN else "no"
+        raise FormatError(f"{what} zstd frame declares {said} content size; the header declares {n} bytes",
+                          field=field, offset=offset)
     try:
         out = zstandard.ZstdDecompressor().decompress(data, max_output_size=n, allow_extra_data=False)
     except zstandard.ZstdError as e:
-        raise FormatError(f"state zstd frame: {e}", field="State.Data", offset=offset) from None
+        raise FormatError(f"{what} zstd frame: {e}", field=field, offset=offset) from None
     if len(out) != n:
-        raise FormatError(f"state zstd frame decodes to {len(out)} bytes, not {n}", field="State.Data", offset=offset)
+        raise FormatError(f"{what} zstd frame decodes to {len(out)} bytes, not {n}", field=field, offset=offset)
     return out
 
 

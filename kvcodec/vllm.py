@@ -67,6 +67,7 @@ except ImportError as e:  # pragma: no cover - only vLLM imports this module
 
 from .cache import KVCache
 from .errors import ConfigError, KvzError, StoreBusy, UnsupportedCache
+from .identity import file_digest
 from .pages import PageLayout
 
 if TYPE_CHECKING:
@@ -108,37 +109,6 @@ def _config_fields(extra: dict) -> dict:
 
 
 # -- identity ------------------------------------------------------------------------------------------------------
-def _file_digest(path: Path) -> str:
-    """SHA-256 of a file, remembered beside kvcodec's model cache by path, size and modification time (weights
-    are hashed once per machine, not per engine start)."""
-    from .models import cache_dir
-
-    st = path.stat()
-    memo_path = cache_dir() / "vllm-file-digests.json"
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if isinstance(memo, dict) and isinstance(memo.get(key), str):
-        return memo[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    digest = h.hexdigest()
-    memo = memo if isinstance(memo, dict) else {}
-    memo[key] = digest
-    try:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_path)
-    except OSError:
-        pass
-    return digest
-
-
 #: the files of a model directory that fix what its KV cache is: configuration, tokenizer, weights
 _IDENTITY_GLOBS = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "*.safetensors",
                    "*.bin", "*.gguf")
@@ -166,7 +136,7 @@ def model_identity(vllm_config: VllmConfig, given: str | None = None) -> str:
                           "{'model_id': ...}")
     h = hashlib.sha256()
     for p in files:
-        h.update(f"{p.name}\0{_file_digest(p)}\0".encode())
+        h.update(f"{p.name}\0{file_digest(p)}\0".encode())
     return f"vllm:{root.name}:{h.hexdigest()[:32]}:{geometry}"
 
 

@@ -90,6 +90,11 @@ class StateInfo:
 HEADS_MINOR = 8
 #: the format minor version that introduced token model ``blocks`` (procedure ``lm-blocks-v1``)
 BLOCKS_MINOR = 9
+#: the format minor version that introduced engine files (the ``engine_file`` object, ``engine_bytes`` section:
+#: spec section 15)
+ENGINE_MINOR = 10
+#: most pieces an ``engine_file`` may list (spec section 15)
+MAX_ENGINE_PIECES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,8 @@ class Header:
     reduce: dict | None = None
     #: (1.6) the ``predict`` object of a lossy file whose slices are residuals of a prediction, or None
     predict: dict | None = None
+    #: (1.10) the ``engine_file`` object of a file that rebuilds an engine's own state file, validated, or None
+    engine: dict | None = None
 
     @property
     def itemsize(self) -> int:
@@ -251,6 +258,8 @@ class Header:
 
     def _feature_minor(self) -> int:
         blocks = BLOCKS_MINOR if getattr(getattr(self, "tier_info", None), "token_model", None) == "blocks" else 0
+        if self.engine is not None:
+            return ENGINE_MINOR
         if self.predict is not None:
             return PREDICT_MINOR
         if self.reduce is not None:
@@ -403,7 +412,8 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
 
     obj = _loads(text, offset)
     tier_keys = registry.tier_header_keys()
-    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"}, {"info", "reduce", "predict"} | tier_keys)
+    v.obj(obj, "", {"format", "tier", "codec", "cache", "model"},
+          {"info", "reduce", "predict", "engine_file"} | tier_keys)
     if obj["format"] != "kvz":
         v.fail("format", f"must be 'kvz', not {obj['format']!r}")
     tier_id = v.str(obj, "tier", "")
@@ -494,8 +504,13 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         v.fail("reduce", "a reduced cache has at least one layer of state kind 'reduced'")
     if reduce is not None and ntok:
         v.fail("cache.num_tokens", "a reduced cache stores no token ids (0)")
+    engine = None
+    if "engine_file" in obj:
+        if tier_id not in ("lossless", "lossy") or reduce is not None or predict is not None:
+            v.fail("engine_file", "allowed in tiers 'lossless' and 'lossy' only, without 'reduce' or 'predict'")
+        engine = _parse_engine_file(v, obj["engine_file"], tier_id, batch, dtype, layers, lim)
     hdr = Header(obj, tier_id, cid, codec["params"], dtype, batch, chunk, start, ntok, tuple(layers), model,
-                 reduce=reduce, predict=predict)
+                 reduce=reduce, predict=predict, engine=engine)
     if predict is not None and (layers[0].k_dim % 2 or any(
             (lay.seq_len, lay.kv_heads, lay.k_dim, lay.v_dim, lay.state, lay.sliding_window)
             != (layers[0].seq_len, layers[0].kv_heads, layers[0].k_dim, layers[0].k_dim, None, None)
@@ -519,6 +534,69 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
                f"limit of "
                f"{lim['max_output_bytes']} (pass limits={{'max_output_bytes': ...}} to allow)", LimitExceeded)
     return hdr
+
+
+def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, layers: list, lim: dict) -> dict:
+    """(1.10) The ``engine_file`` object (spec section 15): what the file's bytes rebuild, piece by piece.  Returns
+    it with ``pieces`` as tuples: ``("bytes", offset, length)``, ``("keys" | "values", layer, order)``."""
+    p = "engine_file"
+    v.obj(ef, p, {"engine", "kind", "length", "verbatim", "sha256", "pieces", "model"})
+    v.str(ef, "engine", p)
+    v.str(ef, "kind", p)
+    length = v.int(ef, "length", p, 0, lim["max_output_bytes"], LimitExceeded)
+    verbatim = v.int(ef, "verbatim", p, 0, length, FormatError)
+    digest = ef["sha256"]
+    if tier_id == "lossless":
+        if not (isinstance(digest, str) and is_hex64(digest)):
+            v.fail(f"{p}.sha256", "tier 'lossless': must be the SHA-256 of the file rebuilt, 64 lowercase hex digits")
+    elif digest is not None:
+        v.fail(f"{p}.sha256", f"tier {tier_id!r} rebuilds another file than the one packed: must be null")
+    model = ef["model"]
+    if model is not None:
+        v.obj(model, f"{p}.model", {"file_sha256"}, {"name", "architecture"})
+        if not is_hex64(v.str(model, "file_sha256", f"{p}.model")):
+            v.fail(f"{p}.model.file_sha256", "must be 64 lowercase hex digits")
+        for key in ("name", "architecture"):
+            if key in model:
+                v.str(model, key, f"{p}.model")
+    if batch != 1:
+        v.fail("cache.batch", "a file with an engine_file holds one sequence (batch 1)")
+    pieces = ef["pieces"]
+    if not isinstance(pieces, list):
+        v.fail(f"{p}.pieces", "must be a list")
+    if len(pieces) > MAX_ENGINE_PIECES:
+        v.fail(f"{p}.pieces", f"{len(pieces)} pieces, over {MAX_ENGINE_PIECES}", LimitExceeded)
+    seen, total = set(), 0
+    itemsize = DTYPES[dtype].itemsize
+    for i, piece in enumerate(pieces):
+        q = f"{p}.pieces[{i}]"
+        if not isinstance(piece, list) or len(piece) != 3 or piece[0] not in ("bytes", "keys", "values"):
+            v.fail(q, 'must be ["bytes", offset, length], ["keys", layer, order] or ["values", layer, order]')
+        kind, a, b = piece
+        if kind == "bytes":
+            for k, x in ((1, a), (2, b)):
+                if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                    v.fail(f"{q}[{k}]", "must be a non-negative integer")
+            if a + b > verbatim:
+                v.fail(q, f"bytes [{a}, {a + b}) outside the {verbatim} verbatim bytes")
+            total += b
+        else:
+            if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < len(layers):
+                v.fail(f"{q}[1]", f"must be a layer index in [0, {len(layers)})")
+            if b not in ("rows", "columns"):
+                v.fail(f"{q}[2]", f"order {b!r} is not 'rows' or 'columns'", UnknownId)
+            if (kind, a) in seen:
+                v.fail(q, f"{kind} of layer {a} appear twice")
+            seen.add((kind, a))
+            lay = layers[a]
+            if lay.state is not None or lay.sliding_window is not None:
+                v.fail(q, "an engine_file's layers hold keys and values only (no state, no sliding window)")
+            total += lay.kv_heads * lay.seq_len * (lay.k_dim if kind == "keys" else lay.v_dim) * itemsize
+        if total > length:
+            v.fail(f"{p}.pieces", f"the pieces make more than the {length} bytes of engine_file.length")
+    if total != length:
+        v.fail(f"{p}.pieces", f"the pieces make {total} bytes, engine_file.length says {length}")
+    return {**ef, "pieces": [tuple(x) for x in pieces]}
 
 
 def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:

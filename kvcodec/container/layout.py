@@ -18,7 +18,7 @@ MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
-FORMAT_VERSION_MINOR = 9  # the highest minor version this code reads and writes
+FORMAT_VERSION_MINOR = 10  # the highest minor version this code reads and writes
 # A writer stamps the lowest minor version that can express the file - each tier's ``min_minor`` (0 for the
 # lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier), 3
 # when a layer carries recurrent / conv state, 4 for a reduced cache (a ``reduce`` object), 5 for the lossy
@@ -41,10 +41,11 @@ SECTION_TOKEN_STREAM = 3  # format 1.1
 SECTION_RESIDUAL = 4  # format 1.1
 SECTION_TENSOR_CHECKSUMS = 5  # format 1.1
 SECTION_STATE = 6  # format 1.3: one recurrent / conv state tensor
+SECTION_ENGINE_BYTES = 7  # format 1.10: the verbatim bytes of an engine file (spec section 15)
 SECTION_INDEX = 0xFFFF
 SECTION_NAMES = {SECTION_KV: "kv", SECTION_TOKEN_IDS: "tokens", SECTION_TOKEN_STREAM: "token_stream",
                  SECTION_RESIDUAL: "residual", SECTION_TENSOR_CHECKSUMS: "tensor_checksums",
-                 SECTION_STATE: "state", SECTION_INDEX: "index"}
+                 SECTION_STATE: "state", SECTION_ENGINE_BYTES: "engine_bytes", SECTION_INDEX: "index"}
 
 FLAG_CRITICAL = 0x0001  # a reader that does not know the type must reject the file
 FLAGS_RESERVED = 0xFFFE

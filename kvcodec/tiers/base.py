@@ -42,7 +42,7 @@ from ..dtypes import DTYPES, from_bit_patterns
 from ..errors import ConfigError, FormatError
 from ..identity import model_record
 from ..parallel import run_ordered
-from ..state import LayerState, absent_entries, decode_payload, encode_payload
+from ..state import LayerState, absent_entries, bytes_payload, decode_payload, encode_payload
 from ..version import __version__
 
 __all__ = ["UNSET", "Options", "EncodeJob", "Fallback", "Tier", "DirectTier", "build_header", "slice_jobs"]
@@ -90,13 +90,19 @@ class EncodeJob:
     info: dict | None = None
     progress: object = None
     report: dict = field(default_factory=dict)  #: what the tier tells the caller (not stored in the file)
+    #: (1.10) ``(engine_file object, verbatim bytes)``: the file rebuilds an engine's state file (spec section 15;
+    #: :mod:`kvcodec.llama_cpp`); direct tiers only
+    engine: tuple | None = None
 
     def base_info(self) -> dict:
         """The header's ``info``: the caller's, else this version's."""
         return {"kvcodec_version": __version__} if self.info is None else dict(self.info)
 
     def header(self, tier_id: str, codec: dict, **kw) -> dict:
-        return build_header(self.kv, tier_id, codec, self.options.chunk_tokens, self.model, self.info, **kw)
+        h = build_header(self.kv, tier_id, codec, self.options.chunk_tokens, self.model, self.info, **kw)
+        if self.engine is not None:
+            h["engine_file"] = self.engine[0]
+        return h
 
     def slice_jobs(self):
         return slice_jobs(self.kv, self.options.chunk_tokens)
@@ -328,7 +334,8 @@ class Tier:
         Default: the token ids (if any), then one ``kv`` section per slice."""
         out = [((L.SECTION_TOKEN_IDS, 0, 0, 0), False)] if header.num_tokens else []
         out += [((L.SECTION_KV, *s), False) for s in header.slices()]
-        return out + [((L.SECTION_STATE, li, j, 0), False) for li, j in header.state_sections()]
+        out += [((L.SECTION_STATE, li, j, 0), False) for li, j in header.state_sections()]
+        return out + ([((L.SECTION_ENGINE_BYTES, 0, 0, 0), False)] if header.engine is not None else [])
 
     # -- decoder ------------------------------------------------------------------------------------
     def decoder(self, f):
@@ -411,6 +418,8 @@ class DirectTier(Tier):
                 if job.progress:
                     job.progress(1)
         write_states(writer, kv)
+        if job.engine is not None:  # (1.10) the engine file's verbatim bytes, last (spec section 15)
+            writer.write_section(L.SECTION_ENGINE_BYTES, bytes_payload(job.engine[1]))
         return writer.close()
 
     def decoder(self, f):

@@ -1,0 +1,173 @@
+"""Runs llama-cpp-python for the llama.cpp tests and ``kvz bench --llama-cpp``, in the venv scripts/llama_env.sh
+builds (llama-cpp-python is not a dependency of kvcodec): ``python -m kvcodec.lab.llama_driver CFG.json`` runs
+the scenario ``cfg["scenario"]`` and prints ``KVZ-RESULT {json}``.  Each call is a fresh process.
+
+Scenarios:
+
+* ``states``: evaluates ``tokens`` in a context per ``contexts`` entry (flash attention, KV types), saves its
+  sequence state file and ``save_state()`` blob into ``out``, and the greedy continuation of ``gen`` tokens
+  of a fresh context that loaded each saved state file.
+* ``continue``: the greedy continuation of a fresh context that loaded the state file ``file``.
+* ``cache``: completions of ``prompts`` (token ids) with :class:`kvcodec.llama_cpp.KvzLlamaCache` on ``store``
+  (or llama-cpp-python's own ``LlamaDiskCache`` with ``"disk": DIR``, or no cache): outputs, time to first
+  token, cache statistics.
+* ``determinism``: SHA-256 of the sequence state after evaluating ``tokens`` in fresh contexts that differ in
+  batch size, threads and flash attention: whether llama.cpp regenerates a state bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def venv_python(checkout: Path, timeout: float = 3600) -> str:
+    """Build (once) the llama.cpp venv with the checkout's scripts/llama_env.sh and return its python;
+    RuntimeError with the script's output when it cannot be built."""
+    r = subprocess.run(["bash", str(checkout / "scripts" / "llama_env.sh")], check=False, capture_output=True,
+                       text=True, timeout=timeout, cwd=checkout)
+    if r.returncode:
+        raise RuntimeError((r.stderr or r.stdout)[-2000:])
+    return str(checkout / r.stdout.strip().splitlines()[-1])
+
+
+def drive(python: str, cfg: dict, tmp: Path, timeout: float = 1800) -> dict:
+    """Run a scenario in a fresh ``python`` process; its result, with ``log``; RuntimeError when it fails."""
+    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([python, "-m", "kvcodec.lab.llama_driver", str(path)], check=False, capture_output=True,
+                       text=True, timeout=timeout, cwd=tmp)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"llama.cpp driver failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    out = json.loads(lines[-1][len("KVZ-RESULT "):])
+    out["log"] = r.stdout + r.stderr
+    return out
+
+
+def _llama(cfg: dict, **kw):
+    from llama_cpp import Llama
+
+    args = {"n_ctx": cfg.get("n_ctx", 4096), "n_batch": cfg.get("n_batch", 512), "verbose": False, "seed": 1,
+            "n_threads": cfg.get("threads", 2), **kw}
+    return Llama(cfg["model"], **args)
+
+
+def _save_seq(llm, path: str, tokens: list[int]) -> int:
+    import llama_cpp
+
+    arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+    n = llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, path.encode(), 0, arr, len(tokens))
+    if not n:
+        raise RuntimeError(f"llama_state_seq_save_file({path}) failed")
+    return int(n)
+
+
+def _load_seq(llm, path: str) -> list[int]:
+    """Load a sequence state file into ``llm`` as llama-cpp-python's own state (its tokens)."""
+    import llama_cpp
+
+    cap = llm.n_ctx()
+    toks = (llama_cpp.llama_token * cap)()
+    n_out = ctypes.c_size_t(0)
+    if not llama_cpp.llama_state_seq_load_file(llm._ctx.ctx, path.encode(), 0, toks, cap, ctypes.byref(n_out)):
+        raise RuntimeError(f"llama_state_seq_load_file({path}) refused the file")
+    n = n_out.value
+    llm.input_ids[:n] = toks[:n]
+    llm.n_tokens = n
+    llm._requires_eval = True
+    return list(toks[:n])
+
+
+def _greedy(llm, tokens: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``tokens`` (llama-cpp-python reuses what the context holds of them)."""
+    out = []
+    for t in llm.generate(tokens, temp=0.0, top_k=1, reset=True):
+        out.append(int(t))
+        if len(out) >= n:
+            break
+    return out
+
+
+def scenario_states(cfg: dict) -> dict:
+    out = Path(cfg["out"])
+    res = {}
+    for name, kw in cfg["contexts"].items():
+        llm = _llama(cfg, **kw)
+        tokens = cfg["tokens"]
+        llm.eval(tokens)
+        seq = str(out / f"{name}.ggsq")
+        _save_seq(llm, seq, tokens)
+        (out / f"{name}.state").write_bytes(llm.save_state().llama_state)
+        # what the saving context itself generates next (from its own logits)
+        own = _greedy(llm, tokens, cfg["gen"])
+        fresh = _llama(cfg, **kw)
+        held = _load_seq(fresh, seq)
+        res[name] = {"own": own, "reloaded": _greedy(fresh, held, cfg["gen"]), "bytes": os.path.getsize(seq)}
+    return res
+
+
+def scenario_continue(cfg: dict) -> dict:
+    llm = _llama(cfg, **cfg.get("context", {}))
+    t0 = time.perf_counter()
+    held = _load_seq(llm, cfg["file"])
+    load_s = time.perf_counter() - t0
+    return {"tokens": len(held), "continuation": _greedy(llm, held, cfg["gen"]), "load_s": load_s}
+
+
+def scenario_cache(cfg: dict) -> dict:
+    from llama_cpp.llama_cache import LlamaDiskCache
+
+    llm = _llama(cfg, **cfg.get("context", {}))
+    cache = None
+    t0 = time.perf_counter()
+    if cfg.get("store"):
+        from kvcodec.llama_cpp import KvzLlamaCache
+
+        cache = KvzLlamaCache(llm, cfg["store"], cfg.get("storage_options"), **cfg.get("options", {}))
+    elif cfg.get("disk"):
+        cache = LlamaDiskCache(cfg["disk"])
+    setup_s = time.perf_counter() - t0
+    if cache is not None:
+        llm.set_cache(cache)
+    rows = []
+    for prompt in cfg["prompts"]:
+        t0 = time.perf_counter()
+        first, toks = None, []
+        for c in llm.create_completion(prompt, max_tokens=cfg.get("gen", 8), temperature=0.0, stream=True):
+            if first is None:
+                first = time.perf_counter() - t0
+            toks.append(c["choices"][0]["text"])
+        rows.append({"ttft_s": first, "total_s": time.perf_counter() - t0, "text": "".join(toks)})
+    stats = dict(cache.stats) if hasattr(cache, "stats") else {}
+    return {"rows": rows, "stats": stats, "setup_s": setup_s}
+
+
+def scenario_determinism(cfg: dict) -> dict:
+    tokens = cfg["tokens"]
+    out = {}
+    for name, kw in cfg["variants"].items():
+        extra = {k: v for k, v in kw.items() if k not in ("n_batch", "threads")}
+        llm = _llama({**cfg, **{k: v for k, v in kw.items() if k in ("n_batch", "threads")}}, **extra)
+        llm.eval(tokens)
+        path = Path(cfg["out"]) / f"det-{name}.ggsq"
+        _save_seq(llm, str(path), tokens)
+        out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        path.unlink()
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    result = globals()[f"scenario_{cfg['scenario']}"](cfg)
+    print("KVZ-RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
