@@ -71,7 +71,7 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
             + (f" ({what})" if what else "")
             + f"; {ef['tensor_pieces']} key/value pieces coded, {human(ef['verbatim'])} verbatim; rebuilt "
             + ("byte for byte (SHA-256 checked)" if ef["sha256"] else "from the lossy tensors (other bytes)"))
-        out(f"  engine model : " + (f"{m.get('name') or 'unnamed'} ({m.get('architecture') or '?'}, GGUF SHA-256 "
+        out("  engine model : " + (f"{m.get('name') or 'unnamed'} ({m.get('architecture') or '?'}, GGUF SHA-256 "
                                    f"{m['file_sha256'][:16]}…)" if m else "none recorded"))
     pr = info.get("predict")
     if pr:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import (BadMagic, ConfigError, FormatError, KvzError, LimitExceeded, ModelMismatch, TrailingData,
+from .errors import (BadMagic, ConfigError, FormatError, LimitExceeded, ModelMismatch, TrailingData,
                      TruncatedFile, UnknownId, UnsupportedVersion)
 
 __all__ = ["parse", "pack", "unpack", "pack_bytes", "unpack_bytes", "model_record", "StateFile", "KvzLlamaCache",

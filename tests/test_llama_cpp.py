@@ -210,7 +210,7 @@ def test_damaged_files_raise_kvz_errors_only(data):
         i = data.draw(st.integers(0, len(base) - 4))
         struct.pack_into("<I", b, i, data.draw(st.sampled_from([0, 1, 2, 3, 0xFFFFFFFF, 0x7FFFFFFF, 1 << 20])))
     try:
-        st_ = K.parse(bytes(b))
+        K.parse(bytes(b))
     except KvzError as e:
         assert e.field
         return
