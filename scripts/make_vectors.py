@@ -360,8 +360,46 @@ def _safetensors(kv) -> bytes:
     return save(tensors(kv))
 
 
+def engine_state() -> tuple[bytes, dict]:
+    """(1.10) A llama.cpp sequence state file written here by hand (spec section 15.1): 5 tokens, 2 layers of 2
+    KV heads x 4 float16 (structured values), keys as rows, values transposed (``v_trans`` 1); and the GGUF
+    record it is packed with (the SHA-256 of a stand-in model file)."""
+    import struct
+
+    rng = np.random.default_rng(1010)
+    cells, layers, heads, dim = 5, 2, 2, 4
+    out = [struct.pack("<III", 0x67677371, 3, cells), np.arange(100, 100 + cells, dtype="<i4").tobytes(),
+           struct.pack("<II", 1, cells)]
+    out += [struct.pack("<iIi", i, 1, 0) for i in range(cells)]
+    out.append(struct.pack("<II", 1, layers))
+    keys, values = [], []
+    for _ in range(layers):
+        k = (rng.standard_normal((cells, heads * dim)) * 2).astype("<f2")
+        out.append(struct.pack("<iQ", 1, heads * dim * 2) + k.tobytes())
+        keys.append(torch.from_numpy(k.reshape(cells, heads, dim).transpose(1, 0, 2).copy())[None])
+    for _ in range(layers):
+        v = rng.standard_normal((cells, heads * dim)).astype("<f2")
+        out.append(struct.pack("<iII", 1, 2, heads * dim) + v.T.copy().tobytes())
+        values.append(torch.from_numpy(v.reshape(cells, heads, dim).transpose(1, 0, 2).copy())[None])
+    record = {"file_sha256": hashlib.sha256(b"a stand-in for a GGUF file").hexdigest(), "name": "tiny",
+              "architecture": "llama",
+              "geometry": {"layers": layers, "kv_heads": [heads] * layers, "k_dim": dim, "v_dim": dim}}
+    return b"".join(out), record, keys, values
+
+
 def build():
     """Yield (name, file bytes, meta, {suffix: extra file bytes})."""
+    from kvcodec import llama_cpp
+
+    state, record, keys, values = engine_state()
+    data = llama_cpp.pack_bytes(state, record, info=INFO, threads=1, scale_bits=12)
+    yield "engine_llama_seq", data, {
+        "options": {"tier": "lossless", "scale_bits": 12, "threads": 1, "model": record}, "dtype": "float16",
+        "file_sha256": hashlib.sha256(data).hexdigest(),
+        # the layers as spec section 15 reads them out of the state file (computed here from its values)
+        "keys_sha256": [sha(t) for t in keys], "values_sha256": [sha(t) for t in values],
+        "engine_file_sha256": hashlib.sha256(state).hexdigest(), "tokens": None, "start_position": 0,
+    }, {"engine.bin": state}
     for name, model, cache, opts in token_cases():
         kv = kvcodec.to_canonical(cache)
         enc = dict(opts)

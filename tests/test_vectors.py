@@ -26,7 +26,8 @@ TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "e
                "tokens_tolerance_padded", "exact_state", "exact_blocks_padded"]
 LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted",
          "lossy_predicted", "lossy_heads"]
-CASES = LOSSLESS + TOKEN_TIERS + LOSSY
+ENGINE = ["engine_llama_seq"]
+CASES = LOSSLESS + TOKEN_TIERS + LOSSY + ENGINE
 
 
 def sha(t):
@@ -55,6 +56,28 @@ def test_reencode_vector_identically(case, backend, monkeypatch):
     kv = kvcodec.decode(data, output="kvcache")
     info = KvzReader(data).header.raw["info"]
     assert kvcodec.encode(kv, info=info, threads=1, **meta["options"]) == data
+
+
+@pytest.mark.parametrize("case", ENGINE)
+def test_engine_vector_rebuilds_its_state_file(case):
+    """(1.10) The layers decode to the values of the state file's rows, the file rebuilds the state file byte for
+    byte, and packing the state file again gives the vector."""
+    from kvcodec import llama_cpp
+
+    meta = json.loads((VECTORS / f"{case}.json").read_text())
+    data = (VECTORS / f"{case}.kvz").read_bytes()
+    state = (VECTORS / f"{case}.engine.bin").read_bytes()
+    assert hashlib.sha256(state).hexdigest() == meta["engine_file_sha256"]
+    kv = kvcodec.decode(data, output="kvcache")
+    assert [sha(k) for k in kv.keys] == meta["keys_sha256"]
+    assert [sha(v) for v in kv.values] == meta["values_sha256"]
+    with kvcodec.open_kvz(data) as f:
+        assert f.engine_file() == state
+    opts = dict(meta["options"])
+    record = opts.pop("model")
+    info = KvzReader(data).header.raw["info"]
+    assert llama_cpp.pack_bytes(state, record, info=info, **opts) == data
+    assert KvzReader(data).version == (1, 10)
 
 
 def test_raw_mode_vector_has_a_raw_section():
