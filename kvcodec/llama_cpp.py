@@ -356,11 +356,10 @@ def gguf_path(model) -> Path:
     if isinstance(model, (str, os.PathLike)) and Path(model).is_file():
         return Path(model)
     from .models import EMBEDDED_MODELS as GGUF_MODELS
-    from .models import _gguf_location
+    from .models import gguf_file
 
     if isinstance(model, str) and model in GGUF_MODELS:
-        d, name = _gguf_location(model)
-        return Path(d) / name
+        return gguf_file(model)
     raise ConfigError(f"model {model!r} is not a GGUF file nor an embedded model ({sorted(GGUF_MODELS)})")
 
 

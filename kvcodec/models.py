@@ -46,6 +46,12 @@ def cache_dir() -> Path:
     return base / "kvcodec"
 
 
+def gguf_file(name: str) -> Path:
+    """The GGUF file of an embedded model (``"smollm2"``): llama.cpp runs it as it is."""
+    d, fname = _gguf_location(name)
+    return Path(d) / fname
+
+
 def _gguf_location(name: str) -> tuple[Path, str]:
     try:
         pkg, fname = EMBEDDED_MODELS[name]

@@ -163,6 +163,56 @@ def scenario_determinism(cfg: dict) -> dict:
     return out
 
 
+def scenario_timings(cfg: dict) -> dict:
+    """Prefill time of ``tokens`` (the state saved to ``out``/``name``.ggsq), and the time a fresh context takes to
+    load that state file (median of ``repeat``)."""
+    import statistics
+
+    tokens = cfg["tokens"]
+    llm = _llama(cfg, **cfg.get("context", {}))
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    prefill = time.perf_counter() - t0
+    path = str(Path(cfg["out"]) / f"{cfg['name']}.ggsq")
+    _save_seq(llm, path, tokens)
+    loads = []
+    for _ in range(cfg.get("repeat", 3)):
+        fresh = _llama(cfg, **cfg.get("context", {}))
+        t0 = time.perf_counter()
+        _load_seq(fresh, path)
+        loads.append(time.perf_counter() - t0)
+        del fresh
+    return {"prefill_s": prefill, "load_s": statistics.median(loads), "file": path}
+
+
+def scenario_kl(cfg: dict) -> dict:
+    """Next-token distributions over ``continuation`` after loading each state file in ``files`` (the first is
+    the reference): per file, KL(reference || file) per position (nats) and top-1 agreement."""
+    import numpy as np
+
+    logits = []
+    for f in cfg["files"]:  # a path, or [path, context options] (a q8_0 state loads into a q8_0 context only)
+        f, ctx = (f, cfg.get("context", {})) if isinstance(f, str) else f
+        llm = _llama(cfg, logits_all=True, **ctx)
+        held = _load_seq(llm, f)
+        llm.eval(cfg["continuation"])
+        n = len(held)
+        logits.append(np.array(llm.scores[n:n + len(cfg["continuation"])], dtype=np.float64))
+        del llm
+
+    def logp(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    ref = logp(logits[0])
+    out = []
+    for x in logits:
+        lp = logp(x)
+        kl = (np.exp(ref) * (ref - lp)).sum(axis=1)
+        out.append({"kl": [float(v) for v in kl], "top1": float((lp.argmax(1) == ref.argmax(1)).mean())})
+    return {"files": out}
+
+
 def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     result = globals()[f"scenario_{cfg['scenario']}"](cfg)

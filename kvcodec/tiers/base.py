@@ -101,6 +101,8 @@ class EncodeJob:
     def header(self, tier_id: str, codec: dict, **kw) -> dict:
         h = build_header(self.kv, tier_id, codec, self.options.chunk_tokens, self.model, self.info, **kw)
         if self.engine is not None:
+            if tier_id not in ("lossless", "lossy"):
+                raise ConfigError(f"engine files are stored by tier 'lossless' or 'lossy', not {tier_id!r}")
             h["engine_file"] = self.engine[0]
         return h
 
