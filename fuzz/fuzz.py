@@ -288,6 +288,26 @@ def vector_predictors():
     return _PREDICTORS[0]
 
 
+LLAMA_STATE = (ROOT / "spec" / "vectors" / "engine_llama_seq.engine.bin").read_bytes()
+
+
+def llama_one(data: bytes):
+    """A damaged llama.cpp state: a KvzError, or a state that packs and unpacks to the same bytes."""
+    from kvcodec import llama_cpp
+
+    try:
+        llama_cpp.parse(data)
+    except KvzError:
+        return None
+    except Exception:
+        return "exception:\n" + traceback.format_exc()
+    try:
+        back = llama_cpp.unpack_bytes(llama_cpp.pack_bytes(data, threads=1), check_model=False)
+    except Exception:
+        return "exception:\n" + traceback.format_exc()
+    return None if back == data else "pack / unpack changed the state"
+
+
 def run_one(data: bytes, hang: float, bound: int, stats: dict):
     """Decode and inspect; return None, or a description of the finding.  ``stats`` collects the outcome
     (``ok`` or the KvzError subclass) and the largest peak allocation."""
@@ -302,6 +322,9 @@ def run_one(data: bytes, hang: float, bound: int, stats: dict):
             pass
         kvcodec.decode(data, model, output="kvcache", limits=LIMITS, threads=1, numerics="try",
                        predictors=vector_predictors())
+        with kvcodec.open_kvz(data, limits=LIMITS, threads=1) as f:  # (1.10) an engine file: rebuild it
+            if f.header.engine is not None:
+                f.engine_file()
     except KvzError as e:
         outcome = type(e).__name__
     except Exception:
@@ -321,7 +344,8 @@ def run_one(data: bytes, hang: float, bound: int, stats: dict):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "payload", "header", "roundtrip"],
+    ap.add_argument("--target", choices=["all", "bytes", "mutate", "resealed", "payload", "header", "roundtrip",
+                                         "llama"],
                     default="all")
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--seed", type=int, default=None)
@@ -332,7 +356,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     rng = random.Random(seed)
     pool = seeds()
-    targets = (["bytes", "mutate", "resealed", "payload", "header", "roundtrip"] if args.target == "all"
+    targets = (["bytes", "mutate", "resealed", "payload", "header", "roundtrip", "llama"] if args.target == "all"
                else [args.target])
     bound = int(args.max_ratio * LIMITS["max_output_bytes"]) + (64 << 20)
     stats = {"outcomes": {}, "peak": 0}
@@ -350,7 +374,10 @@ def main() -> int:
         n = 0
         while time.perf_counter() < end:
             n += 1
-            if target == "roundtrip":
+            if target == "llama":  # a llama.cpp state file, damaged: parsed, packed and unpacked byte for byte
+                data = mutate(rng, LLAMA_STATE, [LLAMA_STATE])
+                problem = llama_one(data)
+            elif target == "roundtrip":
                 kv, opts = random_cache(rng)
                 try:
                     data = kvcodec.encode(kv, threads=1, **opts)

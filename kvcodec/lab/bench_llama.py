@@ -151,22 +151,26 @@ def _markdown(res: dict) -> str:
              "fresh process; times are medians of 3 where stated, one run otherwise.", "",
              "## State files: size", "",
              "llama.cpp's sequence state file (`llama_state_seq_save_file`); MiB, and the ratio to the raw file.", "",
-             "| tokens | f16 raw | zstd -3 | packed lossless | lossy 4 bit | lossy 3 bit | q8_0 raw | q8_0 zstd -3 | q8_0 packed |",
+             "| tokens | f16 raw | zstd -3 | packed lossless | lossy 4 bit | lossy 3 bit | q8_0 raw | q8_0 zstd -3 "
+             "| q8_0 packed |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["states"]:
         a, q = r["f16"], r["q8_0"]
 
         def c(x, raw):
             return f"{_mib(x)} ({raw / x:.2f}x)"
-        lines.append(f"| {r['tokens']} | {_mib(a['raw'])} | {c(a['zstd3'], a['raw'])} | {c(a['lossless'], a['raw'])} | "
-                     f"{c(a['lossy4'], a['raw'])} | {c(a['lossy3'], a['raw'])} | {_mib(q['raw'])} | "
+        lines.append(f"| {r['tokens']} | {_mib(a['raw'])} | {c(a['zstd3'], a['raw'])} | "
+                     f"{c(a['lossless'], a['raw'])} | {c(a['lossy4'], a['raw'])} | {c(a['lossy3'], a['raw'])} | "
+                     f"{_mib(q['raw'])} | "
                      f"{c(q['zstd3'], q['raw'])} | {c(q['lossless'], q['raw'])} |")
     lines += ["", "## State files: speed and restore", "",
-              "| tokens | pack f16 MB/s | unpack f16 MB/s | load the state file (fresh context) | unpack + load | re-evaluate the prompt | prefill / load |",
+              "| tokens | pack f16 MB/s | unpack f16 MB/s | load the state file (fresh context) | unpack + load "
+              "| re-evaluate the prompt | prefill / load |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["states"]:
         a = r["f16"]
-        lines.append(f"| {r['tokens']} | {a['pack_mb_s']:.1f} | {a['unpack_mb_s']:.1f} | {r['load_state_file_s'] * 1e3:.0f} ms | "
+        lines.append(f"| {r['tokens']} | {a['pack_mb_s']:.1f} | {a['unpack_mb_s']:.1f} | "
+                     f"{r['load_state_file_s'] * 1e3:.0f} ms | "
                      f"{a['unpack_then_load_s'] * 1e3:.0f} ms | {r['prefill_s'] * 1e3:.0f} ms | "
                      f"{r['prefill_s'] / r['load_state_file_s']:.1f}x |")
     lines += ["", "## Lossy states through llama.cpp's logits", "",
@@ -178,6 +182,17 @@ def _markdown(res: dict) -> str:
         cells = [f"{r[f'kl_{k}']['median']:.2g} / {r[f'kl_{k}']['max']:.2g}, top-1 {r[f'kl_{k}']['top1']:.2f}"
                  for k in ("lossless", "lossy4", "lossy3", "q8_0")]
         lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+    su, det = res["surprisal"], res["determinism"]
+    ref = det["n_batch 512"]
+    lines += ["", "## What a token tier would store", "",
+              f"The first {su['tokens']} tokens cost {su['bits_per_token']:.2f} bits per token under llama.cpp's own "
+              f"next-token distributions (SmolLM2, vocabulary {su['vocab']}): an arithmetic-coded token stream of "
+              f"about {su['bits_per_token'] * su['tokens'] / 8 / 1024:.1f} KiB, against "
+              f"{_mib(23052 * su['tokens'])} MiB of f16 state. Recomputing the state from the tokens is a prefill "
+              f"({su['prefill_s'] * 1e3:.0f} ms here, logits of every position kept). Does llama.cpp regenerate the "
+              "same state bytes (SHA-256 of the sequence state file, fresh contexts, the reference is n_batch 512, "
+              "2 threads)?", "", "| context | same bytes |", "|---|---|"]
+    lines += [f"| {name} | {'yes' if h == ref else 'no'} |" for name, h in det.items() if name != "n_batch 512"]
     sp = res["shared_prefix"]
     lines += ["", "## Shared prefix: KvzLlamaCache against LlamaDiskCache", "",
               f"A 1,024-token document and {len(QUESTIONS)} questions; the first answered by one process, each other "
@@ -213,6 +228,17 @@ def run_llama_bench(args) -> int:
         res = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "llama_cpp_python": version,
                "text": label, "text_sha256": hashlib.sha256(text.encode()).hexdigest()}
         res["states"] = _states(py, gguf, tokens, tmp)
+        print("  token channel ...", flush=True)
+        n = min(1024, len(tokens))
+        res["surprisal"] = drive(py, {"scenario": "surprisal", "model": gguf, "tokens": tokens[:n],
+                                      "n_ctx": n + 16}, tmp)
+        res["surprisal"].pop("log", None)
+        res["determinism"] = drive(py, {"scenario": "determinism", "model": gguf, "tokens": tokens[:n],
+                                        "out": str(tmp), "n_ctx": n + 16, "variants": {
+                                            "n_batch 512": {}, "again": {}, "1 thread": {"threads": 1},
+                                            "n_batch 64": {"n_batch": 64}, "n_batch 1": {"n_batch": 1},
+                                            "flash attention": {"flash_attn": True}}}, tmp)
+        res["determinism"].pop("log", None)
         print("  shared prefix ...", flush=True)
         res["shared_prefix"] = _shared_prefix(py, gguf, tokens, tmp)
     write_report(args.out, "bench_llama_cpp", res, _markdown(res))

@@ -213,6 +213,24 @@ def scenario_kl(cfg: dict) -> dict:
     return {"files": out}
 
 
+def scenario_surprisal(cfg: dict) -> dict:
+    """Bits per token of ``tokens`` under llama.cpp's own next-token distributions (what an arithmetic coder
+    driven by the model would store), and the time of that one prefill."""
+    import numpy as np
+
+    tokens = cfg["tokens"]
+    llm = _llama(cfg, logits_all=True)
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    elapsed = time.perf_counter() - t0
+    x = np.array(llm.scores[:len(tokens) - 1], dtype=np.float64)
+    x -= x.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    bits = -logp[np.arange(len(tokens) - 1), tokens[1:]] / np.log(2)
+    return {"bits_per_token": float(bits.mean()), "tokens": len(tokens), "prefill_s": elapsed,
+            "vocab": int(llm.n_vocab())}
+
+
 def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     result = globals()[f"scenario_{cfg['scenario']}"](cfg)
