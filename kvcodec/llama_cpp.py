@@ -27,6 +27,7 @@ import hashlib
 import io
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -696,6 +697,16 @@ class _Template:
         return b"".join(out)
 
 
+def _warm_up(dtype) -> None:
+    from . import api
+
+    try:
+        x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+        api.decode(api.encode([(x, x)], threads=1), output="kvcache", threads=1)
+    except Exception:  # noqa: BLE001 - a warm-up that fails costs only the time it would have saved
+        pass
+
+
 def _base_cache():
     try:
         from llama_cpp.llama_cache import BaseLlamaCache
@@ -718,6 +729,8 @@ class KvzLlamaCache(_base_cache()):
     namespace is the GGUF's SHA-256 and the KV dtype, so a state never reaches another model; the context's own
     layout (transposed values or not) is rebuilt on load, so contexts with and without flash attention share
     the states.  ``tier``/``**store_options``: as :class:`kvcodec.Store` (``tier="lossy", bits=4`` ...).
+    ``capacity_bytes``: when given, a put that leaves the store larger runs its collector with that bound
+    (``Store.gc(max_bytes=...)``); else the store grows until ``kvz store gc`` says otherwise.
 
     Not restored: the logits of every prompt position (llama-cpp-python's ``logits_all=True``, for prompt
     log-probabilities) - refused with that setting.  The states of contexts whose cells carry llama.cpp's
@@ -742,6 +755,17 @@ class KvzLlamaCache(_base_cache()):
                                chunk_tokens=chunk_tokens, **store_options)
         self.template = self._learn_template()
         self.stats = {"hits": 0, "misses": 0, "tokens_restored": 0, "puts": 0, "refused": 0}
+        # a process's first decode loads the coder's compiled kernels (about 0.45 s here): done now, beside
+        # whatever the process does next, instead of in its first request's time to first token
+        self._warm = threading.Thread(target=_warm_up, args=(self.template.dtype,), name="kvz-warm-up", daemon=True)
+        self._warm.start()
+        self._capacity = capacity_bytes
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait for the warm-up begun at construction (a server calls it before taking requests); True when
+        done."""
+        self._warm.join(timeout)
+        return not self._warm.is_alive()
 
     def _learn_template(self) -> _Template:
         """The context's state layout, from a state of it (its current one; an empty context evaluates one
@@ -775,8 +799,8 @@ class KvzLlamaCache(_base_cache()):
     # -- BaseLlamaCache ------------------------------------------------------------------------------------------
     @property
     def cache_size(self) -> int:
-        """Bytes the store holds (every namespace)."""
-        return int(self.store.usage().get("stored_bytes", 0))
+        """Bytes the store holds (every namespace: chunks and session objects)."""
+        return int(self.store.stats()["bytes"])
 
     def __contains__(self, key) -> bool:
         return self.store.lookup(list(key), dtype=self.template.dtype) > 0
@@ -812,3 +836,7 @@ class KvzLlamaCache(_base_cache()):
         kv, _, _ = to_cache(st, value.llama_state, self.record.get("geometry"))
         self.store.put(kv, tokens=np.asarray(value.input_ids[:n], dtype=np.int64))
         self.stats["puts"] += 1
+        if self._capacity is not None and self.cache_size > self._capacity:
+            # the store's own eviction (least recently used sessions' chunks first; spec/store.md), safe beside
+            # any other process's puts and reads
+            self.store.gc(max_bytes=self._capacity)

@@ -133,8 +133,23 @@ def scenario_cache(cfg: dict) -> dict:
         cache = KvzLlamaCache(llm, cfg["store"], cfg.get("storage_options"), **cfg.get("options", {}))
     elif cfg.get("disk"):
         cache = LlamaDiskCache(cfg["disk"])
+    if hasattr(cache, "ready"):  # as a server would: its warm-up done before it takes requests
+        cache.ready()
     setup_s = time.perf_counter() - t0
+    counts = {"hits": 0, "misses": 0}
     if cache is not None:
+        get = type(cache).__getitem__
+
+        def counted(self, key):  # every cache's lookups counted alike (llama-cpp-python logs them only verbose)
+            try:
+                value = get(self, key)
+            except KeyError:
+                counts["misses"] += 1
+                raise
+            counts["hits"] += 1
+            return value
+
+        type(cache).__getitem__ = counted
         llm.set_cache(cache)
     rows = []
     for prompt in cfg["prompts"]:
@@ -146,7 +161,7 @@ def scenario_cache(cfg: dict) -> dict:
             toks.append(c["choices"][0]["text"])
         rows.append({"ttft_s": first, "total_s": time.perf_counter() - t0, "text": "".join(toks)})
     stats = dict(cache.stats) if hasattr(cache, "stats") else {}
-    return {"rows": rows, "stats": stats, "setup_s": setup_s}
+    return {"rows": rows, "stats": stats, "setup_s": setup_s, "lookups": counts}
 
 
 def scenario_determinism(cfg: dict) -> dict:
