@@ -613,8 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="the GGUF it was saved with (a path, or 'smollm2'): recorded and checked")
     s.add_argument("--no-model", action="store_true", help="record no model (unpack then needs --no-model-check)")
     s.add_argument("-o", "--output", help="the .kvz file to write (default: FILE.kvz)")
-    s.add_argument("--tier", default="lossless", choices=["lossless", "lossy"],
-                   help="lossless (default: rebuilt byte for byte) or lossy (a state llama.cpp loads, other bytes)")
+    s.add_argument("--tier", default="lossless", choices=["lossless", "lossy", "tokens"],
+                   help="lossless (default: rebuilt byte for byte), lossy (a state llama.cpp loads, other bytes) or "
+                        "tokens (its token ids; unpack regenerates it with llama.cpp, byte for byte: needs "
+                        "llama-cpp-python, and falls back to lossless where llama.cpp does not regenerate it)")
     s.add_argument("--bits", type=float, help="tier lossy: bits per component (default 4)")
     s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
     s.add_argument("--json", action="store_true", help="machine-readable output")

@@ -112,22 +112,36 @@ class KvzFile:
         d = self._decoder.layers([i])
         return d[i, L.PART_KEYS], d[i, L.PART_VALUES]
 
-    def engine_file(self, progress=None) -> bytes:
-        """(1.10) The engine state file this file rebuilds (spec section 15): its pieces, the verbatim bytes of
-        the ``engine_bytes`` section and the decoded keys and values laid out as rows or columns, joined.  Tier
-        ``lossless``: checked against the SHA-256 the file records (:class:`ChecksumMismatch`).  :mod:`kvcodec.
-        llama_cpp` checks the engine's model before calling it."""
+    def engine_verbatim(self) -> bytes:
+        """(1.10) The ``engine_bytes`` section's data (spec section 15)."""
         h, r = self.header, self.reader
         if h.engine is None:
             raise ConfigError("this .kvz file holds a cache, not an engine's state file (no engine_file)")
         e = r.entry(L.SECTION_ENGINE_BYTES)
-        verbatim = decode_bytes_payload(r.read_payload(e), h.engine["verbatim"], e.payload_offset, "Engine")
-        used = sorted({li for kind, li, _ in h.engine["pieces"] if kind != "bytes"})
+        return decode_bytes_payload(r.read_payload(e), h.engine["verbatim"], e.payload_offset, "Engine")
+
+    def engine_file(self, progress=None, *, regenerated: bytes | None = None) -> bytes:
+        """(1.10) The engine state file this file rebuilds (spec section 15): its pieces, the verbatim bytes of
+        the ``engine_bytes`` section and the decoded keys and values laid out as rows or columns, joined.  Tier
+        ``lossless``: checked against the SHA-256 the file records (:class:`ChecksumMismatch`).  A file whose
+        pieces are the engine's own regeneration (``engine_file.recompute``) needs it: ``regenerated=``, the
+        bytes the engine's procedure made (:mod:`kvcodec.llama_cpp` runs it, and checks the model first)."""
+        h = self.header
+        verbatim = self.engine_verbatim()
+        rec = h.engine.get("recompute")
+        if rec is not None and (regenerated is None or len(regenerated) != rec["length"]):
+            raise ConfigError(f"this file is rebuilt by running {rec['engine']} ({rec['procedure']}): pass its "
+                              f"regeneration, {rec['length']} bytes" + ("" if regenerated is None else
+                                                                        f", not {len(regenerated)}"))
+        used = sorted({li for kind, li, _ in h.engine["pieces"] if kind in ("keys", "values")})
         tensors = self._decoder.layers(used, progress) if used else {}
         out = bytearray()
         for kind, a, b in h.engine["pieces"]:
             if kind == "bytes":
                 out += verbatim[a:a + b]
+                continue
+            if kind == "recomputed":
+                out += regenerated[a:a + b]
                 continue
             t = tensors[a, L.PART_KEYS if kind == "keys" else L.PART_VALUES][0]  # [H, S, D] of batch row 0
             bits = bit_patterns(t)
@@ -273,7 +287,7 @@ class KvzFile:
             "engine_file": None if h.engine is None else {
                 k: x for k, x in h.raw["engine_file"].items() if k != "pieces"} | {
                 "pieces": len(h.engine["pieces"]),
-                "tensor_pieces": sum(1 for p in h.engine["pieces"] if p[0] != "bytes")},
+                "tensor_pieces": sum(1 for p in h.engine["pieces"] if p[0] in ("keys", "values"))},
             "checksums": status,
             "sections": sections,
         }

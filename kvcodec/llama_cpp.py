@@ -34,8 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import (BadMagic, ConfigError, FormatError, LimitExceeded, ModelMismatch, TrailingData,
-                     TruncatedFile, UnknownId, UnsupportedVersion)
+from .errors import (BackendUnavailable, BadMagic, ChecksumMismatch, ConfigError, FallbackWarning, FormatError,
+                     KvzError, LimitExceeded, ModelMismatch, NumericsMismatch, TrailingData, TruncatedFile, UnknownId,
+                     UnsupportedVersion, warn)
+from .tiers.base import Fallback
 
 __all__ = ["parse", "pack", "unpack", "pack_bytes", "unpack_bytes", "model_record", "StateFile", "KvzLlamaCache",
            "SEQ_VERSION", "SESSION_VERSION"]
@@ -453,7 +455,7 @@ def model_record(model) -> dict:
                                      "embedding_length", "attention.key_length", "attention.value_length")]
     meta = gguf_metadata(path, {"general.name", *names}) if isinstance(arch, str) else {}
     layers, heads, kv, emb, kd, vd = (meta.get(k) for k in names)
-    rec = {"file_sha256": file_digest(path)}
+    rec = {"file_sha256": file_digest(path), "path": str(path)}
     if isinstance(meta.get("general.name"), str):
         rec["name"] = meta["general.name"]
     if isinstance(arch, str):
@@ -471,7 +473,7 @@ def model_record(model) -> dict:
 
 
 def _stored(rec: dict | None) -> dict | None:
-    return None if rec is None else {k: v for k, v in rec.items() if k != "geometry"}
+    return None if rec is None else {k: v for k, v in rec.items() if k not in ("geometry", "path")}
 
 
 def _check_geometry(st: StateFile, rec: dict) -> None:
@@ -552,21 +554,118 @@ def to_cache(st: StateFile, data, geometry: dict | None = None):
     return KVCache(keys, values), pieces, bytes(verbatim)
 
 
+#: the one regeneration procedure (spec section 15.2): a fresh context evaluates the token ids and saves the
+#: sequence state file
+PROCEDURE = "llama.cpp-seq-prefill-v1"
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise BackendUnavailable(f"tier 'tokens' runs llama.cpp: install llama-cpp-python ({e})") from None
+    return llama_cpp
+
+
+def build_info() -> str:
+    """The llama.cpp build that regenerates states: llama-cpp-python's version and the CPU features it uses."""
+    llama_cpp = _llama_cpp()
+    info = llama_cpp.llama_print_system_info()
+    return f"llama-cpp-python {llama_cpp.__version__}; " + (info.decode() if isinstance(info, bytes) else
+                                                           str(info)).strip()
+
+
+def regenerate(gguf, tokens, params: dict) -> bytes:
+    """Procedure ``llama.cpp-seq-prefill-v1``: a fresh context of ``gguf`` with ``params`` (``n_batch``,
+    ``n_ubatch``, ``flash_attn``, ``type_k``, ``type_v``: ggml type names) evaluates ``tokens`` and saves
+    sequence 0's state file; its bytes."""
+    import tempfile
+
+    llama_cpp = _llama_cpp()
+    code = {v[0]: k for k, v in KV_TYPES.items()}
+    tokens = [int(t) for t in tokens]
+    llm = llama_cpp.Llama(str(gguf), n_ctx=max(256, len(tokens) + 1), n_batch=params["n_batch"],
+                          n_ubatch=params["n_ubatch"], flash_attn=params["flash_attn"],
+                          type_k=code[params["type_k"]], type_v=code[params["type_v"]], verbose=False)
+    try:
+        llm.eval(tokens)
+        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+        with tempfile.TemporaryDirectory(prefix="kvz-llama-") as d:
+            path = os.path.join(d, "state")
+            if not llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, path.encode(), 0, arr, len(tokens)):
+                raise KvzError("llama.cpp could not save the regenerated state")
+            with open(path, "rb") as f:
+                return f.read()
+    finally:
+        llm.close()
+
+
+def _pack_tokens(data: bytes, st: StateFile, rec: dict | None, info, options) -> tuple[dict, bytes, object]:
+    """Tier ``tokens``: the state as its token ids, when llama.cpp regenerates it byte for byte here."""
+    from .cache import KVCache
+
+    if options:
+        raise ConfigError(f"tier tokens takes no options ({sorted(options)})")
+    if rec is None:
+        raise ConfigError("tier tokens recomputes the state with the model: pass model= (the GGUF)")
+    if st.kind != "seq_file":
+        raise ConfigError(f"tier tokens needs a sequence state file, which carries its token ids (this is a "
+                          f"{st.kind})")
+    n = int(st.tokens.size)
+    if (len(st.positions) != 1 or st.cell_ext or st.single_seq[0] != 0 or st.positions[0].size != n
+            or not np.array_equal(st.positions[0], np.arange(n))):
+        raise Fallback("its cells are not the token ids at positions 0 .. n-1 of sequence 0")
+    params = {"n_batch": 512, "n_ubatch": 512, "flash_attn": not st.v_trans[0],
+              "type_k": next(r.type for r in st.rows if r.part == "keys"),
+              "type_v": next(r.type for r in st.rows if r.part == "values")}
+    again = regenerate(gguf_path_of(rec), st.tokens.tolist(), params)
+    if again != data:
+        raise Fallback("llama.cpp does not regenerate it byte for byte from its token ids here (a state filled "
+                       "by generating tokens one at a time, or by another llama.cpp build, is not)")
+    params["build"] = build_info()
+    verbatim = st.tokens.astype("<i4").tobytes()
+    engine = {"engine": "llama.cpp", "kind": st.kind, "length": len(data), "verbatim": len(verbatim),
+              "sha256": hashlib.sha256(data).hexdigest(), "pieces": [["recomputed", 0, len(data)]],
+              "model": _stored(rec), "recompute": {"engine": "llama.cpp", "procedure": PROCEDURE,
+                                                   "length": len(data), "tokens": [0, n], "params": params}}
+    empty = torch.empty(1, 1, 0, 1, dtype=torch.float16)
+    return engine, verbatim, KVCache([empty], [empty.clone()])
+
+
+def gguf_path_of(rec: dict) -> Path:
+    """The GGUF file a record was made from (:func:`model_record` remembers it)."""
+    path = rec.get("path")
+    if path is None:
+        raise ConfigError("tier tokens needs the GGUF file itself, not only its record: pass its path")
+    return Path(path)
+
+
 def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = None, **options) -> bytes:
     """A llama.cpp state (bytes-like; :func:`parse`) as .kvz bytes.  ``model``: its GGUF (path, or an embedded
     model's name), recorded and checked against the state (:class:`ModelMismatch`); None records none.
     ``tier``: ``"lossless"`` (rebuilt byte for byte) or ``"lossy"`` (``bits=`` ...: a state llama.cpp loads,
     not the same bytes).  ``options``: the tier's (:class:`kvcodec.Encoder`)."""
     from .api import Encoder
+    from .version import __version__
 
-    if tier not in ("lossless", "lossy"):
-        raise ConfigError(f"a llama.cpp state is packed with tier 'lossless' or 'lossy', not {tier!r} (the token "
-                          "tiers would recompute it with llama.cpp: docs/llama_cpp.md says why they are not here)")
+    if tier not in ("lossless", "lossy", "tokens"):
+        raise ConfigError(f"a llama.cpp state is packed with tier 'lossless', 'lossy' or 'tokens', not {tier!r}")
     data = bytes(data)
     st = parse(data)
     rec = None if model is None else (model if isinstance(model, dict) else model_record(model))
     if rec is not None:
         _check_geometry(st, rec)
+    info = {"kvcodec_version": __version__, "llama_cpp": st.describe()} if info is None else info
+    if tier == "tokens":
+        try:
+            engine, verbatim, cache = _pack_tokens(data, st, rec, info, options)
+        except Fallback as e:
+            warn(f"tier 'tokens' cannot store this state ({e}); stored losslessly instead", FallbackWarning)
+        else:
+            buf = io.BytesIO()
+            Encoder(tier="lossless").write(buf, cache, None, info=info, engine=(engine, verbatim))
+            return buf.getvalue()
+        tier = "lossless"
     cache, pieces, verbatim = to_cache(st, data, None if rec is None else rec.get("geometry"))
     if tier == "lossy" and not any(p[0] != "bytes" for p in pieces):
         raise ConfigError(f"tier lossy quantizes f16/bf16/f32 rows; this state's are {st.row_types()} (already "
@@ -574,9 +673,6 @@ def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = 
     engine = {"engine": "llama.cpp", "kind": st.kind, "length": len(data), "verbatim": len(verbatim),
               "sha256": hashlib.sha256(data).hexdigest() if tier == "lossless" else None, "pieces": pieces,
               "model": _stored(rec)}
-    from .version import __version__
-
-    info = {"kvcodec_version": __version__, "llama_cpp": st.describe()} if info is None else info
     buf = io.BytesIO()
     Encoder(tier=tier, **options).write(buf, cache, None, info=info, engine=(engine, verbatim))
     return buf.getvalue()
@@ -608,7 +704,34 @@ def unpack_bytes(source, model=None, *, check_model: bool = True, limits: dict |
                 raise ModelMismatch(f"the state was packed for {want.get('name', 'another model')} (GGUF SHA-256 "
                                     f"{want['file_sha256'][:16]}...), not {have.get('name', 'this one')} "
                                     f"({have['file_sha256'][:16]}...)")
-        return f.engine_file(progress)
+        rc = eng.get("recompute")
+        if rc is None:
+            return f.engine_file(progress)
+        if rc["engine"] != "llama.cpp" or rc["procedure"] != PROCEDURE:
+            raise UnknownId(f"regeneration procedure {rc['engine']}/{rc['procedure']} (this reads llama.cpp/"
+                            f"{PROCEDURE})", field="Header.engine_file.recompute.procedure", offset=16)
+        if model is None:
+            raise ConfigError("this state is stored as its token ids: unpacking runs llama.cpp on its GGUF (pass "
+                              "model=)")
+        _llama_cpp()  # BackendUnavailable before any work
+        params = rc["params"]
+        names = {v[0] for v in KV_TYPES.values()}
+        if not (isinstance(params.get("n_batch"), int) and 1 <= params["n_batch"] <= 1 << 20
+                and isinstance(params.get("n_ubatch"), int) and 1 <= params["n_ubatch"] <= params["n_batch"]
+                and isinstance(params.get("flash_attn"), bool) and params.get("type_k") in names
+                and params.get("type_v") in names):
+            raise FormatError(f"regeneration parameters {params} are not n_batch, n_ubatch, flash_attn, type_k, "
+                              "type_v", field="Header.engine_file.recompute.params", offset=16)
+        a, n = rc["tokens"]
+        tokens = np.frombuffer(f.engine_verbatim(), dtype="<i4", count=n, offset=a)
+        again = regenerate(gguf_path(model) if not isinstance(model, dict) else gguf_path_of(model),
+                           tokens.tolist(), params)
+        try:
+            return f.engine_file(progress, regenerated=again)
+        except (ChecksumMismatch, ConfigError):
+            raise NumericsMismatch(f"this llama.cpp ({build_info()}) does not regenerate the state the file "
+                                   f"recorded (made with {params.get('build', 'an unrecorded build')}): unpack it "
+                                   "where that build runs, or pack states with tier 'lossless'") from None
 
 
 def _default_output(src: Path, suffix_in: str | None) -> Path:

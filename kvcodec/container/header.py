@@ -540,7 +540,7 @@ def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, l
     """(1.10) The ``engine_file`` object (spec section 15): what the file's bytes rebuild, piece by piece.  Returns
     it with ``pieces`` as tuples: ``("bytes", offset, length)``, ``("keys" | "values", layer, order)``."""
     p = "engine_file"
-    v.obj(ef, p, {"engine", "kind", "length", "verbatim", "sha256", "pieces", "model"})
+    v.obj(ef, p, {"engine", "kind", "length", "verbatim", "sha256", "pieces", "model"}, {"recompute"})
     v.str(ef, "engine", p)
     v.str(ef, "kind", p)
     length = v.int(ef, "length", p, 0, lim["max_output_bytes"], LimitExceeded)
@@ -561,6 +561,22 @@ def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, l
                 v.str(model, key, f"{p}.model")
     if batch != 1:
         v.fail("cache.batch", "a file with an engine_file holds one sequence (batch 1)")
+    regen = None
+    if "recompute" in ef:  # the engine regenerates (part of) its file from token ids (spec section 15.2)
+        rc = v.obj(ef["recompute"], f"{p}.recompute", {"engine", "procedure", "length", "tokens", "params"})
+        v.str(rc, "engine", f"{p}.recompute")
+        v.str(rc, "procedure", f"{p}.recompute")
+        regen = v.int(rc, "length", f"{p}.recompute", 0, lim["max_output_bytes"], LimitExceeded)
+        tok = rc["tokens"]
+        if not (isinstance(tok, list) and len(tok) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                and x >= 0 for x in tok)):
+            v.fail(f"{p}.recompute.tokens", "must be [offset, count], two non-negative integers")
+        if tok[0] + 4 * tok[1] > verbatim:
+            v.fail(f"{p}.recompute.tokens", f"{tok[1]} token ids at {tok[0]} outside the {verbatim} verbatim bytes")
+        if not isinstance(rc["params"], dict):
+            v.fail(f"{p}.recompute.params", "must be an object")
+        if tier_id != "lossless" or not isinstance(digest, str):
+            v.fail(f"{p}.recompute", "a regenerated file is checked by its SHA-256: tier 'lossless' only")
     pieces = ef["pieces"]
     if not isinstance(pieces, list):
         v.fail(f"{p}.pieces", "must be a list")
@@ -570,15 +586,21 @@ def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, l
     itemsize = DTYPES[dtype].itemsize
     for i, piece in enumerate(pieces):
         q = f"{p}.pieces[{i}]"
-        if not isinstance(piece, list) or len(piece) != 3 or piece[0] not in ("bytes", "keys", "values"):
-            v.fail(q, 'must be ["bytes", offset, length], ["keys", layer, order] or ["values", layer, order]')
+        if not isinstance(piece, list) or len(piece) != 3 or piece[0] not in ("bytes", "keys", "values",
+                                                                              "recomputed"):
+            v.fail(q, 'must be ["bytes", offset, length], ["recomputed", offset, length], ["keys", layer, order] '
+                      'or ["values", layer, order]')
         kind, a, b = piece
-        if kind == "bytes":
+        if kind in ("bytes", "recomputed"):
             for k, x in ((1, a), (2, b)):
                 if not isinstance(x, int) or isinstance(x, bool) or x < 0:
                     v.fail(f"{q}[{k}]", "must be a non-negative integer")
-            if a + b > verbatim:
-                v.fail(q, f"bytes [{a}, {a + b}) outside the {verbatim} verbatim bytes")
+            if kind == "recomputed" and regen is None:
+                v.fail(q, "a recomputed piece needs engine_file.recompute")
+            room = verbatim if kind == "bytes" else regen
+            if a + b > room:
+                v.fail(q, f"{kind} [{a}, {a + b}) outside the {room} {'verbatim' if kind == 'bytes' else 'regenerated'}"
+                          " bytes")
             total += b
         else:
             if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < len(layers):

@@ -105,8 +105,9 @@ def scenario_states(cfg: dict) -> dict:
         seq = str(out / f"{name}.ggsq")
         _save_seq(llm, seq, tokens)
         (out / f"{name}.state").write_bytes(llm.save_state().llama_state)
-        # what the saving context itself generates next (from its own logits)
+        # what the saving context itself generates next (from its own logits); then its state with them
         own = _greedy(llm, tokens, cfg["gen"])
+        _save_seq(llm, str(out / f"{name}-gen.ggsq"), [int(t) for t in llm.input_ids[:llm.n_tokens]])
         fresh = _llama(cfg, **kw)
         held = _load_seq(fresh, seq)
         res[name] = {"own": own, "reloaded": _greedy(fresh, held, cfg["gen"]), "bytes": os.path.getsize(seq)}
@@ -175,6 +176,29 @@ def scenario_determinism(cfg: dict) -> dict:
         _save_seq(llm, str(path), tokens)
         out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
         path.unlink()
+    return out
+
+
+def scenario_pack_tokens(cfg: dict) -> dict:
+    """kvz pack --tier tokens / unpack on each of ``files`` in this process (it runs llama.cpp): sizes, whether
+    unpack rebuilt the file byte for byte, the warnings (a fallback to lossless), times."""
+    import warnings
+
+    from kvcodec import llama_cpp as K
+
+    out = {}
+    for f in cfg["files"]:
+        data = Path(f).read_bytes()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            packed = K.pack_bytes(data, cfg["model"], tier="tokens")
+            t1 = time.perf_counter()
+            back = K.unpack_bytes(packed, cfg["model"])
+            t2 = time.perf_counter()
+        out[Path(f).name] = {"bytes": len(data), "packed": len(packed), "same": back == data,
+                             "warnings": [str(x.message) for x in w], "pack_s": t1 - t0, "unpack_s": t2 - t1,
+                             "recomputed": b'"recompute"' in packed[:4096]}
     return out
 
 
