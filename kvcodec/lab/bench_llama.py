@@ -108,6 +108,12 @@ def _states(py, gguf, tokens, tmp) -> list[dict]:
                 unpack_bytes(packed, gguf)
                 r["unpack_then_load_s"] = time.perf_counter() - t0 + f16["load_s"]
             row[name] = r
+        tok = drive(py, {"scenario": "pack_tokens", "model": gguf, "files": [f16["file"]]}, tmp)[
+            Path(f16["file"]).name]
+        if not tok["same"]:
+            raise SystemExit(f"{f16['file']}: tier tokens did not rebuild the state byte for byte")
+        row["f16"].update(tokens=tok["packed"], tokens_recomputed=tok["recomputed"], tokens_unpack_s=tok["unpack_s"],
+                          tokens_pack_s=tok["pack_s"])
         kl = drive(py, {"scenario": "kl", "model": gguf, "files": files + [[q8["file"], Q8]],
                         "continuation": tokens[n:n + CONTINUATION], "n_ctx": n + CONTINUATION + 16}, tmp)["files"]
         for key, got in zip(("lossless", "lossy4", "lossy3", "q8_0"), kl):
@@ -150,9 +156,9 @@ def _markdown(res: dict) -> str:
              "fresh process; times are medians of 3 where stated, one run otherwise.", "",
              "## State files: size", "",
              "llama.cpp's sequence state file (`llama_state_seq_save_file`); MiB, and the ratio to the raw file.", "",
-             "| tokens | f16 raw | zstd -3 | packed lossless | lossy 4 bit | lossy 3 bit | q8_0 raw | q8_0 zstd -3 "
-             "| q8_0 packed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokens | f16 raw | zstd -3 | packed lossless | lossy 4 bit | lossy 3 bit | tier tokens | q8_0 raw "
+             "| q8_0 zstd -3 | q8_0 packed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["states"]:
         a, q = r["f16"], r["q8_0"]
 
@@ -160,18 +166,19 @@ def _markdown(res: dict) -> str:
             return f"{_mib(x)} ({raw / x:.2f}x)"
         lines.append(f"| {r['tokens']} | {_mib(a['raw'])} | {c(a['zstd3'], a['raw'])} | "
                      f"{c(a['lossless'], a['raw'])} | {c(a['lossy4'], a['raw'])} | {c(a['lossy3'], a['raw'])} | "
-                     f"{_mib(q['raw'])} | "
+                     f"{a['tokens'] / 1024:.2f} KiB ({a['raw'] / a['tokens']:.0f}x) | {_mib(q['raw'])} | "
                      f"{c(q['zstd3'], q['raw'])} | {c(q['lossless'], q['raw'])} |")
     lines += ["", "## State files: speed and restore", "",
               "| tokens | pack f16 MB/s | unpack f16 MB/s | load the state file (fresh context) | unpack + load "
-              "| re-evaluate the prompt | prefill / load |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+              "| re-evaluate the prompt | prefill / load | tier tokens: pack, unpack (each a prefill) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["states"]:
         a = r["f16"]
         lines.append(f"| {r['tokens']} | {a['pack_mb_s']:.1f} | {a['unpack_mb_s']:.1f} | "
                      f"{r['load_state_file_s'] * 1e3:.0f} ms | "
                      f"{a['unpack_then_load_s'] * 1e3:.0f} ms | {r['prefill_s'] * 1e3:.0f} ms | "
-                     f"{r['prefill_s'] / r['load_state_file_s']:.1f}x |")
+                     f"{r['prefill_s'] / r['load_state_file_s']:.1f}x | {a['tokens_pack_s']:.1f} s, "
+                     f"{a['tokens_unpack_s']:.1f} s |")
     lines += ["", "## Lossy states through llama.cpp's logits", "",
               f"KL (nats) of the next-token distribution over the {CONTINUATION} tokens after the prompt, the state "
               "loaded into a fresh context, from the original state's; median / max, and top-1 agreement. `q8_0` is "
@@ -183,11 +190,13 @@ def _markdown(res: dict) -> str:
         lines.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
     su, det = res["surprisal"], res["determinism"]
     ref = det["n_batch 512"]
-    lines += ["", "## What a token tier would store", "",
+    lines += ["", "## The token channel", "",
               f"The first {su['tokens']} tokens cost {su['bits_per_token']:.2f} bits per token under llama.cpp's own "
               f"next-token distributions (SmolLM2, vocabulary {su['vocab']}): an arithmetic-coded token stream of "
               f"about {su['bits_per_token'] * su['tokens'] / 8 / 1024:.1f} KiB, against "
-              f"{_mib(23052 * su['tokens'])} MiB of f16 state. Recomputing the state from the tokens is a prefill "
+              f"{_mib(23052 * su['tokens'])} MiB of f16 state (tier tokens stores the ids as 4-byte integers, "
+              "zstd-coded where it pays: an arithmetic coder would make them about 8x smaller still). Recomputing "
+              "the state from the tokens is a prefill "
               f"({su['prefill_s'] * 1e3:.0f} ms here, logits of every position kept). Does llama.cpp regenerate the "
               "same state bytes (SHA-256 of the sequence state file, fresh contexts, the reference is n_batch 512, "
               "2 threads)?", "", "| context | same bytes |", "|---|---|"]
