@@ -238,7 +238,7 @@ def cmd_pack(args) -> int:
                           "state is never rebuilt for another model; --no-model records none")
     t0 = time.perf_counter()
     r = pack(args.file, args.output, None if args.no_model else args.model, overwrite=args.force, tier=args.tier,
-             **opts)
+             progress_bar=True, **opts)
     dt = time.perf_counter() - t0
     _report(args, f"{r['file']}: llama.cpp {r['kind'].replace('_', ' ')} of {r['tokens'] or r['cells']} tokens, "
                   f"{r['layers']} layers ({', '.join(r['row_types'])}): {_human(r['bytes'])} -> "
@@ -254,7 +254,8 @@ def cmd_unpack(args) -> int:
         raise ConfigError("pass --model (the GGUF the state will be loaded into, or 'smollm2'): a state is never "
                           "rebuilt for another model; --no-model-check skips the check")
     t0 = time.perf_counter()
-    r = unpack(args.file, args.output, args.model, overwrite=args.force, check_model=not args.no_model_check)
+    r = unpack(args.file, args.output, args.model, overwrite=args.force, check_model=not args.no_model_check,
+               progress_bar=True)
     dt = time.perf_counter() - t0
     _report(args, f"{r['file']}: {_human(r['bytes'])} llama.cpp state rebuilt in {dt:.2f} s", **r,
             seconds=round(dt, 3))

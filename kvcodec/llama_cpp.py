@@ -640,7 +640,8 @@ def gguf_path_of(rec: dict) -> Path:
     return Path(path)
 
 
-def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = None, **options) -> bytes:
+def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = None, progress=None,
+               **options) -> bytes:
     """A llama.cpp state (bytes-like; :func:`parse`) as .kvz bytes.  ``model``: its GGUF (path, or an embedded
     model's name), recorded and checked against the state (:class:`ModelMismatch`); None records none.
     ``tier``: ``"lossless"`` (rebuilt byte for byte) or ``"lossy"`` (``bits=`` ...: a state llama.cpp loads,
@@ -674,7 +675,7 @@ def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = 
               "sha256": hashlib.sha256(data).hexdigest() if tier == "lossless" else None, "pieces": pieces,
               "model": _stored(rec)}
     buf = io.BytesIO()
-    Encoder(tier=tier, **options).write(buf, cache, None, info=info, engine=(engine, verbatim))
+    Encoder(tier=tier, **options).write(buf, cache, None, info=info, engine=(engine, verbatim), progress=progress)
     return buf.getvalue()
 
 
@@ -749,7 +750,18 @@ def pack(src, dst=None, model=None, *, overwrite: bool = False, **kwargs) -> dic
     dst = Path(dst) if dst is not None else _default_output(src, None)
     data = src.read_bytes()
     st = parse(data)
-    out = pack_bytes(data, model, **kwargs)
+    if kwargs.pop("progress_bar", False):  # the CLI's: sections coded (tier tokens: a prefill, not counted)
+        from .formatting import progress_bar
+
+        chunk = kwargs.get("chunk_tokens", 4096)
+        total = sum(-(-r.cells // chunk) for r in st.rows)
+        bar = progress_bar(total, "packing")
+        try:
+            out = pack_bytes(data, model, progress=bar.update, **kwargs)
+        finally:
+            bar.close()
+    else:
+        out = pack_bytes(data, model, **kwargs)
     with atomic_output(dst, overwrite=overwrite) as f:
         f.write(out)
     return {**st.describe(), "file": str(dst), "packed_bytes": len(out), "ratio": round(len(data) / len(out), 4)}
@@ -762,7 +774,17 @@ def unpack(src, dst=None, model=None, *, overwrite: bool = False, **kwargs) -> d
 
     src = Path(src)
     dst = Path(dst) if dst is not None else _default_output(src, ".kvz")
-    data = unpack_bytes(src, model, **kwargs)
+    if kwargs.pop("progress_bar", False):  # the CLI's: sections decoded
+        from .api import inspect
+        from .formatting import progress_bar
+
+        bar = progress_bar(sum(1 for x in inspect(src)["sections"] if x["type"] == "kv"), "unpacking")
+        try:
+            data = unpack_bytes(src, model, progress=bar.update, **kwargs)
+        finally:
+            bar.close()
+    else:
+        data = unpack_bytes(src, model, **kwargs)
     with atomic_output(dst, overwrite=overwrite) as f:
         f.write(data)
     return {"file": str(dst), "bytes": len(data)}
