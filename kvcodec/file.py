@@ -129,10 +129,13 @@ class KvzFile:
         h = self.header
         verbatim = self.engine_verbatim()
         rec = h.engine.get("recompute")
-        if rec is not None and (regenerated is None or len(regenerated) != rec["length"]):
+        if rec is not None and regenerated is None:
             raise ConfigError(f"this file is rebuilt by running {rec['engine']} ({rec['procedure']}): pass its "
-                              f"regeneration, {rec['length']} bytes" + ("" if regenerated is None else
-                                                                        f", not {len(regenerated)}"))
+                              f"regeneration ({rec['length']} bytes)")
+        if rec is not None and len(regenerated) != rec["length"]:
+            raise ChecksumMismatch(f"the regeneration has {len(regenerated)} bytes, engine_file.recompute.length "
+                                   f"says {rec['length']}", field="Header.engine_file.recompute.length",
+                                   offset=L.PREAMBLE.size)
         used = sorted({li for kind, li, _ in h.engine["pieces"] if kind in ("keys", "values")})
         tensors = self._decoder.layers(used, progress) if used else {}
         out = bytearray()

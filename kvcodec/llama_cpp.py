@@ -729,7 +729,7 @@ def unpack_bytes(source, model=None, *, check_model: bool = True, limits: dict |
                            tokens.tolist(), params)
         try:
             return f.engine_file(progress, regenerated=again)
-        except (ChecksumMismatch, ConfigError):
+        except ChecksumMismatch:
             raise NumericsMismatch(f"this llama.cpp ({build_info()}) does not regenerate the state the file "
                                    f"recorded (made with {params.get('build', 'an unrecorded build')}): unpack it "
                                    "where that build runs, or pack states with tier 'lossless'") from None

@@ -577,6 +577,8 @@ def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, l
             v.fail(f"{p}.recompute.params", "must be an object")
         if tier_id != "lossless" or not isinstance(digest, str):
             v.fail(f"{p}.recompute", "a regenerated file is checked by its SHA-256: tier 'lossless' only")
+        if rc["engine"] != ef["engine"]:
+            v.fail(f"{p}.recompute.engine", f"{rc['engine']!r} is not engine_file.engine {ef['engine']!r}")
     pieces = ef["pieces"]
     if not isinstance(pieces, list):
         v.fail(f"{p}.pieces", "must be a list")
@@ -618,6 +620,8 @@ def _parse_engine_file(v: Validator, ef, tier_id: str, batch: int, dtype: str, l
             v.fail(f"{p}.pieces", f"the pieces make more than the {length} bytes of engine_file.length")
     if total != length:
         v.fail(f"{p}.pieces", f"the pieces make {total} bytes, engine_file.length says {length}")
+    if regen is not None and not any(isinstance(x, list) and x[:1] == ["recomputed"] for x in pieces):
+        v.fail(f"{p}.recompute", "no piece is recomputed")
     return {**ef, "pieces": [tuple(x) for x in pieces]}
 
 

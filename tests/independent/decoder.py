@@ -29,6 +29,8 @@ OffsetError = _mk("OffsetError")
 UnknownId = _mk("UnknownId")
 # (1.6, §13.1) the file names predictors that were not given (or not the named ones)
 PredictorsRequired = _mk("PredictorsRequired")
+# (§4.1, 1.10 §15) the model named is not the one the file records
+ModelMismatch = _mk("ModelMismatch")
 
 
 def xxh(b):
@@ -37,13 +39,14 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 9  # (1.9) token model blocks, procedure lm-blocks-v1 (§11.1, §11.2)
+IMPL_MINOR = 10  # (1.10) engine files: header engine_file, section engine_bytes (§15)
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_STATE, SEC_INDEX = 1, 2, 3, 4, 5, 6, 0xFFFF
-KNOWN_SEC = {1, 2, 3, 4, 5, 6, 0xFFFF}
+SEC_ENGINE = 7  # (1.10) engine_bytes (§15, registry.md)
+KNOWN_SEC = {1, 2, 3, 4, 5, 6, 7, 0xFFFF}
 STATE_KINDS = ("linear", "hybrid", "indexed", "reduced")
 # also their order inside a slot (state order, §4.2; log_weights before anchor, §14.2)
 STATE_NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
@@ -202,7 +205,8 @@ def _model_obj(m, where):
 
 
 def validate_header(h, minor):
-    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info", "reduce", "predict"], "header")
+    _keys(h, ["format", "tier", "codec", "cache", "model"], ["tokens", "info", "reduce", "predict", "engine_file"],
+          "header")
     if h["format"] != "kvz":
         raise FormatError("format")
     tier = h["tier"]
@@ -307,6 +311,8 @@ def validate_header(h, minor):
     if out > OUTPUT_LIMIT:
         raise LimitExceeded("decoded size above output limit")
     nsec += 1 + B + 1
+    if "engine_file" in h:
+        nsec += 1  # (1.10) the engine_bytes section
     if nsec > MAX_SECTIONS:
         raise LimitExceeded("too many sections")
     model = h["model"]
@@ -338,8 +344,11 @@ def validate_header(h, minor):
     predict = None
     if "predict" in h:
         predict = validate_predict(h["predict"], minor, tier, reduce, layers, sp)
+    engine = None
+    if "engine_file" in h:
+        engine = validate_engine_file(h["engine_file"], minor, tier, reduce, predict, B, layers, isz)
     return dict(tier=tier, B=B, C=C, nt=nt, dtype=cache["dtype"], W=isz, layers=layers, sp=sp, reduce=reduce,
-                predict=predict)
+                predict=predict, engine=engine)
 
 
 def validate_predict(p, minor, tier, reduce, layers, sp):
@@ -377,6 +386,149 @@ def validate_predict(p, minor, tier, reduce, layers, sp):
     if eh + et > T:
         raise FormatError(f"{w}: exact_head + exact_tail = {eh + et} > seq_len {T}")
     return dict(predictors=p["predictors"], eh=eh, et=et, T=T, H=H, D=D)
+
+
+# ------------------------------------------------------- engine files (1.10, §15)
+ENGINE_PIECE_TAGS = ("bytes", "recomputed", "keys", "values")
+ENGINE_ORDERS = ("rows", "columns")
+MAX_ENGINE_PIECES = 1 << 20
+# §15.2: the (engine, procedure) pairs this decoder knows (it cannot run llama.cpp itself: a caller passes the
+# engine's regeneration to rebuild_engine_file)
+ENGINE_PROCEDURES = {("llama.cpp", "llama.cpp-seq-prefill-v1")}
+GGML_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+def _validate_seq_prefill_params(pp, w):
+    """§15.2 procedure llama.cpp-seq-prefill-v1: params n_batch, n_ubatch (integers, 1 <= n_ubatch <= n_batch <=
+    2^20), flash_attn (a boolean), type_k, type_v (ggml type names of the list), all required; build optional,
+    any value; other keys ignored.  Checked when the procedure runs (§15.2)."""
+    for k in ("n_batch", "n_ubatch", "flash_attn", "type_k", "type_v"):
+        if k not in pp:
+            raise FormatError(f"{w}.{k} is missing")
+    nb = _int(pp, "n_batch", 1, 1 << 20, w)
+    _int(pp, "n_ubatch", 1, nb, w)
+    if not isinstance(pp["flash_attn"], bool):
+        raise FormatError(f"{w}.flash_attn is not true or false")
+    for k in ("type_k", "type_v"):
+        if not isinstance(pp[k], str) or pp[k] not in GGML_KV_TYPES:
+            raise FormatError(f"{w}.{k}={pp[k]!r}: not one of {', '.join(GGML_KV_TYPES)}")
+
+
+def validate_engine_file(e, minor, tier, reduce, predict, B, layers, isz):
+    """The header's engine_file object (1.10, §15, §3, §4). Every length is checked from the header alone. Returns
+    dict(L, V, sha256, model, pieces=[(tag, a, b, length)], recompute=None or dict(engine, procedure, R, tok_o,
+    tok_n, params, known))."""
+    w = "header.engine_file"
+    if minor < 10:  # §3
+        raise FormatError(f"{w} in a file stamped 1.{minor} (needs 1.10)")
+    if tier not in ("lossless", "lossy"):  # §4 table
+        raise FormatError(f"{w} in tier {tier} (lossless and lossy only)")
+    if reduce is not None:
+        raise FormatError(f"{w} together with header.reduce")
+    if predict is not None:
+        raise FormatError(f"{w} together with header.predict")
+    # an object when present (null has the wrong type: assumed, §15 does not say it as §14.1 does for reduce)
+    if not isinstance(e, dict):
+        raise FormatError(f"{w} is not an object")
+    _keys(e, ["engine", "kind", "length", "verbatim", "sha256", "pieces", "model"], ["recompute"], w)
+    for k in ("engine", "kind"):  # informative, "any" string (the empty string included: assumed)
+        if not isinstance(e[k], str):
+            raise FormatError(f"{w}.{k} is not a string")
+    L = _int(e, "length", 0, where=w, limit=OUTPUT_LIMIT)
+    V = _int(e, "verbatim", 0, L, w)  # above L: a relation between fields, FormatError (§1)
+    sha = e["sha256"]
+    if tier == "lossless":
+        if not isinstance(sha, str) or not HEX64.match(sha):
+            raise FormatError(f"{w}.sha256: tier lossless needs 64 lowercase hex digits")
+    elif sha is not None:
+        raise FormatError(f"{w}.sha256: tier lossy needs null")
+    m = e["model"]
+    if m is not None:
+        # unknown keys: §4's general rule (FormatError except x- keys), assumed
+        _keys(m, ["file_sha256"], ["name", "architecture"], f"{w}.model")
+        if not isinstance(m["file_sha256"], str) or not HEX64.match(m["file_sha256"]):
+            raise FormatError(f"{w}.model.file_sha256: 64 lowercase hex digits")
+        for k in ("name", "architecture"):
+            if k in m and not isinstance(m[k], str):
+                raise FormatError(f"{w}.model.{k} is not a string")
+    rc = None
+    if "recompute" in e:
+        wr = f"{w}.recompute"
+        r = e["recompute"]
+        if not isinstance(r, dict):
+            raise FormatError(f"{wr} is not an object")
+        if tier != "lossless" or sha is None:
+            raise FormatError(f"{wr}: tier lossless only, with sha256")
+        _keys(r, ["engine", "procedure", "length", "tokens", "params"], (), wr)
+        for k in ("engine", "procedure"):
+            if not isinstance(r[k], str):
+                raise FormatError(f"{wr}.{k} is not a string")
+        R = _int(r, "length", 0, where=wr, limit=OUTPUT_LIMIT)
+        tk = r["tokens"]
+        if not (isinstance(tk, list) and len(tk) == 2 and all(_is_int(x) and x >= 0 for x in tk)):
+            raise FormatError(f"{wr}.tokens: [o, n], two non-negative integers")
+        if tk[0] + 4 * tk[1] > V:
+            raise FormatError(f"{wr}.tokens: o + 4n = {tk[0] + 4 * tk[1]} above verbatim {V}")
+        if not isinstance(r["params"], dict):
+            raise FormatError(f"{wr}.params is not an object")
+        if r["engine"] != e["engine"]:
+            raise FormatError(f"{wr}.engine={r['engine']!r} is not engine_file.engine {e['engine']!r}")
+        known = (r["engine"], r["procedure"]) in ENGINE_PROCEDURES  # params: checked when it runs (§15.2)
+        rc = dict(engine=r["engine"], procedure=r["procedure"], R=R, tok_o=tk[0], tok_n=tk[1], params=r["params"],
+                  known=known)
+    if B != 1:
+        raise FormatError(f"cache.batch={B}: a file with an engine_file has batch 1")
+    pl = e["pieces"]
+    if not isinstance(pl, list):
+        raise FormatError(f"{w}.pieces is not a list")
+    if len(pl) > MAX_ENGINE_PIECES:
+        raise LimitExceeded(f"{w}.pieces: {len(pl)} items, above 2^20")
+    pieces = []
+    seen = set()
+    total = 0
+    for i, p in enumerate(pl):
+        wp = f"{w}.pieces[{i}]"
+        if not isinstance(p, list) or len(p) != 3:
+            raise FormatError(f"{wp}: a three-item list")
+        tag = p[0]
+        # an unknown tag: FormatError (assumed; §15 names no class for it, "[FormatError otherwise]")
+        if not isinstance(tag, str) or tag not in ENGINE_PIECE_TAGS:
+            raise FormatError(f"{wp}[0]={tag!r}: not bytes, recomputed, keys or values")
+        if tag in ("bytes", "recomputed"):
+            o, n = p[1], p[2]
+            if not (_is_int(o) and _is_int(n) and o >= 0 and n >= 0):
+                raise FormatError(f"{wp}: o and n are non-negative integers")
+            if tag == "bytes":
+                if o + n > V:
+                    raise FormatError(f"{wp}: o + n = {o + n} above verbatim {V}")
+            else:
+                if rc is None:
+                    raise FormatError(f"{wp}: a recomputed piece without a recompute object")
+                if o + n > rc["R"]:
+                    raise FormatError(f"{wp}: o + n = {o + n} above recompute.length {rc['R']}")
+            pieces.append((tag, o, n, n))
+        else:
+            l, order = p[1], p[2]
+            if not _is_int(l) or not 0 <= l < len(layers):
+                raise FormatError(f"{wp}[1]={l!r}: a layer index 0 .. {len(layers) - 1}")
+            if not isinstance(order, str):
+                raise FormatError(f"{wp}[2] is not a string")
+            if order not in ENGINE_ORDERS:
+                raise UnknownId(f"{wp}[2]={order!r}: order rows or columns")
+            lay = layers[l]
+            if lay["state"] is not None or lay["sw"] is not None:
+                raise FormatError(f"{wp}: layer {l} named by a piece has a state or a sliding_window")
+            if (tag, l) in seen:
+                raise FormatError(f"{wp}: ({tag}, {l}) appears twice")
+            seen.add((tag, l))
+            D = lay["Dk"] if tag == "keys" else lay["Dv"]
+            pieces.append((tag, l, order, lay["H"] * lay["S"] * D * isz))
+        total += pieces[-1][3]
+    if total != L:
+        raise FormatError(f"{w}.pieces: lengths add up to {total}, not length {L}")
+    if rc is not None and not any(t == "recomputed" for t, *_ in pieces):
+        raise FormatError(f"{w}.recompute without a recomputed piece")
+    return dict(L=L, V=V, sha256=sha, model=m, pieces=pieces, recompute=rc)
 
 
 def _finite_json_number(v):
@@ -1035,6 +1187,8 @@ def check_order(info, secs):
             want.append((SEC_TOKENS, 0, 0, 0))
         want += [(SEC_KV, l, p, c) for (l, p, c, _, _, _) in sl]
         want += [(SEC_STATE, l, j, 0) for (l, j, _) in state_tensors(info)]
+        if info["engine"] is not None:  # (1.10) one engine_bytes section iff the header has an engine_file
+            want.append((SEC_ENGINE, 0, 0, 0))
         if got != want:
             raise OffsetError("sections not in canonical set/order")
     else:
@@ -1682,22 +1836,26 @@ def decode_static_row(payload, n_expected, V, chunk_tokens):
 
 
 # ------------------------------------------------------------- state (§5.6)
-def zstd_frame_content_size(data):
-    """Parse an RFC 8878 Zstandard frame header; return (declared Frame_Content_Size or None, header length)."""
+def zstd_frame_content_size(data, what="state"):
+    """Parse an RFC 8878 Zstandard frame header; return (declared Frame_Content_Size or None, header length).
+    A frame that needs a dictionary (Dictionary_ID present and not 0) is invalid (§5.6)."""
     if len(data) < 5:
-        raise FormatError("state zstd frame: too short")
+        raise FormatError(f"{what} zstd frame: too short")
     if struct.unpack_from("<I", data, 0)[0] != ZSTD_MAGIC:
-        raise FormatError("state zstd frame: not a Zstandard frame (magic)")
+        raise FormatError(f"{what} zstd frame: not a Zstandard frame (magic)")
     fhd = data[4]
     fcs_flag = fhd >> 6
     single = (fhd >> 5) & 1
     if fhd & 0x08:
-        raise FormatError("state zstd frame: reserved bit set")
+        raise FormatError(f"{what} zstd frame: reserved bit set")
     did_size = (0, 1, 2, 4)[fhd & 3]
     fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    pos = 5 + (0 if single else 1) + did_size
+    did_pos = 5 + (0 if single else 1)
+    pos = did_pos + did_size
     if len(data) < pos + fcs_size:
-        raise FormatError("state zstd frame: header truncated")
+        raise FormatError(f"{what} zstd frame: header truncated")
+    if did_size and int.from_bytes(data[did_pos:pos], "little") != 0:
+        raise FormatError(f"{what} zstd frame needs a dictionary (Dictionary_ID not 0)")
     if fcs_size == 0:
         return None, pos
     v = int.from_bytes(data[pos:pos + fcs_size], "little")
@@ -1706,38 +1864,44 @@ def zstd_frame_content_size(data):
     return v, pos + fcs_size
 
 
-def decode_state_payload(payload, t):
-    """One state payload (§5.6) -> little-endian words array of the tensor's shape and dtype."""
-    n = t["nbytes"]
+def decode_coded_bytes(payload, n, what="state"):
+    """A payload of the state layout (§5.6; (1.10) engine_bytes, §15): Coding, 7 reserved bytes, Data of n bytes
+    once decoded (raw, or one zstd frame declaring Frame_Content_Size = n, nothing after it). Returns the bytes."""
     if len(payload) < 8:
-        raise FormatError("state payload shorter than 8 bytes")
+        raise FormatError(f"{what} payload shorter than 8 bytes")
     coding = payload[0]
     if any(payload[1:8]):
-        raise FormatError("state Reserved not zero")
+        raise FormatError(f"{what} Reserved not zero")
     data = payload[8:]
     if coding == 0:
         if len(data) != n:
-            raise FormatError(f"state Coding 0: {len(data)} data bytes, expected {n}")
+            raise FormatError(f"{what} Coding 0: {len(data)} data bytes, expected {n}")
         raw = bytes(data)
     elif coding == 1:
-        fcs, _ = zstd_frame_content_size(data)
+        fcs, _ = zstd_frame_content_size(data, what)
         if fcs is None:
-            raise FormatError("state zstd frame does not declare Frame_Content_Size")
+            raise FormatError(f"{what} zstd frame does not declare Frame_Content_Size")
         if fcs != n:
-            raise FormatError(f"state zstd Frame_Content_Size {fcs}, expected {n}")
+            raise FormatError(f"{what} zstd Frame_Content_Size {fcs}, expected {n}")
         try:
             dobj = zstandard.ZstdDecompressor().decompressobj()
             raw = dobj.decompress(bytes(data))
             if not dobj.eof:
-                raise FormatError("state zstd frame incomplete")
+                raise FormatError(f"{what} zstd frame incomplete")
             if dobj.unused_data:
-                raise FormatError("bytes after the state zstd frame")
+                raise FormatError(f"bytes after the {what} zstd frame")
         except zstandard.ZstdError as e:
-            raise FormatError(f"state zstd: {e}")
+            raise FormatError(f"{what} zstd: {e}")
         if len(raw) != n:
-            raise FormatError("state zstd frame decompressed to the wrong size")
+            raise FormatError(f"{what} zstd frame decompressed to the wrong size")
     else:
-        raise FormatError(f"state Coding {coding}")
+        raise FormatError(f"{what} Coding {coding}")
+    return raw
+
+
+def decode_state_payload(payload, t):
+    """One state payload (§5.6) -> little-endian words array of the tensor's shape and dtype."""
+    raw = decode_coded_bytes(payload, t["nbytes"], "state")
     return np.frombuffer(raw, "<u%d" % t["W"]).reshape(t["shape"]).copy()
 
 
@@ -1804,6 +1968,10 @@ def decode_file(buf, regen=None, predictors=None):
             tokens = np.frombuffer(s["payload"], "<u4").reshape(B, info["nt"]).tolist()
             i = 1
         for s in secs[i:]:
+            if s["type"] == SEC_ENGINE:
+                # (1.10, §15) kept as it is: decoded (Engine.Coding, ...) only when the engine file is rebuilt
+                info["engine_payload"] = s["payload"]
+                continue
             if s["type"] == SEC_STATE:
                 t = L[s["layer"]]["state"]["tensors"][s["part"]]
                 a = states[s["layer"]][s["part"]] = decode_state_payload(s["payload"], t)
@@ -1914,3 +2082,66 @@ def decode_file(buf, regen=None, predictors=None):
             raise ChecksumMismatch(f"tensor checksum of state tensor {l}.{j}")
     info["states"] = states
     return info, tokens, out_k, out_v, notes
+
+
+# ------------------------------------------------------- engine files (1.10, §15)
+def engine_piece_bytes(x, order, W):
+    """A keys / values piece (§15): X = x[0] of shape [H, S, D] (batch 1) as little-endian words of W bytes,
+    rows: t, h, d (one row of H*D elements per position); columns: h, d, t (one run of S positions per element)."""
+    x = np.asarray(x)[0]
+    a = x.transpose(1, 0, 2) if order == "rows" else x.transpose(0, 2, 1)
+    return np.ascontiguousarray(a).astype("<u%d" % W).tobytes()
+
+
+def rebuild_engine_file(buf, regenerate=None, model_file_sha256=None, allow_null_model=False):
+    """(1.10, §15) The engine's state file a .kvz file with an engine_file object rebuilds: the pieces concatenated
+    in order. regenerate (for a recompute object, §15.2): a callable (recompute dict, engine_file model, token
+    ids) -> the engine's regeneration; this decoder cannot run llama.cpp itself. model_file_sha256: the SHA-256 of
+    the engine's model file the caller names (refused if it is not engine_file.model.file_sha256 [ModelMismatch]);
+    a file whose engine_file.model is null is rebuilt only with allow_null_model (SHOULD of §15).
+    Tier lossless: the result's SHA-256 MUST equal engine_file.sha256 [ChecksumMismatch]."""
+    info, secs = parse_container(buf)
+    eng = info["engine"]
+    if eng is None:
+        raise ConfigError("the file has no engine_file object (§15)")
+    # before any work: the model, and whether the procedure can be run
+    m = eng["model"]
+    if m is None:
+        if not allow_null_model:
+            raise ConfigError("engine_file.model is null: rebuild only on the user's explicit instruction")
+    elif model_file_sha256 is not None and model_file_sha256 != m["file_sha256"]:
+        raise ModelMismatch(f"engine model file {model_file_sha256}, the file records {m['file_sha256']}")
+    rc = eng["recompute"]
+    if rc is not None:
+        if not rc["known"]:
+            raise UnknownId(f"engine {rc['engine']!r} procedure {rc['procedure']!r} (§15.2)")
+        _validate_seq_prefill_params(rc["params"], "engine_file.recompute.params")
+        if regenerate is None:
+            raise ConfigError(f"the file needs the engine's regeneration ({rc['engine']}, {rc['procedure']})")
+    info, _tokens, ks, vs, _notes = decode_file(buf)
+    data = decode_coded_bytes(info["engine_payload"], eng["V"], "Engine")
+    regen = None
+    if rc is not None:
+        o, n = rc["tok_o"], rc["tok_n"]
+        ids = np.frombuffer(data, "<i4", count=n, offset=o).tolist() if n else []
+        regen = bytes(regenerate(dict(info["header"]["engine_file"]["recompute"]), m, ids))
+        if len(regen) != rc["R"]:
+            # the class is not named by §15.2 (assumed: the engine computed otherwise)
+            raise ChecksumMismatch(f"the regeneration has {len(regen)} bytes, not recompute.length {rc['R']}")
+    W = info["W"]
+    out = []
+    for tag, a, b, n in eng["pieces"]:
+        if tag == "bytes":
+            out.append(data[a:a + b])
+        elif tag == "recomputed":
+            out.append(regen[a:a + b])
+        else:
+            piece = engine_piece_bytes((ks if tag == "keys" else vs)[a], b, W)
+            assert len(piece) == n
+            out.append(piece)
+    res = b"".join(out)
+    if len(res) != eng["L"]:  # cannot happen: the header's pieces add up to L (checked with the header)
+        raise FormatError("rebuilt engine file length")
+    if info["tier"] == "lossless" and hashlib.sha256(res).hexdigest() != eng["sha256"]:
+        raise ChecksumMismatch("engine_file.sha256: the rebuilt file's SHA-256 differs")
+    return res
