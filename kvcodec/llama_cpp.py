@@ -600,7 +600,7 @@ def regenerate(gguf, tokens, params: dict) -> bytes:
         llm.close()
 
 
-def _pack_tokens(data: bytes, st: StateFile, rec: dict | None, info, options) -> tuple[dict, bytes, object]:
+def _pack_tokens(data: bytes, st: StateFile, rec: dict | None, options) -> tuple[dict, bytes, object]:
     """Tier ``tokens``: the state as its token ids, when llama.cpp regenerates it byte for byte here."""
     from .cache import KVCache
 
@@ -612,8 +612,8 @@ def _pack_tokens(data: bytes, st: StateFile, rec: dict | None, info, options) ->
         raise ConfigError(f"tier tokens needs a sequence state file, which carries its token ids (this is a "
                           f"{st.kind})")
     n = int(st.tokens.size)
-    if (len(st.positions) != 1 or st.cell_ext or st.single_seq[0] != 0 or st.positions[0].size != n
-            or not np.array_equal(st.positions[0], np.arange(n))):
+    if n == 0 or (len(st.positions) != 1 or st.cell_ext or st.single_seq[0] != 0 or st.positions[0].size != n
+            or not np.array_equal(st.positions[0], np.arange(n)))):
         raise Fallback("its cells are not the token ids at positions 0 .. n-1 of sequence 0")
     params = {"n_batch": 512, "n_ubatch": 512, "flash_attn": not st.v_trans[0],
               "type_k": next(r.type for r in st.rows if r.part == "keys"),
@@ -659,7 +659,7 @@ def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = 
     info = {"kvcodec_version": __version__, "llama_cpp": st.describe()} if info is None else info
     if tier == "tokens":
         try:
-            engine, verbatim, cache = _pack_tokens(data, st, rec, info, options)
+            engine, verbatim, cache = _pack_tokens(data, st, rec, options)
         except Fallback as e:
             warn(f"tier 'tokens' cannot store this state ({e}); stored losslessly instead", FallbackWarning)
         else:
