@@ -613,7 +613,7 @@ def _pack_tokens(data: bytes, st: StateFile, rec: dict | None, options) -> tuple
                           f"{st.kind})")
     n = int(st.tokens.size)
     if n == 0 or (len(st.positions) != 1 or st.cell_ext or st.single_seq[0] != 0 or st.positions[0].size != n
-            or not np.array_equal(st.positions[0], np.arange(n)))):
+            or not np.array_equal(st.positions[0], np.arange(n))):
         raise Fallback("its cells are not the token ids at positions 0 .. n-1 of sequence 0")
     params = {"n_batch": 512, "n_ubatch": 512, "flash_attn": not st.v_trans[0],
               "type_k": next(r.type for r in st.rows if r.part == "keys"),
