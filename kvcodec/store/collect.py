@@ -192,8 +192,9 @@ class Collector(WritePath):
         if mark["broken"]:
             shown = "; ".join(mark["broken"][:3])
             warn(f"kvcodec.Store.gc: {len(mark['broken'])} session(s) of namespace {ns[:16]}… cannot be read "
-                 f"({shown}): what their links reach is kept and nothing of the namespace is folded; put them "
-                 "again (which repairs them) or delete them")
+                 f"now ({shown}): what their links reach is kept and nothing of the namespace is folded.  A put "
+                 "still running repairs its own session before it returns (spec/store.md, P4); a session that "
+                 "stays so is damaged: put it again (which repairs it) or delete it")
         return mark
 
     def _mark_session(self, ns: str, session: str, mark: dict) -> None:
