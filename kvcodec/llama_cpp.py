@@ -23,6 +23,8 @@ llama-cpp-python 0.3.36 (sequence state version 3, session version 10); docs/lla
 
 from __future__ import annotations
 
+import atexit
+import collections
 import hashlib
 import io
 import os
@@ -557,6 +559,8 @@ def to_cache(st: StateFile, data, geometry: dict | None = None):
 #: the one regeneration procedure (spec section 15.2): a fresh context evaluates the token ids and saves the
 #: sequence state file
 PROCEDURE = "llama.cpp-seq-prefill-v1"
+#: KvzLlamaCache: states waiting for the background put, at most
+MAX_WAITING = 4
 
 
 def _llama_cpp():
@@ -876,6 +880,10 @@ class KvzLlamaCache(_base_cache()):
     the states.  ``tier``/``**store_options``: as :class:`kvcodec.Store` (``tier="lossy", bits=4`` ...).
     ``capacity_bytes``: when given, a put that leaves the store larger runs its collector with that bound
     (``Store.gc(max_bytes=...)``); else the store grows until ``kvz store gc`` says otherwise.
+    ``background`` (default): a completion's state is put by a thread of this object, one at a time, so a
+    completion does not wait for its state to be coded; at most ``MAX_WAITING`` states wait (beyond, the oldest
+    waiting one is dropped and counted in ``stats["dropped"]``: each is the whole KV of its tokens); ``flush()``
+    waits for them, and so does the process's exit.  ``False``: put before the completion returns.
 
     Not restored: the logits of every prompt position (llama-cpp-python's ``logits_all=True``, for prompt
     log-probabilities) - refused with that setting.  The states of contexts whose cells carry llama.cpp's
@@ -883,7 +891,7 @@ class KvzLlamaCache(_base_cache()):
     """
 
     def __init__(self, llm, store, storage_options: dict | None = None, *, capacity_bytes: int | None = None,
-                 tier: str = "lossless", chunk_tokens: int = 256, **store_options):
+                 tier: str = "lossless", chunk_tokens: int = 256, background: bool = True, **store_options):
         super().__init__(capacity_bytes if capacity_bytes is not None else (2 << 30))
         from .store import Store
 
@@ -905,6 +913,23 @@ class KvzLlamaCache(_base_cache()):
         self._warm = threading.Thread(target=_warm_up, args=(self.template.dtype,), name="kvz-warm-up", daemon=True)
         self._warm.start()
         self._capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._waiting: collections.deque = collections.deque()  # states not yet put: (tokens, state bytes)
+        self._worker: threading.Thread | None = None
+        self._background = background
+        if background:
+            # before the interpreter stops the executors the encoder uses (as concurrent.futures registers its
+            # own exit): a state handed over is put before the process ends
+            getattr(threading, "_register_atexit", atexit.register)(self.flush)
+
+    def flush(self) -> None:
+        """Wait until every state handed to the cache is in the store."""
+        while True:
+            with self._lock:
+                worker = self._worker
+            if worker is None:
+                return
+            worker.join()
 
     def ready(self, timeout: float | None = None) -> bool:
         """Wait for the warm-up begun at construction (a server calls it before taking requests); True when
@@ -972,14 +997,42 @@ class KvzLlamaCache(_base_cache()):
         n = int(value.n_tokens)
         if n == 0:
             return
-        st = parse(value.llama_state)
+        ids = np.array(value.input_ids[:n], dtype=np.int64)
+        if not self._background:
+            self._put(ids, value.llama_state)
+            return
+        with self._lock:  # llama-cpp-python's arrays are reused: the ids are copied, the state bytes are its own
+            if len(self._waiting) >= MAX_WAITING:
+                self._waiting.popleft()
+                self.stats["dropped"] = self.stats.get("dropped", 0) + 1
+            self._waiting.append((ids, value.llama_state))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="kvz-llama-put", daemon=True)
+                self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._worker = None
+                    return
+                job = self._waiting.popleft()
+            try:
+                self._put(*job)
+            except Exception as e:  # noqa: BLE001 - a failed put is a miss later, never a failed completion
+                self.stats["failed"] = self.stats.get("failed", 0) + 1
+                warn(f"KvzLlamaCache: a state was not stored ({type(e).__name__}: {e})")
+
+    def _put(self, ids: np.ndarray, state: bytes) -> None:
+        n = ids.size
+        st = parse(state)
         if (st.kind != "context_state" or len(st.positions) != 1 or st.cell_ext or st.single_seq[0] is None
                 or st.positions[0].size != n or not np.array_equal(st.positions[0], np.arange(n))
                 or len(st.row_types()) != 1 or st.row_types()[0] not in FLOAT_TYPES):
             self.stats["refused"] += 1
             return
-        kv, _, _ = to_cache(st, value.llama_state, self.record.get("geometry"))
-        self.store.put(kv, tokens=np.asarray(value.input_ids[:n], dtype=np.int64))
+        kv, _, _ = to_cache(st, state, self.record.get("geometry"))
+        self.store.put(kv, tokens=ids)
         self.stats["puts"] += 1
         if self._capacity is not None and self.cache_size > self._capacity:
             # the store's own eviction (least recently used sessions' chunks first; spec/store.md), safe beside

@@ -202,3 +202,22 @@ def test_a_tokens_file_needs_the_same_gguf(llama_python, states, gguf, tmp_path)
     other.write_bytes(Path(gguf).read_bytes()[:-1] + b"\0")  # the same metadata, one byte of weights changed
     with pytest.raises(K.ModelMismatch):
         K.unpack_bytes(tmp_path / "t.kvz", other)
+
+
+def test_kvz_llama_cache_puts_in_the_background_and_before_exit(llama_python, gguf, tokens, tmp_path):
+    """The completion returns before its state is coded; a process that ends at once still stores it (the put
+    is drained at exit), and the next process restores it."""
+    store = tmp_path / "store"
+    code = ("import sys, time; from llama_cpp import Llama; from kvcodec.llama_cpp import KvzLlamaCache; "
+            f"llm = Llama({gguf!r}, n_ctx=2048, verbose=False); c = KvzLlamaCache(llm, {str(store)!r}); "
+            "c.ready(); llm.set_cache(c); "
+            f"llm.create_completion({tokens[:PREFIX]!r}, max_tokens=2, temperature=0); "
+            "print('PENDING', c._worker is not None, c.stats['puts'])")  # and exit without flush()
+    r = subprocess.run([llama_python, "-c", code], capture_output=True, text=True, check=True)
+    pending, puts = r.stdout.split("PENDING")[1].split()
+    assert pending == "True" and puts == "0", r.stdout  # it returned before the put
+    from kvcodec import Store
+
+    s = Store(str(store), model_id=f"llama.cpp:gguf-sha256:{K.model_record(gguf)['file_sha256']}")
+    assert len(s.sessions()) == 1
+    assert s.lookup(tokens[:PREFIX], dtype=__import__("torch").float16) >= PREFIX - 1

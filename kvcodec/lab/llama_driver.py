@@ -161,6 +161,8 @@ def scenario_cache(cfg: dict) -> dict:
                 first = time.perf_counter() - t0
             toks.append(c["choices"][0]["text"])
         rows.append({"ttft_s": first, "total_s": time.perf_counter() - t0, "text": "".join(toks)})
+    if hasattr(cache, "flush"):  # its background puts done (the process's exit would wait for them too)
+        cache.flush()
     stats = dict(cache.stats) if hasattr(cache, "stats") else {}
     return {"rows": rows, "stats": stats, "setup_s": setup_s, "lookups": counts}
 
