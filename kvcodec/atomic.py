@@ -82,6 +82,23 @@ def _held(path: str) -> bool:
         os.close(fd)
 
 
+def _alive(pid_text: str) -> bool:
+    """Is the process of this host whose id a temporary file's name carries alive (or unknowable)?"""
+    try:
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # it exists (another user's), or this system cannot tell
+    return True
+
+
 def sweep_stale(target: str) -> list[str]:
     """Remove the temporary files that dead writers *of this host* left for ``target``; returns their
     paths (other hosts' are never judged by a local process id)."""
@@ -99,6 +116,10 @@ def sweep_stale(target: str) -> list[str]:
         if len(parts) != 3 or parts[0] != HOST:
             continue
         path = os.path.join(d, name)
+        # a writer of this host still alive is never judged by its lock: between creating its file and locking
+        # it there is a moment when the file is not locked (seen: a second writer swept the first's file)
+        if _alive(parts[1]):
+            continue
         if not os.path.islink(path) and not _held(path):
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -141,7 +162,8 @@ def atomic_output(target, *, overwrite: bool = True):
         yield f
         f.flush()
         os.fsync(f.fileno())
-        f.close()
+        # renamed while still open and locked: closing first let another writer's sweep take the file for a dead
+        # writer's between the close and the rename (tests/test_hostile.py, two writers, seen in CI)
         if overwrite:
             os.replace(tmp, target)
         else:
@@ -155,6 +177,7 @@ def atomic_output(target, *, overwrite: bool = True):
                 os.replace(tmp, target)
             else:
                 os.remove(tmp)
+        f.close()
         _fsync_dir(d)
     except BaseException:
         f.close()

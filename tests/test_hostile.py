@@ -2,6 +2,7 @@
 saving is safe under crashes and concurrent writers."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -207,3 +208,19 @@ def test_crafted_regression_files_exist():
     names = {p.name for p in (ROOT / "tests" / "data" / "malformed").glob("*.bin")}
     assert {"header-bigint.bin", "header-deep.bin", "header-inf.bin", "header-surrogate.bin",
             "schedule-huge.bin", "trailing-data.bin"} <= names
+
+
+def test_a_live_writers_temporary_file_is_not_swept_before_it_is_locked(tmp_path):
+    """A writer's temporary file exists for a moment before the writer locks it, and (before this was fixed) for
+    a moment after it unlocked it and before the rename: a second writer's sweep took it for a dead writer's and
+    the first writer's rename failed (FileNotFoundError, seen in CI).  A file whose process is alive on this host
+    is never swept; the rename happens while the file is still locked."""
+    from kvcodec import atomic
+
+    p = tmp_path / "c.kvz"
+    live = tmp_path / f".c.kvz.{atomic.HOST}-{os.getpid()}-abcd1234.kvz-tmp"
+    live.write_bytes(b"x")  # not locked: a writer between creating and locking it
+    assert atomic.sweep_stale(str(p)) == [] and live.exists()
+    with atomic.atomic_output(p) as f:
+        f.write(b"data")
+    assert p.read_bytes() == b"data" and live.exists()
