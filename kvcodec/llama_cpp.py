@@ -98,6 +98,7 @@ class StateFile:
     v_trans: list = field(default_factory=list)  # per KV block
     positions: list = field(default_factory=list)  # per KV block: the cells' positions (int32 array)
     single_seq: list = field(default_factory=list)  # per KV block: the seq id every cell has alone, or None
+    streams: list = field(default_factory=list)  # per KV block: (stream count, the stream holding the cells)
     rows: list = field(default_factory=list)  # Rows, keys then values of each block, file order
 
     @property
@@ -252,16 +253,16 @@ def _block(c: _Cursor, out: StateFile, ext: bool, block: int, first_layer: int) 
     n_stream = c.u32(f"block[{block}].n_stream")
     if not 1 <= n_stream <= MAX_STREAMS:
         _fail(f"{n_stream} streams (1 to {MAX_STREAMS})", f"block[{block}].n_stream", at)
-    held = False
+    held = None
     for s in range(n_stream):
         at = c.pos
         cells = c.u32(f"block[{block}].stream[{s}].cell_count")
         if cells == 0:
             continue
-        if held:
+        if held is not None:
             _fail("two streams hold cells: kvcodec packs the state of one sequence (save it with "
                   "llama_state_seq_save_file / llama_state_seq_get_data)", f"block[{block}].stream[{s}]", at)
-        held = True
+        held = s
         if cells > (c.size - c.pos) // 12:
             _fail(f"{cells} cells cannot fit in the {c.size - c.pos} bytes left", f"block[{block}].cell_count", at,
                   TruncatedFile)
@@ -281,7 +282,8 @@ def _block(c: _Cursor, out: StateFile, ext: bool, block: int, first_layer: int) 
         out.v_trans.append(bool(v_trans))
         out.positions.append(pos)
         out.single_seq.append(one)
-    if not held:
+    out.streams.append((n_stream, held))
+    if held is None:
         out.v_trans.append(None)
         out.positions.append(np.zeros(0, np.int32))
         out.single_seq.append(None)
@@ -650,13 +652,17 @@ def pack_bytes(data, model=None, *, tier: str = "lossless", info: dict | None = 
     model's name), recorded and checked against the state (:class:`ModelMismatch`); None records none.
     ``tier``: ``"lossless"`` (rebuilt byte for byte) or ``"lossy"`` (``bits=`` ...: a state llama.cpp loads,
     not the same bytes).  ``options``: the tier's (:class:`kvcodec.Encoder`)."""
+    data = bytes(data)
+    return _pack(data, parse(data), model, tier, info, progress, options)
+
+
+def _pack(data: bytes, st: StateFile, model, tier: str, info, progress, options: dict) -> bytes:
+    """:func:`pack_bytes` of a state already parsed."""
     from .api import Encoder
     from .version import __version__
 
     if tier not in ("lossless", "lossy", "tokens"):
         raise ConfigError(f"a llama.cpp state is packed with tier 'lossless', 'lossy' or 'tokens', not {tier!r}")
-    data = bytes(data)
-    st = parse(data)
     rec = None if model is None else (model if isinstance(model, dict) else model_record(model))
     if rec is not None:
         _check_geometry(st, rec)
@@ -745,6 +751,19 @@ def _default_output(src: Path, suffix_in: str | None) -> Path:
     return src.with_name(src.name[:-len(".kvz")] if src.name.endswith(".kvz") else src.name + ".state")
 
 
+def _with_bar(show: bool, total: int, desc: str, work):
+    """``work(progress)`` with a progress bar of ``total`` sections on stderr when ``show`` (the CLI's)."""
+    if not show:
+        return work(None)
+    from .formatting import progress_bar
+
+    bar = progress_bar(total, desc)
+    try:
+        return work(bar.update)
+    finally:
+        bar.close()
+
+
 def pack(src, dst=None, model=None, *, overwrite: bool = False, **kwargs) -> dict:
     """``kvz pack``: the llama.cpp state file ``src`` packed into ``dst`` (default ``src`` + ``.kvz``), written
     atomically; returns what was done (sizes, tokens, layers, row types)."""
@@ -754,18 +773,11 @@ def pack(src, dst=None, model=None, *, overwrite: bool = False, **kwargs) -> dic
     dst = Path(dst) if dst is not None else _default_output(src, None)
     data = src.read_bytes()
     st = parse(data)
-    if kwargs.pop("progress_bar", False):  # the CLI's: sections coded (tier tokens: a prefill, not counted)
-        from .formatting import progress_bar
-
-        chunk = kwargs.get("chunk_tokens", 4096)
-        total = sum(-(-r.cells // chunk) for r in st.rows)
-        bar = progress_bar(total, "packing")
-        try:
-            out = pack_bytes(data, model, progress=bar.update, **kwargs)
-        finally:
-            bar.close()
-    else:
-        out = pack_bytes(data, model, **kwargs)
+    tier, info = kwargs.pop("tier", "lossless"), kwargs.pop("info", None)
+    # the CLI's bar counts sections coded (tier tokens: a prefill, not counted)
+    total = sum(-(-r.cells // kwargs.get("chunk_tokens", 4096)) for r in st.rows)
+    out = _with_bar(kwargs.pop("progress_bar", False), total, "packing",
+                    lambda progress: _pack(data, st, model, tier, info, progress, kwargs))
     with atomic_output(dst, overwrite=overwrite) as f:
         f.write(out)
     return {**st.describe(), "file": str(dst), "packed_bytes": len(out), "ratio": round(len(data) / len(out), 4)}
@@ -778,17 +790,13 @@ def unpack(src, dst=None, model=None, *, overwrite: bool = False, **kwargs) -> d
 
     src = Path(src)
     dst = Path(dst) if dst is not None else _default_output(src, ".kvz")
-    if kwargs.pop("progress_bar", False):  # the CLI's: sections decoded
+    bar = kwargs.pop("progress_bar", False)  # the CLI's: sections decoded
+    total = 0
+    if bar:
         from .api import inspect
-        from .formatting import progress_bar
 
-        bar = progress_bar(sum(1 for x in inspect(src)["sections"] if x["type"] == "kv"), "unpacking")
-        try:
-            data = unpack_bytes(src, model, progress=bar.update, **kwargs)
-        finally:
-            bar.close()
-    else:
-        data = unpack_bytes(src, model, **kwargs)
+        total = sum(1 for x in inspect(src)["sections"] if x["type"] == "kv")
+    data = _with_bar(bar, total, "unpacking", lambda progress: unpack_bytes(src, model, progress=progress, **kwargs))
     with atomic_output(dst, overwrite=overwrite) as f:
         f.write(data)
     return {"file": str(dst), "bytes": len(data)}
@@ -810,7 +818,8 @@ class _Template:
 
     @classmethod
     def of(cls, st: StateFile) -> _Template:
-        return cls(st.arch, 0, 0, st.single_seq[0], st.v_trans[0], [r.type for r in st.rows if r.part == "keys"],
+        return cls(st.arch, *st.streams[0], st.single_seq[0], st.v_trans[0],
+                   [r.type for r in st.rows if r.part == "keys"],
                    [r.type for r in st.rows if r.part == "values"],
                    getattr(torch, FLOAT_TYPES[st.rows[0].type]))
 
@@ -955,16 +964,7 @@ class KvzLlamaCache(_base_cache()):
                 or st.row_types()[0] not in FLOAT_TYPES or st.single_seq[0] is None:
             raise ConfigError(f"KvzLlamaCache stores the f16/bf16/f32 KV cache of one sequence; this context's "
                               f"state is {st.describe()}")
-        t = _Template.of(st)
-        # the stream layout: re-read from the bytes (one stream holds the cells)
-        c = _Cursor(llm.save_state().llama_state)
-        _arch(c)
-        t.n_stream = c.u32("n_stream")
-        for s in range(t.n_stream):
-            if c.u32("cell_count"):
-                t.stream = s
-                break
-        return t
+        return _Template.of(st)
 
     # -- BaseLlamaCache ------------------------------------------------------------------------------------------
     @property
