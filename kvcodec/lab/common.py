@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import time
 from importlib import resources
 from pathlib import Path
@@ -148,4 +149,31 @@ def write_report(out_dir, stem: str, results: dict, markdown: str) -> Path:
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
     (out / f"{stem}.md").write_text(markdown)
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
+    return out
+
+
+# -- the engines' venvs and driver processes (vllm_driver.py, llama_driver.py) ----------------------------------
+def engine_venv(checkout: Path, script: str, timeout: float) -> str:
+    """Build (once) an engine's venv with the checkout's ``scripts/<script>`` and return its python; RuntimeError
+    with the script's output when it cannot be built."""
+    r = subprocess.run(["bash", str(checkout / "scripts" / script)], check=False, capture_output=True, text=True,
+                       timeout=timeout, cwd=checkout)
+    if r.returncode:
+        raise RuntimeError((r.stderr or r.stdout)[-2000:])
+    return str(checkout / r.stdout.strip().splitlines()[-1])
+
+
+def run_driver(python: str, module: str, cfg: dict, tmp: Path, *, env: dict | None = None,
+               timeout: float = 1800) -> dict:
+    """``python -m module CFG.json`` in ``tmp`` (a fresh process): the JSON of its last ``KVZ-RESULT`` line, with
+    ``log`` (its output); RuntimeError when it fails."""
+    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([python, "-m", module, str(path)], check=False, capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=tmp)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"{module} failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    out = json.loads(lines[-1][len("KVZ-RESULT "):])
+    out["log"] = r.stdout + r.stderr
     return out

@@ -21,34 +21,22 @@ import ctypes
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .common import engine_venv, run_driver
 
 
 def venv_python(checkout: Path, timeout: float = 3600) -> str:
     """Build (once) the llama.cpp venv with the checkout's scripts/llama_env.sh and return its python;
     RuntimeError with the script's output when it cannot be built."""
-    r = subprocess.run(["bash", str(checkout / "scripts" / "llama_env.sh")], check=False, capture_output=True,
-                       text=True, timeout=timeout, cwd=checkout)
-    if r.returncode:
-        raise RuntimeError((r.stderr or r.stdout)[-2000:])
-    return str(checkout / r.stdout.strip().splitlines()[-1])
+    return engine_venv(checkout, "llama_env.sh", timeout)
 
 
 def drive(python: str, cfg: dict, tmp: Path, timeout: float = 1800) -> dict:
     """Run a scenario in a fresh ``python`` process; its result, with ``log``; RuntimeError when it fails."""
-    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
-    path.write_text(json.dumps(cfg))
-    r = subprocess.run([python, "-m", "kvcodec.lab.llama_driver", str(path)], check=False, capture_output=True,
-                       text=True, timeout=timeout, cwd=tmp)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
-    if r.returncode or not lines:
-        raise RuntimeError(f"llama.cpp driver failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
-    out = json.loads(lines[-1][len("KVZ-RESULT "):])
-    out["log"] = r.stdout + r.stderr
-    return out
+    return run_driver(python, "kvcodec.lab.llama_driver", cfg, tmp, timeout=timeout)
 
 
 def _llama(cfg: dict, **kw):

@@ -15,37 +15,25 @@ with ``store`` as its directory), ``storage_options``, ``extra`` (more kv_connec
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .common import engine_venv, run_driver
 
 
 def venv_python(checkout: Path, timeout: float = 1800) -> str:
     """Build (once) the vLLM venv with the checkout's scripts/vllm_env.sh and return its python; RuntimeError
     with the script's output when it cannot be built."""
-    r = subprocess.run(["bash", str(checkout / "scripts" / "vllm_env.sh")], check=False, capture_output=True,
-                       text=True, timeout=timeout, cwd=checkout)
-    if r.returncode:
-        raise RuntimeError((r.stderr or r.stdout)[-2000:])
-    return str(checkout / r.stdout.strip().splitlines()[-1])
+    return engine_venv(checkout, "vllm_env.sh", timeout)
 
 
 def drive(python: str, cfg: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 1800) -> dict:
     """Run this module on ``cfg`` with ``python`` (a fresh engine process; vLLM's engine core in it unless
     ``multiprocess``) and return its result, with ``log`` (the engine's output); RuntimeError when it fails."""
-    path = tmp / f"cfg-{os.urandom(4).hex()}.json"
-    path.write_text(json.dumps(cfg))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([python, "-m", "kvcodec.lab.vllm_driver", str(path)], check=False, capture_output=True,
-                       text=True, timeout=timeout, env=env, cwd=tmp)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("KVZ-RESULT ")]
-    if r.returncode or not lines:
-        raise RuntimeError(f"the engine failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
-    out = json.loads(lines[-1][len("KVZ-RESULT "):])
-    out["log"] = r.stdout + r.stderr
-    return out
+    return run_driver(python, "kvcodec.lab.vllm_driver", cfg, tmp, env=env, timeout=timeout)
 
 
 def main() -> None:
