@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import corpus_dir, demo_text, write_report
+from .common import corpus_dir, disk_usage, demo_text, write_report
 from .llama_driver import drive, venv_python
 
 LENGTHS = (512, 1024, 2048, 4096)
@@ -33,10 +33,6 @@ CONTINUATION = 32
 QUESTIONS = ["\n\nQuestion: Who is Mr. Bingley? Answer:", "\n\nQuestion: What does Mrs. Bennet want? Answer:",
              "\n\nQuestion: Where is Netherfield? Answer:", "\n\nSummarise the passage in one sentence:",
              "\n\nQuestion: How many daughters do the Bennets have? Answer:"]
-
-
-def _du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def _python(args) -> str:
@@ -136,7 +132,7 @@ def _shared_prefix(py, gguf, tokens, tmp) -> dict:
         runs = [drive(py, {**cfg, "prompts": [p]}, tmp) for p in prompts]
         ttft = [r["rows"][0]["ttft_s"] for r in runs[1:]]
         hits = sum(1 for r in runs[1:] if r["lookups"]["hits"])
-        out[name] = {"bytes": _du(where), "ttft_median_s": statistics.median(ttft), "ttft_s": ttft,
+        out[name] = {"bytes": disk_usage(where), "ttft_median_s": statistics.median(ttft), "ttft_s": ttft,
                      "first_ttft_s": runs[0]["rows"][0]["ttft_s"], "restored": hits, "requests": len(runs) - 1,
                      "texts": [r["rows"][0]["text"] for r in runs],
                      "setup_s": statistics.median(r["setup_s"] for r in runs)}

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import corpus_dir, demo_text, write_report
+from .common import corpus_dir, disk_usage, demo_text, write_report
 from .vllm_driver import drive, venv_python
 
 LENGTHS = (512, 1024, 1536)
@@ -35,10 +35,6 @@ QUESTIONS = ["\nUser: Which tool lists the countries of a region?\nAssistant:",
              "\nUser: What does the first schema describe?\nAssistant:",
              "\nUser: Give me the alpha-3 code of France.\nAssistant:",
              "\nUser: How many entries are there?\nAssistant:"]
-
-
-def _du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 def _venv_python(args) -> str:
@@ -114,7 +110,7 @@ def run_vllm_bench(args) -> int:
             # nothing looked up or saved) goes first, untimed
             b = drive(python, {**base, "prompts": [w["warmup"]] + reader}, tmp)
             res = b["results"][1:]
-            row = {"config": name, "bytes": _du(store), "writer_start_s": a["start_seconds"],
+            row = {"config": name, "bytes": disk_usage(store), "writer_start_s": a["start_seconds"],
                    "reader": res, "metrics": {**a["metrics"], **{f"reader_{k}": v for k, v in b["metrics"].items()}}}
             for i, L in enumerate(LENGTHS):
                 part = res[3 * i:3 * i + 3]

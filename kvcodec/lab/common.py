@@ -177,3 +177,8 @@ def run_driver(python: str, module: str, cfg: dict, tmp: Path, *, env: dict | No
     out = json.loads(lines[-1][len("KVZ-RESULT "):])
     out["log"] = r.stdout + r.stderr
     return out
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
