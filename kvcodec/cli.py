@@ -142,6 +142,8 @@ def cmd_encode(args) -> int:
                 kw["prompt"] = model[1](REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
             if args.reduce_allocation is not None:
                 kw["allocation"] = args.reduce_allocation
+            if args.reduce_bound is not None:
+                kw["bound"] = args.reduce_bound
             if not args.reduce_fit:
                 kw["fit"] = False
             cache = reduce(cache, model[0], keep=args.reduce, method=args.reduce_method, tokens=ids, **kw)
@@ -324,6 +326,10 @@ def cmd_bench(args) -> int:
         from .lab.bench_restore import run_restore_bench
 
         return run_restore_bench(args)
+    if args.reduce_turns:
+        from .lab.bench_turns import run_turns_bench
+
+        return run_turns_bench(args)
     if args.reduce:
         from .lab.bench_reduce import run_reduce_bench
 
@@ -563,8 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reduce", type=float, default=None, metavar="KEEP",
                    help="--text: reduce the cache to this fraction of its entries first (kvcodec.reduce; tiers "
                         "lossless and lossy)")
-    s.add_argument("--reduce-method", default="cluster", choices=list(REDUCE_METHODS),
-                   help="--reduce: the reducer or baseline (default cluster)")
+    s.add_argument("--reduce-method", default="kvzip", choices=list(REDUCE_METHODS),
+                   help="--reduce: the method (default kvzip, with its fit and its bound; docs/reduce.md compares "
+                        "them)")
+    s.add_argument("--no-reduce-bound", dest="reduce_bound", action="store_false", default=None,
+                   help="--reduce with a one-shot method: append later tokens raw instead of keeping the budget "
+                        "(the bound is kvzip's default)")
     s.add_argument("--no-reduce-fit", dest="reduce_fit", action="store_false",
                    help="--reduce with kvzip: keep the selected tokens' own values, without refitting each head's "
                         "values and log-weights to the whole cache's attention on the replay's queries (the default "
@@ -701,6 +711,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reduce tier on long-context tasks (needles, cloze questions, continuation KL) against "
                         "the full cache and SnapKV / H2O / StreamingLLM / TOVA / KVzip at equal entries "
                         "(bench_reduce.md, .svg)")
+    s.add_argument("--reduce-turns", action="store_true",
+                   help="the reduce tier as agent memory: one reduction of each held-out document (the corpus files "
+                        "after the first --skip-documents long enough), then 5 questions asked in turn on the same "
+                        "cache, each answer left in it; answer NLL per turn, entries held, reduce time and peak "
+                        "memory per 1,000 tokens (bench_reduce_turns.md; one --keeps value, default 0.1)")
+    s.add_argument("--turn-methods", nargs="*",
+                   default=["default", "kvzip,nobound", "kvzip,nofit", "snapkv,fit", "snapkv", "tova,fit",
+                            "streaming", "cluster"],
+                   help="reduce-turns: methods besides the full cache (default = reduce(cache, model, keep) with "
+                        "nothing else; options ,nobound ,nofit ,fit)")
+    s.add_argument("--skip-documents", type=int, default=6,
+                   help="reduce-turns: skip the first N corpus files long enough (those the reduce bench uses)")
     s.add_argument("--theory", action="store_true",
                    help="the reduce tier's theory per head: tr Sigma / K and tail_{K/3} / K against the measured risk "
                         "of each reducer, span(Phi) capture, risk over merge-reduce levels (bench_theory.md)")

@@ -36,7 +36,7 @@ __all__ = ["LayerState", "KINDS", "encode_payload", "decode_payload", "from_laye
 KINDS = ("linear", "hybrid", "indexed", "reduced")
 #: state tensor names, in the order a slot's tensors are stored (``indexer_keys``: kind ``indexed`` only;
 #: ``log_weights`` and ``anchor``: kind ``reduced`` only)
-NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
+NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor", "scores")
 #: the parts of a reduced layer's entries, in storage order (``levels``: highest level first)
 REDUCED_PARTS = ("fixed", "sinks", "levels", "buffer")
 MAX_LEVELS = 64
@@ -71,13 +71,15 @@ class LayerState:
     anchor: torch.Tensor | None = None
     parts: dict | None = None
     scaling: float | None = None
+    #: (1.11) kind ``reduced`` with a bounded reduce object: each entry's score ``[batch, kv_heads, seq]`` float32
+    scores: torch.Tensor | None = None
 
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
         """``(name, slot, tensor)`` in storage order: by slot, conv before recurrent before indexer keys,
         absent ones skipped (kind ``reduced``: log-weights, then the anchor if any)."""
         if self.kind == "reduced":
-            return [(n, 0, t) for n, t in (("log_weights", self.log_weights), ("anchor", self.anchor))
-                    if t is not None]
+            return [(n, 0, t) for n, t in (("log_weights", self.log_weights), ("anchor", self.anchor),
+                                           ("scores", self.scores)) if t is not None]
         out = []
         for s in range(self.slots):
             for name, t in (("conv", self.conv[s]), ("recurrent", self.recurrent[s]),
@@ -90,7 +92,7 @@ class LayerState:
         """Put tensor ``t`` in its place (the inverse of :meth:`tensors`)."""
         if name == "indexer_keys":
             self.indexer = t
-        elif name in ("log_weights", "anchor"):
+        elif name in ("log_weights", "anchor", "scores"):
             setattr(self, name, t)
         else:
             (self.conv if name == "conv" else self.recurrent)[slot] = t
@@ -137,8 +139,9 @@ class LayerState:
         if self.kind == "reduced":
             self._check_reduced(i, batch)
             return
-        if self.log_weights is not None or self.anchor is not None or self.parts is not None:
-            raise ValueError(f"layer {i}: log-weights, anchor and parts belong to kind 'reduced' only")
+        if self.log_weights is not None or self.anchor is not None or self.parts is not None \
+                or self.scores is not None:
+            raise ValueError(f"layer {i}: log-weights, anchor, scores and parts belong to kind 'reduced' only")
         for name, s, t in self.tensors():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"layer {i} {name} state {s}: expected a torch.Tensor, got {type(t).__name__}")
@@ -160,6 +163,10 @@ class LayerState:
         if a is not None and (not isinstance(a, torch.Tensor) or a.dtype != torch.float32 or a.dim() != 3
                               or tuple(a.shape[:2]) != tuple(lw.shape[:2])):
             raise ValueError(f"layer {i}: a reduced layer's anchor must be float32 [batch, kv_heads, k_dim]")
+        sc = self.scores
+        if sc is not None and (not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32
+                               or tuple(sc.shape) != tuple(lw.shape) or bool(torch.isnan(sc).any())):
+            raise ValueError(f"layer {i}: a reduced layer's scores must be float32 like its log-weights, no NaN")
         if not isinstance(parts, dict) or set(parts) - {"heads"} != set(REDUCED_PARTS) \
                 or not isinstance(parts["levels"], list):
             raise ValueError(f"layer {i}: reduced parts must be {{fixed, sinks, levels, buffer}} (and heads)")

@@ -111,6 +111,9 @@ def cases():
     # 11 (1.8): kvzip with heads holding different numbers of entries (parts.heads): absent entries not stored,
     # two batch rows, tokens appended after the selection, chunks of 4 crossing the absent places
     yield "lossless_heads", heads_cache(np.random.default_rng(11), torch.bfloat16), {"chunk_tokens": 4}
+    # 12 (1.11): a bounded kvzip cache (reduce.bound, the scores tensor): heads holding different numbers, tokens
+    # appended past a compaction (some of them now in fixed), +inf and ordinary scores
+    yield "lossless_bounded", bounded_cache(np.random.default_rng(12), torch.float16), {}
 
 
 def reduced_cache(rng, dtype, n=46, form="query"):
@@ -193,6 +196,41 @@ def heads_cache(rng, dtype, n=20, appended=4, counts=(((7, 3, 0), (5, 7, 2)), ((
         layer = ReducedLayer(plan, i, 8 ** -0.5)
         layer.set_fixed(gk, gv, n, torch.zeros(2, 3, width).masked_fill(~present, float("-inf")))
         layer.update(structured(rng, (2, 3, appended, 8), dtype), structured(rng, (2, 3, appended, 8), dtype))
+        layers.append(layer)
+    return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
+
+
+def bounded_cache(rng, dtype, n=16, counts=((5, 3), (4, 4)), recent=2, step=3):
+    """(1.11) a cache reduced by method ``kvzip`` with a bound (``recent`` 2, ``step`` 3): two full-attention
+    layers of 2 heads x 8 over ``n`` tokens, head h of layer l holding ``counts[l][h]`` of them in ``fixed`` (layer
+    0's heads different numbers: ``heads``), fitted-like log-weights, scores drawn at random (the first 2 tokens
+    +inf); then 3 tokens appended (2 to ``sinks``), 5 more, every score redrawn, and 1 more, which first compacts
+    the layer: the buffer's 4 oldest tokens compete with the fixed entries, the 2 newest stay."""
+    from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer
+
+    plan = Plan(k=8, block=8, sinks=2, method=None, seed=0, window=0, form="dot", recent=recent, step=step)
+    layers = []
+    for i, rows in enumerate(counts):
+        c = torch.tensor([rows])
+        width = int(c.max())
+        keys, values = structured(rng, (1, 2, n, 8), dtype), structured(rng, (1, 2, n, 8), dtype)
+        idx = torch.zeros(1, 2, width, dtype=torch.long)
+        for h in range(2):
+            kept = np.sort(np.concatenate([[0, 1], rng.choice(np.arange(2, n), int(c[0, h]) - 2, replace=False)]))
+            idx[0, h, :len(kept)] = torch.from_numpy(kept)
+        present = torch.arange(width)[None, None, :] < c[..., None]
+        gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
+        gv = values.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
+        beta = torch.from_numpy(rng.normal(0, 0.5, (1, 2, width)).astype(np.float32)).masked_fill(~present,
+                                                                                                     float("-inf"))
+        scores = torch.from_numpy(rng.random((1, 2, width)).astype(np.float32))
+        scores[..., :2] = float("inf")
+        layer = ReducedLayer(plan, i, 8 ** -0.5)
+        layer.set_fixed(gk, gv, n, beta, scores.masked_fill(~present, 0.0))
+        for m in (3, 5, 1):
+            layer.update(structured(rng, (1, 2, m, 8), dtype), structured(rng, (1, 2, m, 8), dtype))
+            fresh = torch.from_numpy(rng.random(tuple(layer.scores.shape)).astype(np.float32))
+            layer.scores = torch.where(torch.isinf(layer.scores), layer.scores, fresh)
         layers.append(layer)
     return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
 

@@ -177,7 +177,7 @@ def test_independent_engine_file_container():
     with pytest.raises(K.FormatError):  # §3: stamped below 1.10
         K.parse_container(_rewrite(buf, minor=9))
     with pytest.raises(K.UnsupportedVersion):
-        K.parse_container(_rewrite(buf, minor=11))
+        K.parse_container(_rewrite(buf, minor=12))
     with pytest.raises(K.OffsetError):  # an engine_bytes section without an engine_file
         K.parse_container(_rewrite(buf, lambda h: h.pop("engine_file")))
     with pytest.raises(K.ChecksumMismatch):  # tier lossless: the SHA-256 of the file rebuilt

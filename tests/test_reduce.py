@@ -243,6 +243,8 @@ def test_a_reduced_cache_holds_one_copy_of_its_entries(method):
             n += kept * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size()
                          + (0 if beta is None or not weights else beta.element_size()))
             n += 0 if getattr(la, "anchor", None) is None else la.anchor.nbytes
+            # a bounded layer's scores (float32, one per held place: 1/(2 D) of its keys and values in float32)
+            n += 0 if getattr(la, "scores", None) is None or not weights else la.scores.nbytes
         return n
 
     def holds_own(red):
@@ -582,7 +584,8 @@ def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_
     for alloc, want in (("heads", head_budgets(peaks, e, 4)),
                         ("layer-heads", head_budgets(peaks, e, 4, rank_budgets(peaks, e, 4)))):
         # (fit=False: the selected tokens' own values at log-weight 0; the fit is tested below)
-        red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation=alloc, fit=False)
+        red = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation=alloc, fit=False,
+                             bound=False)
         assert red.counted() == pytest.approx(e) and red.describe()["entries"] == e
         for li, (layer, la) in enumerate(zip(cache.layers, red.layers)):
             count = want[li][0]
@@ -777,11 +780,46 @@ def test_fit_matches_the_whole_cache_s_attention_better_than_the_selection(alloc
                      do_sample=False, pad_token_id=0)
     assert out.shape == (1, 129)
     with pytest.raises(ValueError, match="fit="):
-        kvcodec.reduce(cache, m, budget=20, method="snapkv", tokens=ids, fit=True)
+        kvcodec.reduce(cache, m, budget=20, method="streaming", tokens=ids, fit=True)
     bare = copy.copy(obs)
     bare.reference = {}
     with pytest.raises(ValueError, match="reference queries"):
         kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=bare)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "tova"])
+def test_fit_of_a_prefill_scored_selection_matches_attention_on_the_prefill_s_queries(method):
+    """reduce(method="snapkv" | "tova", fit=True): no replay - the selection's values and log-weights are refitted
+    on every ceil(n / 1024)-th query of the prefill reduce() observes itself; on those queries each head's block
+    mass and output are closer to the whole cache's than the plain selection's; the keys are the selection's;
+    an observation recorded without reference queries is refused."""
+    from kvcodec.reduction import observe
+
+    m = _model("llama")
+    ids = _ids(120)
+    cache = model_cache(m, ids)
+    with observe(m, window=64, stride=1) as obs:
+        m(ids, use_cache=False)
+    scale = att.scalings(m)
+    plain = kvcodec.reduce(cache, m, budget=20, method=method, tokens=ids, bound=False)
+    fitted = kvcodec.reduce(cache, m, budget=20, method=method, tokens=ids, fit=True, bound=False)
+    err = {"plain": [0.0, 0.0], "fit": [0.0, 0.0]}
+    for li, (layer, a, b) in enumerate(zip(cache.layers, plain.layers, fitted.layers)):
+        assert torch.equal(a.keys, b.keys)
+        heads = layer.keys.shape[1]
+        group = obs.reference[li].shape[1] // heads
+        for h in range(heads):
+            q = obs.reference[li][0, h * group:(h + 1) * group].reshape(-1, layer.keys.shape[-1])
+            want_m, want_o = _block_attention(q, layer.keys[0, h], layer.values[0, h], torch.zeros(120), scale[li])
+            for name, la in (("plain", a), ("fit", b)):
+                got_m, got_o = _block_attention(q, la.keys[0, h], la.values[0, h], _beta(la)[0, h], scale[li])
+                err[name][0] += float((got_m - want_m).square().mean())
+                err[name][1] += float((got_o - want_o).square().sum(-1).mean())
+    assert err["fit"][0] < 0.5 * err["plain"][0] and err["fit"][1] < err["plain"][1]
+    with observe(m, window=64) as bare:
+        m(ids, use_cache=False)
+    with pytest.raises(ValueError, match="reference queries"):
+        kvcodec.reduce(cache, m, budget=20, method=method, observation=bare, fit=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -821,7 +859,7 @@ def test_heads_headers_and_weights_are_checked():
     m = _model("llama")
     ids = _ids(100)
     red = kvcodec.reduce(model_cache(m, ids), m, budget=25, method="kvzip", tokens=ids, allocation="heads",
-                         fit=False)  # log-weights 0 and -inf only: the tampering below relies on their bytes
+                         fit=False, bound=False)  # log-weights 0 and -inf only: the tampering below relies on their bytes
     kv = kvcodec.to_canonical(red)
     li = next(i for i, st in enumerate(kv.states) if "heads" in st.parts)
     from kvcodec.tiers.base import build_header
@@ -1067,8 +1105,9 @@ def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
     info = kvcodec.inspect(data)
     # the lowest version with everything the file uses: reduced caches came with 1.4, methods tova, kvzip with 1.7,
     # heads of a layer keeping different numbers (kvzip's default) with 1.8
+    # and kvzip's default bound with 1.11
     heads = any(la.beta is not None and torch.isneginf(la.beta).any() for la in red.reduced_layers())
-    want = "1.8" if heads else "1.7" if method in ("tova", "kvzip") else "1.4"
+    want = "1.11" if method == "kvzip" else "1.8" if heads else "1.7" if method in ("tova", "kvzip") else "1.4"
     assert info["format_version"] == want and info["reduce"]["method"] == method and heads == (method == "kvzip")
     assert info["reduce"]["entries"] == round(red.counted()) and info["reduce"]["tokens"] == 150
     back = kvcodec.decode(data, m)
@@ -1096,7 +1135,7 @@ def test_a_tova_file_needs_1_7():
     m = _model("llama")
     ids = _ids(60)
     for method in ("tova", "kvzip"):
-        kw = {"allocation": "ranks"} if method == "kvzip" else {}  # (kvzip's default, heads, may need 1.8)
+        kw = {"allocation": "ranks", "bound": False} if method == "kvzip" else {}  # (its defaults need 1.8, 1.11)
         data = bytearray(kvcodec.encode(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method=method, tokens=ids,
                                                        **kw)))
         assert data[10] == 7
@@ -1164,7 +1203,7 @@ def test_decoded_reduced_cache_without_the_model_is_refused_before_any_change(ki
 def test_hand_built_reduced_cache_that_breaks_the_spec_is_refused_at_encode():
     m = _model("llama")
     ids = _ids(100)
-    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
+    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method="cluster", tokens=ids))
     kv.states[0].anchor = None  # form query without its anchor
     with pytest.raises(kvcodec.ConfigError, match="anchor"):
         kvcodec.encode(kv)
@@ -1173,7 +1212,7 @@ def test_hand_built_reduced_cache_that_breaks_the_spec_is_refused_at_encode():
 def test_raw_tokens_with_log_weights_are_refused_at_decode():
     m = _model("llama")
     ids = _ids(100)
-    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids))
+    kv = kvcodec.to_canonical(kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method="cluster", tokens=ids))
     kv.states[0].log_weights = kv.states[0].log_weights.clone()
     kv.states[0].log_weights[..., -1] = 3.0  # a buffer token
     with pytest.raises(kvcodec.FormatError, match="raw tokens"):
@@ -1462,3 +1501,173 @@ def test_reduce_takes_a_cache_made_with_autograd_on(method):
     red = kvcodec.reduce(with_grad, m, keep=0.3, method=method, **kw)
     ref = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, method=method, **kw)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(red.layers, ref.layers))
+
+
+# -- bounded one-shot caches (format 1.11: reduce.bound, scores) ------------------------------------------------
+
+def _present(la):
+    """Per KV head, the entries of a reduced layer attention sees ([b, h])."""
+    beta = la.beta if la.beta is not None else torch.zeros(la.keys.shape[:3])
+    return torch.isfinite(beta).sum(-1)
+
+
+def test_kvzip_by_default_keeps_its_budget_while_generating():
+    """The default reduce (kvzip, fit, bound) after N generated tokens holds, per head, at most what it kept +
+    the raw sinks + recent + step - 1 + the call's token; the same reduction with bound=False grows by one entry
+    per token.  The selection's sinks are never evicted, and the first 4 tokens of every head stay."""
+    from kvcodec.reduction import BOUND_RECENT, BOUND_STEP
+
+    m = _model("llama")
+    ids = _ids(200)
+    full = model_cache(m, ids)
+    red = kvcodec.reduce(full, m, keep=0.2, tokens=ids)
+    assert red.method == "kvzip" and red.plan.step == BOUND_STEP and red.plan.recent == BOUND_RECENT
+    grow = kvcodec.reduce(full, m, keep=0.2, tokens=ids, bound=False)
+    kept = {i: _present(la).clone() for i, la in enumerate(red.layers) if isinstance(la, ReducedLayer)}
+    new = 120
+    for cache in (red, grow):
+        m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=cache, max_new_tokens=new, do_sample=False,
+                   pad_token_id=0, min_new_tokens=new)
+    for i, la in enumerate(red.layers):
+        if not isinstance(la, ReducedLayer):
+            continue
+        limit = kept[i] + red.plan.sinks + BOUND_RECENT + BOUND_STEP - 1 + 1
+        assert (_present(la) <= limit).all() and (_present(la) >= kept[i]).all()
+        assert (_present(grow.layers[i]) == kept[i] + 5 + new - 1).all()
+        fixed = la.fixed
+        assert torch.equal(fixed[0][:, :, :4], full.layers[i].keys[:, :, :4])  # the sinks of every head
+        assert la.get_seq_length() == 200 + 5 + new - 1
+    assert red.counted() < grow.counted() - 50
+
+
+def test_compaction_keeps_each_heads_highest_scored_entries_in_order():
+    """ReducedLayer.compact against a brute-force oracle of spec/kvz.md section 14.4: per head, of the present fixed
+    entries and the buffer's oldest (buffer - recent) tokens, the c highest-scored (c = the head's present fixed
+    entries; ties to the earlier), in candidate order, with their keys, values, log-weights and scores; the
+    buffer keeps its newest `recent`; the sinks are untouched."""
+    g = torch.Generator().manual_seed(5)
+    plan = Plan(k=1, block=1, sinks=2, method=None, form="dot", recent=2, step=3)
+    la = ReducedLayer(plan, 0, 0.5)
+    counts = torch.tensor([[6, 4, 1]])
+    width = 6
+    present = torch.arange(width)[None, None, :] < counts[..., None]
+    keys = torch.randn(1, 3, width, 4, generator=g).masked_fill(~present[..., None], 0)
+    values = torch.randn(1, 3, width, 4, generator=g).masked_fill(~present[..., None], 0)
+    beta = torch.randn(1, 3, width, generator=g).masked_fill(~present, float("-inf"))
+    scores = torch.rand(1, 3, width, generator=g).masked_fill(~present, 0)
+    scores[0, 1, 2] = scores[0, 1, 3] = 0.5  # a tie: the earlier wins
+    la.set_fixed(keys, values, 40, beta, scores)
+    for n in (3, 4):  # 2 tokens to the sinks, then a buffer of 5 = recent + step: the next update compacts
+        la.update(torch.randn(1, 3, n, 4, generator=g), torch.randn(1, 3, n, 4, generator=g))
+        la.scores = torch.where(torch.rand(la.scores.shape, generator=g) < 0.3, torch.tensor(0.5),
+                                torch.rand(la.scores.shape, generator=g))
+    before = [t.clone() for t in la.assemble()[:2]], la.scores.clone(), la.assemble()[2].clone()
+    (k0, v0), s0, b0 = before
+    sinks = (la.sinks[0].clone(), la.sinks[1].clone())
+    buf = la.buffer[0].shape[2]
+    assert buf == 5
+    assert la.compact() and not la.compact()
+    fk, fv, fb = la.fixed
+    for h in range(3):
+        c = int(counts[0, h])
+        cand = list(range(c)) + [width + 2 + j for j in range(buf - 2)]  # assembled places: fixed | sinks | buffer
+        best = sorted(cand, key=lambda j: (-float(s0[0, h, j]), cand.index(j)))[:c]
+        keep = [j for j in cand if j in best]
+        assert torch.equal(fk[0, h, :c], k0[0, h, keep]) and torch.equal(fv[0, h, :c], v0[0, h, keep])
+        assert torch.equal(fb[0, h, :c], b0[0, h, keep]) and torch.equal(la.scores[0, h, :c], s0[0, h, keep])
+        assert torch.isneginf(fb[0, h, c:]).all() and not fk[0, h, c:].any()
+    assert torch.equal(la.sinks[0], sinks[0]) and torch.equal(la.sinks[1], sinks[1])
+    assert torch.equal(la.buffer[0], k0[:, :, -2:]) and la.scores.shape[2] == width + 2 + 2
+    assert la.get_seq_length() == 40 + 7
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_scores_are_the_largest_attention_weight_each_entry_receives(kind):
+    """A bounded layer's scores after a forward call: the larger of their value before and the largest weight
+    any query of the call (any query head of the group) gave the entry - checked against the eager model's own
+    attention weights (output_attentions), log-weights and mask included."""
+    m = _model(kind)
+    ids = _ids(120)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.25, tokens=ids)
+    before = {i: la.scores.clone() for i, la in enumerate(red.layers) if isinstance(la, ReducedLayer)}
+    nxt = _ids(6, 3)
+    out = m(nxt, past_key_values=red, output_attentions=True)
+    for i, s in before.items():
+        la = red.layers[i]
+        w = out.attentions[i].float()  # [b, hq, q, entries + new]
+        b, hq, q, n = w.shape
+        h = la.keys.shape[1]
+        want = torch.maximum(torch.cat([s, torch.zeros(b, h, q)], 2), w.view(b, h, hq // h, q, n).amax(dim=(2, 3)))
+        torch.testing.assert_close(la.scores, want, rtol=1e-5, atol=1e-6)
+        assert bool((la.scores[..., :4] == float("inf")).all())  # every head's sinks: never evicted
+
+
+def test_a_bounded_cache_round_trips_and_keeps_compacting_identically():
+    """A bounded cache, generated into past a compaction, written to .kvz (format 1.11, scores exact) and read
+    back: the same entries, scores and logits, and both keep compacting the same way."""
+    m = _model("llama")
+    ids = _ids(150)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.2, tokens=ids)
+    m(_ids(40, 2), past_key_values=red)
+    m(_ids(1, 4), past_key_values=red)  # compacts first (40 raw tokens >= recent + step)
+    data = kvcodec.encode(red)
+    assert data[10] == 11 and kvcodec.inspect(data)["reduce"]["bound"] == {"recent": 16, "step": 16}
+    back = kvcodec.decode(data, m)
+    for a, b in zip(red.reduced_layers(), back.reduced_layers()):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.scores, b.scores)
+    for step in range(3):
+        nxt = _ids(20, 10 + step)
+        assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=back).logits)
+        assert back.describe() == red.describe()
+    assert kvcodec.encode(kvcodec.decode(kvcodec.encode(red), m)) == kvcodec.encode(red)
+
+
+def test_bound_headers_and_scores_are_checked():
+    """reduce.bound and the scores tensor: a bound beside a merge-reduce reducer, a null bound, scores without a
+    bound (or a bound without scores), NaN scores, a bounded file stamped 1.10 - each refused by field."""
+    import kvcodec.container.header as hd
+    from kvcodec.tiers.base import build_header
+
+    m = _model("llama")
+    ids = _ids(100)
+    red = kvcodec.reduce(model_cache(m, ids), m, keep=0.3, tokens=ids)
+    kv = kvcodec.to_canonical(red)
+    li = next(i for i, st in enumerate(kv.states) if st is not None and st.kind == "reduced")
+    good = build_header(kv, "lossless", {"id": "float_ctx_rans", "params": {}}, 64, None, None)
+    hd.parse(hd.dumps(good), offset=16)
+    import copy as _copy
+
+    for mutate, field in [
+        (lambda h: h["reduce"].update(reducer="cluster", method="cluster"), "reduce.bound"),
+        (lambda h: h["reduce"].update(bound=None), "reduce.bound"),
+        (lambda h: h["reduce"]["bound"].update(step=0), "reduce.bound"),
+        (lambda h: h["reduce"]["bound"].update(extra=1), "reduce.bound"),
+        (lambda h: h["reduce"].pop("bound"), f"layers[{li}].state.tensors"),
+        (lambda h: h["cache"]["layers"][li]["state"]["tensors"].pop(), f"layers[{li}].state.tensors"),
+    ]:
+        h = _copy.deepcopy(good)
+        mutate(h)
+        with pytest.raises(kvcodec.FormatError) as err:
+            hd.parse(hd.dumps(h), offset=16)
+        assert field in err.value.field
+    data = kvcodec.encode(kv)
+    old = bytearray(data)
+    old[10] = 10
+    err = check_rejects(kvcodec.FormatError, fuzz_tools().reseal(bytes(old)), match="1\\.11")
+    assert err.field == "Version_Minor"
+    bad = kvcodec.to_canonical(red)
+    bad.states[li].scores = bad.states[li].scores.clone()
+    bad.states[li].scores[0, 0, 5] = float("nan")
+    with pytest.raises(kvcodec.ConfigError, match="NaN"):
+        kvcodec.encode(bad)
+    # the same bytes written past the writer's check: the decoder finds them in the section
+    from kvcodec.state import encode_payload
+
+    good_payload = encode_payload(kv.states[li].scores)
+    nan = kv.states[li].scores.clone()
+    nan[0, 0, 5] = float("nan")
+    raw = data.replace(good_payload, encode_payload(nan))
+    assert raw != data and len(raw) == len(data)  # (scores of attention weights do not compress: stored raw)
+    with pytest.raises(kvcodec.FormatError, match="NaN") as e:
+        kvcodec.decode(fuzz_tools().reseal(raw), m)
+    assert e.value.field == "State.Data"

@@ -21,7 +21,7 @@ from .common import check_vector, vector_predictors
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
             "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced", "lossless_selected",
-            "lossless_spread", "lossless_heads"]
+            "lossless_spread", "lossless_heads", "lossless_bounded"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
                "tokens_tolerance_padded", "exact_state", "exact_blocks_padded"]
 LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted",

@@ -93,6 +93,9 @@ BLOCKS_MINOR = 9
 #: the format minor version that introduced engine files (the ``engine_file`` object, ``engine_bytes`` section:
 #: spec section 15)
 ENGINE_MINOR = 10
+#: the format minor version that introduced bounded reduced caches (``reduce.bound``, the ``scores`` state tensor:
+#: spec section 14)
+BOUND_MINOR = 11
 #: most pieces an ``engine_file`` may list (spec section 15)
 MAX_ENGINE_PIECES = 1 << 20
 
@@ -263,9 +266,10 @@ class Header:
         if self.predict is not None:
             return PREDICT_MINOR
         if self.reduce is not None:
+            bound = BOUND_MINOR if "bound" in self.reduce else 0
             if any(lay.heads is not None for lay in self.layers):
-                return max(HEADS_MINOR, reduce_minor(self.reduce))
-            return reduce_minor(self.reduce)
+                return max(bound, HEADS_MINOR, reduce_minor(self.reduce))
+            return max(bound, reduce_minor(self.reduce))
         return max(blocks, STATE_MINOR if self.has_state else 0)
 
     def output_bytes(self) -> int:
@@ -672,16 +676,17 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
         if (name == "indexer_keys") != (kind == "indexed"):
             v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (indexer_keys belong to kind 'indexed' "
                                 "and only to it)")
-        if (name in ("log_weights", "anchor")) != (kind == "reduced"):
-            v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (log_weights and anchor are the tensors of "
-                                "kind 'reduced', and its only ones)")
+        if (name in ("log_weights", "anchor", "scores")) != (kind == "reduced"):
+            v.fail(f"{q}.name", f"{name!r} in a layer of kind {kind!r} (log_weights, anchor and scores are the "
+                                "tensors of kind 'reduced', and its only ones)")
         out.append(StateTensor(name, slot, dtype, dims))
     if kind == "indexed" and (slots != 1 or len(out) != 1):
         v.fail(p, "a layer of kind 'indexed' has one slot holding exactly its indexer_keys")
     if kind != "reduced":
         return StateInfo(kind, slots, tuple(out))
     if slots != 1 or not out or out[0].name != "log_weights":
-        v.fail(p, "a layer of kind 'reduced' has one slot holding its log_weights (and optionally its anchor)")
+        v.fail(p, "a layer of kind 'reduced' has one slot holding its log_weights (and optionally its anchor and "
+                  "its scores)")
     parts = v.obj(st["parts"], f"{p}.parts", {"fixed", "sinks", "levels", "buffer"}, {"heads"})
     got = {key: v.int(parts, key, f"{p}.parts", 0, lim["max_seq_len"], LimitExceeded)
            for key in ("fixed", "sinks", "buffer")}
@@ -715,7 +720,7 @@ def _parse_reduce(v: Validator, r, lim: dict) -> dict:
     """The ``reduce`` object (1.4): how the cache was reduced and how it keeps reducing."""
     from ..state import REDUCE_FORMS, REDUCE_METHODS, REDUCERS
 
-    v.obj(r, "reduce", {"method", "reducer", "form", "k", "block", "sinks", "window", "seed"})
+    v.obj(r, "reduce", {"method", "reducer", "form", "k", "block", "sinks", "window", "seed"}, {"bound"})
     method = v.str(r, "method", "reduce")
     if method not in REDUCE_METHODS:
         v.fail("reduce.method", f"{method!r} is not one of {list(REDUCE_METHODS)}", UnknownId)
@@ -733,6 +738,12 @@ def _parse_reduce(v: Validator, r, lim: dict) -> dict:
     for key, lo in (("k", 1), ("block", 1), ("sinks", 0), ("window", 0)):
         out[key] = v.int(r, key, "reduce", lo, lim["max_seq_len"], LimitExceeded)
     out["seed"] = v.int(r, "seed", "reduce", 0, (1 << 63) - 1)
+    if "bound" in r:  # (1.11) appended tokens compete for the kept entries' places
+        if reducer is not None:
+            v.fail("reduce.bound", f"belongs to a one-shot method (reducer null); {method!r} keeps reducing by itself")
+        b = v.obj(r["bound"], "reduce.bound", {"recent", "step"})
+        out["bound"] = {"recent": v.int(b, "recent", "reduce.bound", 0, lim["max_seq_len"], LimitExceeded),
+                        "step": v.int(b, "step", "reduce.bound", 1, lim["max_seq_len"], LimitExceeded)}
     return out
 
 
@@ -746,12 +757,16 @@ def _check_reduced(v: Validator, p: str, state: StateInfo, reduce: dict | None, 
     lw = state.tensors[0]
     if lw.dtype != "float32" or lw.shape[1:] != (heads, seq):
         v.fail(f"{p}.state.tensors[0]", f"log_weights are float32 [batch, {heads}, {seq}]")
-    if (len(state.tensors) == 2) != (reduce["form"] == "query"):
+    names = [t.name for t in state.tensors]
+    if ("anchor" in names) != (reduce["form"] == "query"):
         v.fail(f"{p}.state.tensors", "a reduced layer holds an anchor if and only if the form is 'query'")
-    if len(state.tensors) == 2:
-        a = state.tensors[1]
-        if a.dtype != "float32" or a.shape[1:] != (heads, kd):
-            v.fail(f"{p}.state.tensors[1]", f"the anchor is float32 [batch, {heads}, {kd}]")
+    if ("scores" in names) != ("bound" in reduce):
+        v.fail(f"{p}.state.tensors", "a reduced layer holds scores if and only if the reduce object has a bound")
+    for j, t in enumerate(state.tensors):
+        if t.name == "anchor" and (t.dtype != "float32" or t.shape[1:] != (heads, kd)):
+            v.fail(f"{p}.state.tensors[{j}]", f"the anchor is float32 [batch, {heads}, {kd}]")
+        if t.name == "scores" and (t.dtype != "float32" or t.shape[1:] != (heads, seq)):
+            v.fail(f"{p}.state.tensors[{j}]", f"the scores are float32 [batch, {heads}, {seq}]")
     pr = state.parts
     if "heads" in pr:
         if any(len(row) != heads for row in pr["heads"]):

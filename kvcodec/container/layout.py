@@ -18,7 +18,7 @@ MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
-FORMAT_VERSION_MINOR = 10  # the highest minor version this code reads and writes
+FORMAT_VERSION_MINOR = 11  # the highest minor version this code reads and writes
 # A writer stamps the lowest minor version that can express the file - each tier's ``min_minor`` (0 for the
 # lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier), 3
 # when a layer carries recurrent / conv state, 4 for a reduced cache (a ``reduce`` object), 5 for the lossy

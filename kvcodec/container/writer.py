@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import BLOCKS_MINOR, ENGINE_MINOR, HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
+from .header import BLOCKS_MINOR, BOUND_MINOR, ENGINE_MINOR, HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
 
 
 class KvzWriter:
@@ -47,6 +47,8 @@ class KvzWriter:
             minor = max(minor, STATE_MINOR)
         if "reduce" in header:
             minor = max(minor, reduce_minor(header["reduce"]))
+            if "bound" in header["reduce"]:
+                minor = max(minor, BOUND_MINOR)  # (1.11) a bounded one-shot reduction, its scores
             if any("heads" in lay.get("state", {}).get("parts", {}) for lay in header["cache"]["layers"]):
                 minor = max(minor, HEADS_MINOR)  # (1.8) heads of a reduced layer holding different numbers
         if "predict" in header:

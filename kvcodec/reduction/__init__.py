@@ -2,11 +2,13 @@
 
 The package is ``kvcodec.reduction``; its entry point is ``kvcodec.reduce``.
 
-``kvcodec.reduce(cache, model, keep=0.1, method="cluster")`` returns a :class:`ReducedCache` that the same model
-takes as its cache directly - ``model(ids, past_key_values=reduced)`` and ``model.generate(...)`` - and that
-keeps reducing as decoding appends to it.  Methods:
+``kvcodec.reduce(cache, model, keep=0.1)`` returns a :class:`ReducedCache` that the same model takes as its cache
+directly - ``model(ids, past_key_values=reduced)`` and ``model.generate(...)`` - and that keeps its budget as
+decoding appends to it.  The default method is ``"kvzip"`` with its attention-matching fit and its bound (the
+method that measures best on held-out documents, BENCHMARKS.md "Reduce tier"; docs/reduce.md says which to use
+when).  Methods:
 
-- ``"cluster"`` (default), ``"sample"``: merge-reduce summaries (binary-counter buckets of ``K``-atom
+- ``"cluster"``, ``"sample"``: the paper's merge-reduce summaries (binary-counter buckets of ``K``-atom
   summaries, blocks of ``B = K`` tokens, 4 raw attention sinks, optionally a raw recent ``window``) with the
   protected-clustering or the mass-proportional sampling reducer; atoms carry masses
   (:mod:`kvcodec.reduction.attention`).  ``form`` chooses the mass the reducers preserve
@@ -23,6 +25,7 @@ keeps reducing as decoding appends to it.  Methods:
   ``tova`` re-run the prefill on the cache's tokens (given, or recovered from the cache) to see the queries;
   ``kvzip`` runs the replay after a copy of the cache and, unless ``fit=False``, refits its selection's
   values and log-weights to the whole cache's attention on the replay's queries (:mod:`kvcodec.reduction.fit`).
+  With ``bound`` (``kvzip``'s default) appended tokens compete with the kept ones for the same places.
 
 Every method keeps the same number of entries per KV head for the same ``keep`` (or ``budget``):
 :func:`plan_for` picks ``K`` so the merge-reduce summary holds at most ``round(keep * n)`` entries, and the
@@ -46,6 +49,9 @@ __all__ = ["reduce", "prefill", "plan_for", "entries_for", "layer_budgets", "ran
            "ReducedCache", "ReducedLayer", "Plan", "METHODS", "enable", "replay_observation", "REPEAT_PROMPT"]
 
 MERGE_REDUCE = tuple(REDUCERS)
+#: the methods ``fit=True`` applies to: kvzip on its replay's queries, the prefill-scored selections on the
+#: prefill's own (every ``ceil(n / 1024)``-th query)
+FIT_METHODS = ("kvzip", "snapkv", "tova", "h2o")
 BASELINES = ("streaming", "snapkv", "h2o", "tova", "kvzip")
 METHODS = MERGE_REDUCE + BASELINES
 
@@ -502,11 +508,41 @@ def _select(method: str, keys, obs_layer, budget: int, sinks: int, window: int =
     raise ValueError(f"unknown baseline {method!r}")
 
 
+#: a bounded one-shot cache (``reduce(bound=True)``, the default of ``kvzip``): the newest appended tokens that
+#: stay raw, and how many more arrive before the rest compete with the kept entries (ReducedLayer.compact)
+BOUND_RECENT = 16
+BOUND_STEP = 16
+
+
+def _entry_scores(obs, layer: int, idx, present, atom, count, sinks: int, width: int):
+    """``[b, h, width]``: the score each kept entry of a bounded cache starts with - the selection's own score of
+    the token (kvzip: the replay's peak attention; a method without one: 0), +inf for the first ``sinks`` tokens
+    and for a ``rest`` atom (never evicted), 0 for absent places."""
+    b, h, _ = idx.shape
+    peak = None if obs is None else getattr(obs, "peak", {}).get(layer)
+    n = None if peak is None else int(peak.shape[-1])
+    tok = peak.float().clone() if peak is not None else None
+    if tok is None:
+        n = int(idx.max()) + 1 if idx.numel() else 0
+        tok = torch.zeros(b, h, max(n, 1))
+    tok[..., :sinks] = float("inf")
+    got = tok.gather(2, idx.clamp(max=tok.shape[-1] - 1))
+    if present is not None:
+        got = got.masked_fill(~present, 0.0)
+    out = torch.zeros(b, h, width)
+    out[..., :got.shape[-1]] = got[..., :width]
+    if bool(atom.any()):  # rest: each such head's atom follows its kept tokens (place count - 1)
+        place = (count.to(torch.long) - 1).clamp(min=0)
+        out.scatter_(2, place[..., None], torch.where(atom[..., None], float("inf"), out.gather(2, place[..., None])))
+    return out
+
+
 @torch.no_grad()
-def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, budget: int | None = None,
+def reduce(cache, model, keep: float | None = 0.1, method: str = "kvzip", *, budget: int | None = None,
            tokens=None, sinks: int = 4, seed: int = 0, observation=None, window: float = 0.0,
            form: str = "query", question=None, prompt=None, replay_chunk: int = REPLAY_CHUNK,
-           allocation: str | None = None, rest: bool = False, fit: bool | str | None = None) -> ReducedCache:
+           allocation: str | None = None, rest: bool = False, fit: bool | str | None = None,
+           bound: bool | None = None) -> ReducedCache:
     """Reduce ``cache`` (a transformers cache or anything :func:`kvcodec.to_canonical` takes) made by ``model``
     to about ``keep`` of its entries per KV head (or exactly ``budget`` for the baselines).  The model is
     switched to the mass-aware attention wrapper (:func:`kvcodec.reduction.attention.enable`); with ordinary
@@ -553,9 +589,20 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
     did; one more forward pass; measured on SmolLM2, with one-pass replays, no better than ``fit=True``, so not
     the default).  The fit's reference queries come from the replay's passes: with passes of 512 tokens the
     last ones see the cache's end from as near as a question does (one pass over the whole cache lost needles
-    near its end, BENCHMARKS.md)."""
+    near its end, BENCHMARKS.md).  ``bound`` (one-shot methods; None: on for ``kvzip``, the default method): the
+    cache keeps its budget while tokens are appended (format 1.11) - once :data:`BOUND_RECENT` +
+    :data:`BOUND_STEP` appended tokens are raw, all but the newest :data:`BOUND_RECENT` compete with the kept
+    entries for their places by the largest attention weight each has received (the selection's score to begin
+    with: kvzip's replay peak; then every query run on the cache), each head keeping as many entries as it
+    kept (:meth:`ReducedLayer.compact`); ``bound=False`` appends every token raw (the cache then grows by one
+    entry per token)."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method!r}; known: {', '.join(METHODS)}")
+    if bound is None:
+        bound = method == "kvzip"
+    if bound and method in MERGE_REDUCE:
+        raise ValueError(f"bound= makes appended tokens compete with a one-shot selection; {method!r} keeps reducing "
+                         "what is appended by itself")
     if not hasattr(cache, "layers"):
         from ..cache import to_canonical
 
@@ -588,8 +635,13 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         fit = method == "kvzip"
     if fit not in (True, False, "policy"):
         raise ValueError(f"fit must be True, False or 'policy', got {fit!r}")
-    if fit and method != "kvzip":
-        raise ValueError(f"fit= matches attention on kvzip's replay queries; method {method!r} has no replay")
+    if fit and method not in FIT_METHODS:
+        raise ValueError(f"fit= matches attention on queries the method saw (kvzip's replay, the prefill of snapkv, "
+                         f"tova, h2o); method {method!r} sees none")
+    if fit == "policy" and method != "kvzip":
+        raise ValueError("fit='policy' fits during a second replay: kvzip only")
+    if fit and question is not None:
+        raise ValueError("fit= matches attention on the prefill's queries; with question= pass fit=False")
     if method == "kvzip":
         if question is not None:
             raise ValueError("kvzip scores the cache by replaying it, so that no question is needed; a known "
@@ -615,11 +667,15 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
         obs = _observe_question(cache, model, question, batch)
     elif need_q and (obs is None or (method == "h2o" and not obs.received)):
         ids = _cache_tokens(cache, model, tokens, batch, n)
-        with observe(model, window=64, received=method == "h2o") as obs:
+        with observe(model, window=64, received=method == "h2o", stride=_reference_stride(n) if fit else 0) as obs:
             model(ids, use_cache=False)
+    if fit and method != "kvzip" and any(getattr(obs, "reference", {}).get(i) is None for i in full):
+        raise ValueError("fit= needs reference queries: pass an observation recorded with "
+                         "observe(model, stride=...) during the prefill, or none")
     # the one-shot baselines keep tokens with no masses to weigh: their plan says "dot" (counts)
     plan = Plan(k=k, block=k, sinks=sinks, method=method if method in MERGE_REDUCE else None, seed=seed, window=w,
-                form=form if method in MERGE_REDUCE else "dot")
+                form=form if method in MERGE_REDUCE else "dot", recent=BOUND_RECENT if bound else 0,
+                step=BOUND_STEP if bound else 0)
     per_layer, per_head = {}, {}
     if allocation in ("layers", "ranks"):
         per_layer = (layer_budgets if allocation == "layers" else rank_budgets)(
@@ -654,11 +710,12 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             else:
                 idx = _select(method, keys, o, int(count.max()) - int(atom.any()), sinks)
             gk, gv, beta = _with_rest(keys, values, idx, present, atom) if rest else _gather(keys, values, idx, present)
+            scores = _entry_scores(obs, i, idx, present, atom, count, sinks, int(gk.shape[2])) if bound else None
             if fit is True:
                 gv, beta = _fit_layer(keys, values, gk, gv, beta, obs.reference[i], scale[i])
             elif fit == "policy":
                 kept[i] = (gk, gv, beta)
-            red.set_fixed(gk, gv, n, beta)
+            red.set_fixed(gk, gv, n, beta, scores)
         layers.append(red)
     for group in pending.values():  # every layer of one scaling in one batched tree
         anchors = [g[3] for g in group] if form == "query" else None
@@ -680,5 +737,5 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "cluster", *, b
             model(torch.cat([lead, ids[:, :read]], -1), **{cache_kwarg(model): copy.deepcopy(out)})
         for i, (gk, gv, beta) in kept.items():
             gv, beta = fitter.fitted.get(i, (gv, beta))
-            layers[i].set_fixed(gk, gv, n, beta)
+            layers[i].set_fixed(gk, gv, n, beta, layers[i].scores)
     return out

@@ -40,11 +40,13 @@ def _pending() -> dict:
     return d
 
 
-def set_bias(layer_idx: int, keys: torch.Tensor, beta: torch.Tensor | None) -> None:
+def set_bias(layer_idx: int, keys: torch.Tensor, beta: torch.Tensor | None, scorer=None) -> None:
     """Attach ``beta`` ``[batch, kv_heads, entries]`` (None: all 0) to the key tensor layer ``layer_idx`` is about
     to return, marking it as a reduced layer's entries (one pending bias per layer: a bias nobody took is
-    replaced, never accumulated)."""
-    _pending()[layer_idx] = (keys, beta)
+    replaced, never accumulated).  ``scorer``: called as ``scorer(weights)`` with the largest attention weight
+    ``[batch, kv_heads, entries]`` any query of the call gives each entry (over the query heads of the KV head's
+    group, the log-weights and the mask applied): how a bounded layer learns what its queries read."""
+    _pending()[layer_idx] = (keys, beta, scorer)
 
 
 def clear_bias(layer_idx: int) -> None:
@@ -52,13 +54,32 @@ def clear_bias(layer_idx: int) -> None:
 
 
 def _take_bias(layer_idx, keys: torch.Tensor):
-    """``(reduced, beta)``: whether ``keys`` are the entries a reduced layer returned for this call, and their
-    log-weights (None: all 0)."""
+    """``(reduced, beta, scorer)``: whether ``keys`` are the entries a reduced layer returned for this call, their
+    log-weights (None: all 0) and the layer's scorer (None: it keeps no scores)."""
     hit = _pending().get(layer_idx)
     if hit is None or hit[0] is not keys:
-        return False, None
+        return False, None, None
     del _pending()[layer_idx]
-    return True, hit[1]
+    return True, hit[1], hit[2]
+
+
+def peak_weights(query, key, mask, scaling: float, chunk: int = 256) -> torch.Tensor:
+    """``[b, kv_heads, kv]``: the largest attention weight any query of ``query`` ``[b, hq, q, d]`` (any of the
+    query heads of a KV head's group) gives each key of ``key`` ``[b, kv_heads, kv, d]`` under the additive float
+    ``mask`` (broadcastable to ``[b, hq, q, kv]``: the causal mask and the log-weights), float32, ``chunk``
+    queries at a time."""
+    b, hq, q, d = query.shape
+    hk, n = key.shape[1], key.shape[2]
+    g = hq // hk
+    kf = key.detach().float()[:, :, None]  # [b, hk, 1, n, d]
+    m = mask.float().expand(b, hq, q, n)
+    out = torch.zeros(b, hk, n, device=query.device)
+    for a in range(0, q, chunk):
+        qa = query[:, :, a:a + chunk].detach().float()
+        c = qa.shape[2]
+        logits = scaling * qa.view(b, hk, g, c, d) @ kf.transpose(-1, -2) + m[:, :, a:a + c].reshape(b, hk, g, c, n)
+        out = torch.maximum(out, torch.softmax(logits, -1).amax(dim=(2, 3)))
+    return out
 
 
 def float_mask(mask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
@@ -90,7 +111,7 @@ def _wrapper(original: str):
         obs = getattr(_state, "observer", None)
         if obs is not None:
             obs.record(module, query, key, kwargs.get("scaling"))
-        reduced, beta = _take_bias(getattr(module, "layer_idx", None), key)
+        reduced, beta, scorer = _take_bias(getattr(module, "layer_idx", None), key)
         fitter = getattr(_state, "fitter", None)
         if fitter is not None and reduced:  # fit="policy": the layer's entries refitted to these queries first
             value, beta = fitter(module, query, key, value, beta)
@@ -111,6 +132,14 @@ def _wrapper(original: str):
                 groups = hq // beta.shape[1]
                 mask = mask + beta.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]  # [b, hq, 1, kv]
             attention_mask = mask
+        if scorer is not None:  # a bounded layer: what this call's queries read of its entries
+            scaling = kwargs.get("scaling")
+            scaling = getattr(module, "scaling", 1.0 / math.sqrt(query.shape[-1])) if scaling is None else scaling
+            mask = float_mask(attention_mask, q_len, kv_len, torch.float32, query.device)
+            if mask.shape[-1] != kv_len:  # (a mask built for another layer's entries: as above)
+                past = torch.zeros(*mask.shape[:-1], kv_len - q_len, dtype=mask.dtype, device=mask.device)
+                mask = torch.cat([past, mask[..., -q_len:]], -1)
+            scorer(peak_weights(query, key, mask, float(scaling)))
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention.kvcodec_original = original

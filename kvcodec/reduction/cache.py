@@ -37,7 +37,11 @@ __all__ = ["ReducedCache", "ReducedLayer", "Plan", "ingest", "seed_of", "FORMS"]
 class Plan:
     """How a layer reduces: ``k`` atoms per summary, blocks of ``block`` tokens, ``sinks`` raw first tokens,
     ``window`` most recent tokens always raw, ``method`` a key of :data:`kvcodec.reduction.reducers.REDUCERS`
-    or ``None`` (never reduce: append raw), ``form`` how the reducers weigh atoms (:data:`FORMS`)."""
+    or ``None`` (never reduce: append raw), ``form`` how the reducers weigh atoms (:data:`FORMS`).  ``step`` > 0
+    (``method`` None only, format 1.11): the layer is **bounded** - once ``recent + step`` appended tokens are
+    raw in its buffer, the next update first lets all but the ``recent`` newest compete with the kept entries
+    for the kept entries' places, by the largest attention weight each has received (:meth:`ReducedLayer.compact`),
+    so a head never holds more than its kept entries + ``sinks`` + ``recent + step - 1`` + one call's tokens."""
 
     k: int
     block: int
@@ -46,10 +50,14 @@ class Plan:
     seed: int = 0
     window: int = 0
     form: str = "query"
+    recent: int = 0
+    step: int = 0
 
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"unknown mass form {self.form!r}; known: {', '.join(FORMS)}")
+        if self.step < 0 or self.recent < 0 or (self.step and self.method is not None):
+            raise ValueError(f"a bound (step > 0, recent >= 0) belongs to a one-shot plan (method None): {self}")
         if self.k < 1 or self.block < 1 or self.sinks < 0 or self.window < 0 or (
                 self.method is not None and self.block < self.k):
             raise ValueError(f"reduce plan needs k >= 1, block >= 1 (>= k with a reducer: a summary never holds "
@@ -101,6 +109,10 @@ class ReducedLayer(DynamicLayer):
         self.cumulative_length = 0
         self.blocks = 0
         self.anchor = None  # [b, kv_heads, d] query the reducers tilt the masses at, or None: kernel masses
+        #: a bounded layer (``plan.step``): ``[b, kv_heads, entries]`` float32, aligned with the assembled entries,
+        #: the largest attention weight each entry has received (its selection's score to begin with; +inf: never
+        #: evicted); None otherwise
+        self.scores = None
 
     # --- storage -----------------------------------------------------------------------------------------------
     @property
@@ -244,11 +256,14 @@ class ReducedLayer(DynamicLayer):
         self.buffer = view(self.buffer)
         assert at == keys.shape[2]
 
-    def set_fixed(self, keys, values, tokens: int, beta=None) -> None:
-        """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens."""
+    def set_fixed(self, keys, values, tokens: int, beta=None, scores=None) -> None:
+        """Hold ``keys``/``values`` (with log-weights ``beta``, default 0) as the entries of ``tokens`` tokens;
+        ``scores`` ``[b, h, entries]`` (a bounded plan: each entry's score to begin with, default 0)."""
         self.lazy_initialization(keys, values)
         self.fixed = (keys, values, beta)
         self.cumulative_length = tokens
+        if self.plan.step:
+            self.scores = (torch.zeros(keys.shape[:3]) if scores is None else scores).float().clone()
         self._hold(self.assemble())
 
     def entries(self) -> int:
@@ -269,6 +284,11 @@ class ReducedLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.plan.step:
+            self.compact()
+            if self.scores is None:
+                self.scores = torch.zeros(key_states.shape[0], key_states.shape[1], self.entries())
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(*key_states.shape[:2], key_states.shape[2])], 2)
         self.cumulative_length += key_states.shape[2]
         room = self.plan.sinks - self.sinks[0].shape[2]
         if room > 0:
@@ -277,12 +297,66 @@ class ReducedLayer(DynamicLayer):
             key_states, value_states = key_states[:, :, room:], value_states[:, :, room:]
         self.buffer = (torch.cat([self.buffer[0], key_states], 2), torch.cat([self.buffer[1], value_states], 2))
         keys, values, beta = self.assemble()
-        set_bias(self.layer_idx, keys, beta)
+        set_bias(self.layer_idx, keys, beta, self._scored if self.scores is not None else None)
         if self._flush():
             self._hold(self.assemble())
         else:
             self._hold((keys, values, beta))
         return keys, values
+
+    def _scored(self, weights: torch.Tensor) -> None:
+        """What the attention wrapper saw this call's queries give each entry (``[b, h, entries]``)."""
+        if weights.shape == self.scores.shape:
+            self.scores = torch.maximum(self.scores, weights.to(self.scores.device))
+
+    def compact(self) -> bool:
+        """A bounded one-shot layer (``plan.step``): when its buffer holds ``recent + step`` raw tokens or more, all
+        but the ``recent`` newest compete with the ``fixed`` entries for the ``fixed`` entries' places: each head
+        keeps as many entries as it held in ``fixed``, those of the highest scores (the largest attention weight
+        each has received: from the selection, then from every query run on the cache; ties to the older), in
+        their order (the old fixed entries, then the tokens from the buffer), log-weights and values as they
+        were; the others are dropped.  The raw ``sinks`` part is never touched.  Returns whether it compacted."""
+        p = self.plan
+        m = 0 if self.buffer is None else int(self.buffer[0].shape[2])
+        if not p.step or m < p.recent + p.step or self.scores is None:
+            return False
+        fixed = self.fixed
+        bk, bv = self.buffer
+        b, h = bk.shape[:2]
+        if fixed is None:  # nothing selected (an empty cache made bounded): the buffer's tokens start the fixed part
+            fixed = (bk[:, :, :0], bv[:, :, :0], None)
+        fk, fv, fb = fixed
+        f, move = int(fk.shape[2]), m - p.recent
+        s = int(self.sinks[0].shape[2])
+        fb = torch.zeros(b, h, f) if fb is None else fb.float()
+        present = torch.isfinite(fb)
+        count = present.sum(-1) if f else torch.full((b, h), 0, dtype=torch.long)
+        if f == 0:
+            count = count + move  # an empty fixed part takes the moved tokens as they are
+        ck = torch.cat([fk, bk[:, :, :move]], 2)
+        cv = torch.cat([fv, bv[:, :, :move]], 2)
+        cb = torch.cat([fb, fb.new_zeros(b, h, move)], 2)
+        sc = self.scores
+        cs = torch.cat([sc[..., :f].masked_fill(~present, float("-inf")), sc[..., f + s:f + s + move]], 2)
+        cand = torch.cat([present, present.new_ones(b, h, move)], 2)
+        order = cs.masked_fill(~cand, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        width = int(count.max())
+        total = f + move
+        keep = torch.zeros(b, h, total, dtype=torch.bool)
+        keep.scatter_(2, order, torch.arange(total)[None, None, :].expand(b, h, total) < count[..., None])
+        idx = torch.where(keep, torch.arange(total)[None, None, :], total).sort(-1).values[..., :width]
+        have = torch.arange(width)[None, None, :] < count[..., None]
+        idx = idx.masked_fill(~have, 0)
+        nk = ck.gather(2, idx[..., None].expand(-1, -1, -1, ck.shape[-1])).masked_fill(~have[..., None], 0)
+        nv = cv.gather(2, idx[..., None].expand(-1, -1, -1, cv.shape[-1])).masked_fill(~have[..., None], 0)
+        nb = cb.gather(2, idx).masked_fill(~have, float("-inf"))
+        ns = cs.gather(2, idx).masked_fill(~have, 0.0)
+        plain = bool(have.all()) and not bool(torch.isneginf(nb).any())
+        self.fixed = (nk, nv, None if plain and fixed[2] is None else nb)
+        self.buffer = (bk[:, :, move:], bv[:, :, move:])
+        self.scores = torch.cat([ns, sc[..., f:f + s], sc[..., f + s + move:]], 2)
+        self._hold(self.assemble())
+        return True
 
     def set_state(self, sinks, levels, buffer, tokens: int, blocks: int) -> None:
         """Hold a state built elsewhere (:func:`ingest`): raw ``sinks`` and ``buffer`` ``(k, v)``, ``levels`` a
@@ -345,6 +419,8 @@ class ReducedLayer(DynamicLayer):
         self.buffer = tuple(fn(t) for t in self.buffer)
         if self.anchor is not None:
             self.anchor = fn(self.anchor)
+        if self.scores is not None:
+            self.scores = fn(self.scores)
         self._hold(self.assemble())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -376,9 +452,13 @@ class ReducedLayer(DynamicLayer):
         anchor = None
         if self.plan.form == "query":  # the zero query where none was observed (what anchor_for uses)
             anchor = self.anchor if self.anchor is not None else torch.zeros(b, h, self.keys.shape[3])
+        scores = None
+        if self.plan.step:  # (1.11) a bounded layer's scores, aligned with its entries
+            scores = self.scores if self.scores is not None else torch.zeros(b, h, n)
+            scores = scores.float().contiguous()
         return LayerState("reduced", 1, [None], [None], log_weights=beta.float().contiguous(),
                           anchor=None if anchor is None else anchor.float().contiguous(), parts=parts,
-                          scaling=float(self.scaling))
+                          scaling=float(self.scaling), scores=scores)
 
     def _heads(self, fixed=None):
         """(format 1.8) per batch row and KV head, the entries each head holds of the fixed part (``fixed``,
@@ -429,6 +509,8 @@ class ReducedLayer(DynamicLayer):
         layer.cumulative_length = int(tokens)
         layer.blocks = sum(1 << lvl for lvl, x in enumerate(levels) if x is not None)
         layer.anchor = state.anchor
+        if plan.step:
+            layer.scores = torch.zeros(keys.shape[:3]) if state.scores is None else state.scores.float().clone()
         layer._hold(layer.assemble())
         return layer
 
@@ -568,16 +650,20 @@ class ReducedCache(DynamicCache):
         """The header's ``reduce`` object (spec/kvz.md section 14): how the cache was reduced and how it keeps
         reducing as tokens are appended."""
         p = self.plan
-        return {"method": self.method, "reducer": p.method, "form": p.form, "k": p.k, "block": p.block,
-                "sinks": p.sinks, "window": p.window, "seed": p.seed}
+        out = {"method": self.method, "reducer": p.method, "form": p.form, "k": p.k, "block": p.block,
+               "sinks": p.sinks, "window": p.window, "seed": p.seed}
+        if p.step:  # (1.11) appended tokens compete for the kept entries' places
+            out["bound"] = {"recent": p.recent, "step": p.step}
+        return out
 
     @classmethod
     def from_canonical(cls, kv, model=None) -> "ReducedCache":
         """A :class:`kvcodec.KVCache` whose ``reduce`` is set (what a reduced ``.kvz`` decodes to) as a
         ReducedCache; ``model`` (optional) is switched to the mass-aware attention."""
         r = kv.reduce
+        bound = r.get("bound") or {}
         plan = Plan(k=r["k"], block=r["block"], sinks=r["sinks"], method=r["reducer"], seed=r["seed"],
-                    window=r["window"], form=r["form"])
+                    window=r["window"], form=r["form"], recent=bound.get("recent", 0), step=bound.get("step", 0))
         plain = kv.to_dynamic_cache(plain=True)
         layers = []
         for i, st in enumerate(kv.states):

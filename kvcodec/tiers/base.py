@@ -170,7 +170,9 @@ def write_states(writer, kv: KVCache, which=None) -> None:
     selects (token tiers: only the tensors regeneration does not reproduce)."""
     for li, st in enumerate(kv.states):
         if st is not None:
-            for j, (_n, _s, t) in enumerate(st.tensors()):
+            for j, (name, _s, t) in enumerate(st.tensors()):
+                if name == "scores" and bool(torch.isnan(t).any()):  # (1.11) the decoder would refuse the file
+                    raise ConfigError(f"layer {li}: a reduced layer's scores hold NaN (spec section 14.2)")
                 if which is None or which(li, j):
                     writer.write_section(L.SECTION_STATE, encode_payload(t), layer=li, part=j)
 
@@ -192,6 +194,8 @@ def read_states(f, layers) -> dict:
             if t.name == "log_weights":
                 _raw_weights_zero(st.log_weights, info.parts, e.payload_offset)
                 _absent_weights(st.log_weights, info.parts, e.payload_offset)
+            elif t.name == "scores" and bool(torch.isnan(st.scores).any()):  # (1.11) spec section 14.2
+                raise FormatError("a reduced layer's scores hold NaN", field="State.Data", offset=e.payload_offset)
         out[li] = st
     return out
 

@@ -39,7 +39,7 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 10  # (1.10) engine files: header engine_file, section engine_bytes (§15)
+IMPL_MINOR = 11  # (1.10) engine files (§15); (1.11) reduce.bound and the scores state tensor (§14.1, §14.2)
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -48,12 +48,12 @@ SEC_KV, SEC_TOKENS, SEC_STREAM, SEC_RESID, SEC_CKS, SEC_STATE, SEC_INDEX = 1, 2,
 SEC_ENGINE = 7  # (1.10) engine_bytes (§15, registry.md)
 KNOWN_SEC = {1, 2, 3, 4, 5, 6, 7, 0xFFFF}
 STATE_KINDS = ("linear", "hybrid", "indexed", "reduced")
-# also their order inside a slot (state order, §4.2; log_weights before anchor, §14.2)
-STATE_NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor")
+# also their order inside a slot (state order, §4.2; log_weights, anchor, (1.11) scores, §14.2)
+STATE_NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor", "scores")
 # which tensor names each kind may hold (§4.2): indexer_keys in `indexed` only, conv / recurrent never there;
-# (1.4) log_weights / anchor in `reduced` only (§4.2 "its tensors are log_weights and anchor", registry.md)
+# (1.4) log_weights / anchor (and (1.11) scores) in `reduced` only (§4.2, registry.md)
 STATE_KIND_NAMES = {"linear": ("conv", "recurrent"), "hybrid": ("conv", "recurrent"),
-                    "indexed": ("indexer_keys",), "reduced": ("log_weights", "anchor")}
+                    "indexed": ("indexer_keys",), "reduced": ("log_weights", "anchor", "scores")}
 # (1.4) reduced caches (§14.1, registry.md); (1.7) methods tova and kvzip
 REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova", "kvzip")
 REDUCERS = ("cluster", "sample")  # the merge-reduce methods
@@ -239,7 +239,7 @@ def validate_header(h, minor):
         # `reduce` is an object when present: null (or any non-object) is invalid (§14.1)
         if not isinstance(h["reduce"], dict):
             raise FormatError("header.reduce is not an object (null is invalid, §14.1)")
-        reduce = validate_reduce(h["reduce"])
+        reduce = validate_reduce(h["reduce"], minor)
         if reduce["method"] in ("tova", "kvzip") and minor < 7:  # (1.7, §3) methods tova and kvzip
             raise FormatError(f"header.reduce.method {reduce['method']} in a file stamped 1.{minor} (needs 1.7)")
     cache = h["cache"]
@@ -715,10 +715,15 @@ def apply_predict(info, pred, out_k, out_v):
             kprev, vprev = kt, vt  # the chain carries binary32 (rounding to dtype only at the end, step 4)
 
 
-def validate_reduce(r):
-    """The header's reduce object (1.4, §14.1). Returns it as a dict."""
+def validate_reduce(r, minor=None):
+    """The header's reduce object (1.4, §14.1) of a file stamped 1.`minor`. Returns it as a dict (bound: the
+    (1.11) bound as dict(recent, step), or None)."""
     w = "header.reduce"
-    _keys(r, ["method", "reducer", "form", "k", "block", "sinks", "window", "seed"], (), w)
+    _keys(r, ["method", "reducer", "form", "k", "block", "sinks", "window", "seed"], ["bound"], w)
+    # (1.11, §3) a reduce object with a bound is stamped 11; stamped lower, the key is one a 1.10 decoder
+    # refuses [FormatError] (change log 1.11). Checked before the value itself, as for parts.heads (1.8).
+    if "bound" in r and minor is not None and minor < 11:
+        raise FormatError(f"{w}.bound in a file stamped 1.{minor} (needs 1.11)")
     m = r["method"]
     if not isinstance(m, str):
         raise FormatError(f"{w}.method")
@@ -740,10 +745,23 @@ def validate_reduce(r):
         raise FormatError(f"{w}.form")
     if f not in REDUCE_FORMS:
         raise UnknownId(f"{w}.form {f!r}")
+    # (1.11, §14.1) bound: an object when present (null or another type: FormatError), keys recent
+    # (0 .. 2^31) and step (1 .. 2^31), both required, 2^31 a limit (LimitExceeded above, FormatError below),
+    # no other keys but x- ones; present only with reducer null [FormatError]
+    bound = None
+    if "bound" in r:
+        wb = f"{w}.bound"
+        if not isinstance(r["bound"], dict):
+            raise FormatError(f"{wb} is not an object (null is invalid, §14.1)")
+        _keys(r["bound"], ["recent", "step"], (), wb)
+        bound = dict(recent=_int(r["bound"], "recent", 0, where=wb, limit=1 << 31),
+                     step=_int(r["bound"], "step", 1, where=wb, limit=1 << 31))
+        if red is not None:
+            raise FormatError(f"{wb}: only with reducer null (a one-shot method), not with reducer {red!r}")
     # k, block, sinks, window: 2^31 is a limit (§9, §14.1): LimitExceeded above it, FormatError below the
     # range; seed's range is fixed: FormatError on either side. All are required and in range even for a
     # one-shot method (reducer null), where only sinks constrains the file (§14.1).
-    return dict(method=m, reducer=red, form=f,
+    return dict(method=m, reducer=red, form=f, bound=bound,
                 k=_int(r, "k", 1, where=w, limit=1 << 31), block=_int(r, "block", 1, where=w, limit=1 << 31),
                 sinks=_int(r, "sinks", 0, where=w, limit=1 << 31),
                 window=_int(r, "window", 0, where=w, limit=1 << 31),
@@ -762,15 +780,20 @@ def validate_reduced_layer(st, tensors, B, H, S, Dk, sw, cl, reduce, w, minor=No
         raise FormatError(f"{w}: a reduced layer has sliding_window null")
     if st["slots"] != 1:
         raise FormatError(f"{w}.slots={st['slots']}: a reduced layer has 1 slot")
-    if not 1 <= len(tensors) <= 2:
-        raise FormatError(f"{w}.tensors: a reduced layer has 1 or 2 tensors, not {len(tensors)}")
-    # tensors[0] log_weights; tensors[1] anchor present if and only if form is query (§14.2)
+    if not 1 <= len(tensors) <= 3:
+        raise FormatError(f"{w}.tensors: a reduced layer has 1 to 3 tensors, not {len(tensors)}")
+    # tensors[0] log_weights; then anchor, present if and only if form is query; then (1.11) scores, present if
+    # and only if the reduce object has a bound (§14.2)
     want = [("log_weights", (B, H, S))]
     if reduce["form"] == "query":
         want.append(("anchor", (B, H, Dk)))
+    if reduce["bound"] is not None:
+        want.append(("scores", (B, H, S)))
     if len(tensors) != len(want):
-        raise FormatError(f"{w}.tensors: {len(tensors)} tensors; form {reduce['form']!r} needs {len(want)} "
-                          "(log_weights, and an anchor if and only if form is query)")
+        raise FormatError(f"{w}.tensors: {len(tensors)} tensors; form {reduce['form']!r} "
+                          f"{'with' if reduce['bound'] is not None else 'without'} a bound needs {len(want)} "
+                          "(log_weights, an anchor if and only if form is query, scores if and only if "
+                          "reduce has a bound)")
     for j, (t, (name, shape)) in enumerate(zip(tensors, want)):
         if t["name"] != name:
             raise FormatError(f"{w}.tensors[{j}].name {t['name']!r}, expected {name!r}")
@@ -920,7 +943,7 @@ def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None, minor
                 raise LimitExceeded(f"{wj}.shape[{i}]={d} above 2^31")
         if shape[0] != B:
             raise FormatError(f"{wj}.shape[0]={shape[0]} is not batch {B}")
-        if name in ("conv", "indexer_keys", "log_weights", "anchor") and len(shape) != 3:
+        if name in ("conv", "indexer_keys", "log_weights", "anchor", "scores") and len(shape) != 3:
             raise FormatError(f"{wj}.shape: a {name} tensor has exactly 3 dimensions")
         if name == "indexer_keys" and shape[1] != S:
             raise FormatError(f"{wj}.shape[1]={shape[1]} is not the layer's seq_len {S}")
@@ -928,7 +951,8 @@ def validate_state(st, B, S, sw, w, H=None, Dk=None, reduce=None, cl=None, minor
             raise FormatError(f"{wj}: a {name} tensor in a layer of kind {kind}")
         key = (slot, STATE_NAMES.index(name))
         if prev is not None and key <= prev:
-            raise FormatError(f"{wj}: not in state order (by slot, then conv, recurrent, indexer_keys; each once)")
+            raise FormatError(f"{wj}: not in state order (by slot, then conv, recurrent, indexer_keys, "
+                              "log_weights, anchor, scores; each once)")
         prev = key
         n = 1
         for d in shape:
@@ -1923,6 +1947,18 @@ def check_absent_weights(a, parts, layer):
                           f"(heads[{b}][{h}]={int(n[b, h])}; -inf if and only if absent, §14.2)")
 
 
+def check_scores(a, layer):
+    """(1.11, §14.2) the decoded scores [B, H, S] of a reduced layer: no score is NaN (any binary32 NaN bit
+    pattern, either sign, any payload); every other value, +-inf included, is valid [FormatError, field
+    State.Data]. Applied to every entry, the absent places of a layer with parts.heads included."""
+    bits = np.asarray(a).view("<u4")
+    bad = np.argwhere((bits & 0x7FFFFFFF) > 0x7F800000)
+    if len(bad):
+        b, h, j = (int(x) for x in bad[0])
+        raise FormatError(f"State.Data: layer {layer} scores[{b}][{h}][{j}] is NaN "
+                          f"(0x{int(bits[b, h, j]):08X}; no score is NaN, §14.2)")
+
+
 def _regen_state(rs, l, j):
     if rs is None:
         return None
@@ -1984,6 +2020,8 @@ def decode_file(buf, regen=None, predictors=None):
                         raise FormatError("log_weights of sinks/buffer are not 0 (State.Data)")
                     if pr["heads"] is not None:
                         check_absent_weights(a, pr, s["layer"])
+                elif t["name"] == "scores":  # (1.11, §14.2) no score is NaN (absent entries' included)
+                    check_scores(a, s["layer"])
                 continue
             lay = L[s["layer"]]
             D = lay["Dk"] if s["part"] == 0 else lay["Dv"]
