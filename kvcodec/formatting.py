@@ -61,7 +61,9 @@ def inspection_text(info: dict, name: str, sections: bool = True) -> str:
             f"{rd['sinks']} sinks, window {rd['window']}, seed {rd['seed']}; parts: {rd['parts']['fixed']} fixed, "
             f"{rd['parts']['sinks']} sinks, {len(levels)} summaries ({sum(levels)} atoms), "
             f"{rd['parts']['buffer']} raw recent; appended tokens "
-            + (f"keep being reduced ({rd['reducer']})" if rd["reducer"] else "are kept raw"))
+            + (f"keep being reduced ({rd['reducer']})" if rd["reducer"] else
+               f"compete for the kept places (bound: the newest {rd['bound']['recent']} stay raw, compacted every "
+               f"{rd['bound']['step']} more)" if rd.get("bound") else "are kept raw"))
     ef = info.get("engine_file")
     if ef:
         m = ef.get("model") or {}

@@ -81,8 +81,23 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Hand the memory freed so far back to the system (glibc's malloc_trim), so that the resident size before a
+    call is what the process holds, not what an earlier call freed: the peak above it is then the call's."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measured(fn):
-    """(fn(), seconds, peak resident bytes above the start) - the process's RSS sampled every 5 ms."""
+    """(fn(), seconds, peak resident bytes above the start) - the process's RSS sampled every 5 ms, after the
+    memory freed before the call was handed back."""
+    _trim()
     base, peak, stop = _rss(), [0], threading.Event()
 
     def sample():
@@ -128,6 +143,30 @@ def _held(cache, n_full: int) -> float:
     return round(cache.counted(), 1) if hasattr(cache, "counted") else float(n_full)
 
 
+def _fitted_summary(model, red, full, replay):
+    """``cluster,fit``: a merge-reduce cache whose every entry (atoms, sinks, raw buffer) keeps its key while its
+    value and log-weight are refitted to the whole cache's attention on kvzip's replay queries, as kvzip's
+    selection is (an experiment: held as a one-shot cache, it no longer reduces what is appended)."""
+    from ..reduction import Plan, ReducedCache, ReducedLayer
+    from ..reduction import _fit_layer as fit_layer
+    from ..reduction.attention import scalings
+
+    scale = scalings(model)
+    plan = Plan(k=1, block=1, sinks=red.plan.sinks, method=None, form="dot")
+    layers = []
+    for i, la in enumerate(red.layers):
+        if not isinstance(la, ReducedLayer):
+            layers.append(la)
+            continue
+        k, v, beta = la.assemble()
+        beta = torch.zeros(k.shape[:3]) if beta is None else beta
+        gv, gb = fit_layer(full.layers[i].keys, full.layers[i].values, k, v, beta, replay.reference[i], scale[i])
+        out = ReducedLayer(plan, i, scale[i])
+        out.set_fixed(k, gv, la.get_seq_length(), gb)
+        layers.append(out)
+    return ReducedCache(model, plan, layers=layers, method="cluster")
+
+
 def _reduce(model, method: str, full, ids, keep: float, replay):
     from ..reduction import reduce
 
@@ -135,15 +174,25 @@ def _reduce(model, method: str, full, ids, keep: float, replay):
         return reduce(full, model, keep=keep)
     name, *opts = method.split(",")
     kw = {"tokens": ids}
-    if "nobound" in opts:
-        kw["bound"] = False
-    if "nofit" in opts:
-        kw["fit"] = False
-    if "fit" in opts:
-        kw["fit"] = True
+    for o in opts:
+        if o == "nobound":
+            kw["bound"] = False
+        elif o == "nofit":
+            kw["fit"] = False
+        elif o == "fit" and name != "cluster":
+            kw["fit"] = True
+        elif o == "own":  # kvzip: its own replay, timed with it (not the one shared by the kvzip rows)
+            replay = None
+        elif o.startswith("allocation="):
+            kw["allocation"] = o.partition("=")[2]
+        elif o != "fit":
+            raise ValueError(f"unknown method option {o!r} (nobound, nofit, fit, own, allocation=A)")
     if name == "kvzip":
         kw["observation"] = replay
-    return reduce(full, model, keep, name, **kw)
+    red = reduce(full, model, keep, name, **kw)
+    if name == "cluster" and "fit" in opts:
+        red = _fitted_summary(model, red, full, replay)
+    return red
 
 
 @torch.no_grad()
@@ -161,7 +210,7 @@ def run_turns(model, tok, convs, keep: float, methods, progress=print) -> list[d
         out = model(ids, **{ka: None}, use_cache=True)
         full = out["cache"] if "cache" in out else out["past_key_values"]
         replay = None
-        if any(m.split(",")[0] == "kvzip" for m in methods):
+        if any(m.split(",")[0] == "kvzip" or m == "cluster,fit" for m in methods):
             replay = replay_observation(full, model, ids)  # shared by the kvzip variants (default runs its own)
         for m in ["full"] + [x for x in methods if x != "full"]:
             if m == "full":
