@@ -169,8 +169,8 @@ def test_token_tier_wrong_model_and_tokenizer(smollm2):
 
 
 def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
-    """`kvz encode --reduce`: SmolLM2 over a real text, reduced to 10 % (clustering), stored lossy; the file
-    says what it is and decodes to a cache SmolLM2 generates from."""
+    """`kvz encode --reduce`: SmolLM2 over a real text, reduced to 10 % (the default: kvzip, its fit and its
+    bound), stored lossy; the file says what it is and decodes to a cache SmolLM2 generates from."""
     from kvcodec.cli import main
 
     text = tmp_path / "t.txt"
@@ -180,7 +180,8 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
                  "--bits", "3", "--dtype", "fp32", "-o", str(out), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     info = kvcodec.inspect(out)
-    assert info["tier"] == "lossy" and info["reduce"]["method"] == "cluster"
+    assert info["tier"] == "lossy" and info["reduce"]["method"] == "kvzip" and info["format_version"] == "1.11"
+    assert info["reduce"]["bound"] == {"recent": 16, "step": 16}
     assert info["reduce"]["tokens"] == 400 and info["reduce"]["entries"] <= 40 and rep["tokens"] == info["tokens"]
     model, tok = smollm2
     cache = kvcodec.load(out, model)
@@ -189,8 +190,8 @@ def test_kvz_encode_reduce_on_real_text(tmp_path, capsys, smollm2):
 
 
 def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, smollm2):
-    """`kvz encode --reduce-method kvzip`: a 1.8 file (the heads of a layer keep different numbers: KVzip's
-    default allocation) holding what kvcodec.reduce keeps with KVzip's repeat instruction in SmolLM2's tokens
+    """`kvz encode --reduce-method kvzip`: a 1.11 file (the heads of a layer keep different numbers: KVzip's
+    default allocation, 1.8; its bound, 1.11) holding what kvcodec.reduce keeps with KVzip's repeat instruction in SmolLM2's tokens
     (not what it keeps without it), values and log-weights refitted (its default fit); with `--no-reduce-fit`
     the same keys with the selected tokens' own values, log-weight 0."""
     from kvcodec.cli import main
@@ -202,7 +203,7 @@ def test_kvz_encode_reduce_kvzip_reads_the_repeat_instruction(tmp_path, capsys, 
     assert main(["encode", "--text", str(text), "--max-tokens", "300", "--reduce", "0.25", "--reduce-method",
                  "kvzip", "--tier", "lossless", "--dtype", "fp32", "-o", str(out), "--json"]) == 0
     info = kvcodec.inspect(out)
-    assert info["format_version"] == "1.8" and info["reduce"]["method"] == "kvzip"
+    assert info["format_version"] == "1.11" and info["reduce"]["method"] == "kvzip"
     model, tok = smollm2
     ids = tokenize(tok, demo_text(), 300)
     cache = prefill(model, ids)
