@@ -44,7 +44,7 @@ METHODS = ["full", "cluster", "sample", "cluster-kernel", "cluster+scan", "snapk
            "kvzip"]
 
 
-def _lines_at(text: str, frac: float) -> int:
+def lines_at(text: str, frac: float) -> int:
     """The index of a line break near ``frac`` of ``text``."""
     pos = int(len(text) * frac)
     nl = text.rfind("\n", 0, pos)
@@ -66,7 +66,7 @@ def make_items(tok, files, context: int, depths, seed: int = 0):
         for d in depths:
             colour, obj = COLOURS[rng.integers(len(COLOURS))], OBJECTS[rng.integers(len(OBJECTS))]
             code = "".join(str(x) for x in rng.integers(0, 10, 5))
-            at = _lines_at(text, d)
+            at = lines_at(text, d)
             hay = text[:at] + f"The access code for the {colour} {obj} is {code}.\n" + text[at:]
             items.append({"kind": "needle", "depth": d, "doc": hay,
                           "question": f"What is the access code for the {colour} {obj}?",

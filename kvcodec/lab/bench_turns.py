@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from .bench_reduce import COLOURS, OBJECTS, _lines_at
+from .bench_reduce import COLOURS, OBJECTS, lines_at
 from .common import missing_corpus, selected_files, write_report
 
 METHODS = ["default", "kvzip,nobound", "kvzip,nofit", "snapkv,fit", "snapkv", "tova,fit", "streaming", "cluster"]
@@ -65,7 +65,7 @@ def make_conversations(tok, files, context: int, documents: int, skip: int, seed
             p = int(picks[len(turns) % len(DEPTHS)])
             colour, obj = COLOURS[p // len(OBJECTS)], OBJECTS[p % len(OBJECTS)]
             code = "".join(str(x) for x in rng.integers(0, 10, 5))
-            at = _lines_at(text, d)
+            at = lines_at(text, d)
             text = text[:at] + f"The access code for the {colour} {obj} is {code}.\n" + text[at:]
             turns.append({"kind": "needle", "depth": d, "question": f"What is the access code for the {colour} {obj}?",
                           "lead": f" The access code for the {colour} {obj} is", "answer": code})
@@ -148,7 +148,7 @@ def _fitted_summary(model, red, full, replay):
     value and log-weight are refitted to the whole cache's attention on kvzip's replay queries, as kvzip's
     selection is (an experiment: held as a one-shot cache, it no longer reduces what is appended)."""
     from ..reduction import Plan, ReducedCache, ReducedLayer
-    from ..reduction import _fit_layer as fit_layer
+    from ..reduction import fit_layer
     from ..reduction.attention import scalings
 
     scale = scalings(model)

@@ -267,7 +267,7 @@ class _PolicyFitter:
             beta = torch.zeros(b, h, total, device=key.device)
         ref = query[:, :, ::_reference_stride(int(query.shape[2]))].detach().float()
         full = self.full[li]
-        v, bt = _fit_layer(full.keys, full.values, key[:, :, :width], value[:, :, :width], beta[:, :, :width], ref,
+        v, bt = fit_layer(full.keys, full.values, key[:, :, :width], value[:, :, :width], beta[:, :, :width], ref,
                            self.scale[li])
         self.fitted[li] = (v, bt)
         return torch.cat([v, value[:, :, width:]], 2), torch.cat([bt.to(beta.dtype), beta[:, :, width:]], 2)
@@ -433,7 +433,7 @@ def _with_rest(keys, values, idx, present, atom):
     return gk, gv, beta
 
 
-def _fit_layer(keys, values, gk, gv, beta, reference, scaling: float):
+def fit_layer(keys, values, gk, gv, beta, reference, scaling: float):
     """(values, log-weights ``[b, h, S]``) of a layer's kept entries ``gk``/``gv`` (log-weights ``beta``, None:
     all 0; -inf: absent places, left as they are) refitted head by head to the whole layer's attention on the
     ``reference`` queries ``[b, q_heads, m, d]`` (``fit=True``, :func:`kvcodec.reduction.fit.fit_head`)."""
@@ -640,7 +640,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "kvzip", *, bud
                          f"tova, h2o); method {method!r} sees none")
     if fit == "policy" and method != "kvzip":
         raise ValueError("fit='policy' fits during a second replay: kvzip only")
-    if fit and question is not None:
+    if fit and question is not None and method != "kvzip":  # (kvzip refuses any question, below)
         raise ValueError("fit= matches attention on the prefill's queries; with question= pass fit=False")
     if method == "kvzip":
         if question is not None:
@@ -712,7 +712,7 @@ def reduce(cache, model, keep: float | None = 0.1, method: str = "kvzip", *, bud
             gk, gv, beta = _with_rest(keys, values, idx, present, atom) if rest else _gather(keys, values, idx, present)
             scores = _entry_scores(obs, i, idx, present, atom, count, sinks, int(gk.shape[2])) if bound else None
             if fit is True:
-                gv, beta = _fit_layer(keys, values, gk, gv, beta, obs.reference[i], scale[i])
+                gv, beta = fit_layer(keys, values, gk, gv, beta, obs.reference[i], scale[i])
             elif fit == "policy":
                 kept[i] = (gk, gv, beta)
             red.set_fixed(gk, gv, n, beta, scores)
