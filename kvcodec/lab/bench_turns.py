@@ -224,7 +224,7 @@ def run_turns(model, tok, convs, keep: float, methods, progress=print) -> list[d
                 lp, em = _turn(model, cache, q, a)
                 rows.append({"file": conv["file"], "tokens": n, "method": m, "turn": t, "kind": turn["kind"],
                              "depth": turn["depth"], "answer_bits": lp, "exact": em, "held_before": held0,
-                             "held_after": _held(cache, n + 0), "reduce_s": round(seconds, 3), "peak_bytes": peak,
+                             "held_after": _held(cache, n), "reduce_s": round(seconds, 3), "peak_bytes": peak,
                              "appended": int(q.shape[1] + a.shape[1])})
             progress(f"{conv['file']} n={n} {m}: reduce {seconds:.1f} s, held {held0} -> {_held(cache, n)}")
     return rows

@@ -520,11 +520,10 @@ def _entry_scores(obs, layer: int, idx, present, atom, count, sinks: int, width:
     and for a ``rest`` atom (never evicted), 0 for absent places."""
     b, h, _ = idx.shape
     peak = None if obs is None else getattr(obs, "peak", {}).get(layer)
-    n = None if peak is None else int(peak.shape[-1])
-    tok = peak.float().clone() if peak is not None else None
-    if tok is None:
-        n = int(idx.max()) + 1 if idx.numel() else 0
-        tok = torch.zeros(b, h, max(n, 1))
+    if peak is None:
+        tok = torch.zeros(b, h, int(idx.max()) + 1 if idx.numel() else 1)
+    else:
+        tok = peak.float().clone()
     tok[..., :sinks] = float("inf")
     got = tok.gather(2, idx.clamp(max=tok.shape[-1] - 1))
     if present is not None:

@@ -96,6 +96,16 @@ def float_mask(mask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
     return mask.to(dtype)
 
 
+def _visible(mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """``mask`` as wide as the layer's ``kv_len`` entries: one built for another layer's entries (budgets spread
+    over the layers) keeps only its last ``q_len`` columns (the new tokens'), every stored entry before them
+    visible to every new query (spec section 14)."""
+    if mask.shape[-1] == kv_len:
+        return mask
+    past = torch.zeros(*mask.shape[:-1], kv_len - q_len, dtype=mask.dtype, device=mask.device)
+    return torch.cat([past, mask[..., -q_len:]], -1)
+
+
 def _module_eager(module):
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -122,12 +132,7 @@ def _wrapper(original: str):
         b, hq, q_len, _ = query.shape
         kv_len = key.shape[-2]
         if beta is not None or (reduced and attention_mask is not None and attention_mask.shape[-1] != kv_len):
-            mask = float_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
-            if mask.shape[-1] != kv_len:  # built for another layer's entries (budgets spread over the layers):
-                # every stored entry is visible to every new query (spec section 14); the new tokens' columns
-                # are the mask's last q_len
-                past = torch.zeros(*mask.shape[:-1], kv_len - q_len, dtype=mask.dtype, device=mask.device)
-                mask = torch.cat([past, mask[..., -q_len:]], -1)
+            mask = _visible(float_mask(attention_mask, q_len, kv_len, query.dtype, query.device), q_len, kv_len)
             if beta is not None:
                 groups = hq // beta.shape[1]
                 mask = mask + beta.to(query.dtype).repeat_interleave(groups, dim=1)[:, :, None, :]  # [b, hq, 1, kv]
@@ -135,10 +140,7 @@ def _wrapper(original: str):
         if scorer is not None:  # a bounded layer: what this call's queries read of its entries
             scaling = kwargs.get("scaling")
             scaling = getattr(module, "scaling", 1.0 / math.sqrt(query.shape[-1])) if scaling is None else scaling
-            mask = float_mask(attention_mask, q_len, kv_len, torch.float32, query.device)
-            if mask.shape[-1] != kv_len:  # (a mask built for another layer's entries: as above)
-                past = torch.zeros(*mask.shape[:-1], kv_len - q_len, dtype=mask.dtype, device=mask.device)
-                mask = torch.cat([past, mask[..., -q_len:]], -1)
+            mask = _visible(float_mask(attention_mask, q_len, kv_len, torch.float32, query.device), q_len, kv_len)
             scorer(peak_weights(query, key, mask, float(scaling)))
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
