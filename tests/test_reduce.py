@@ -1671,3 +1671,15 @@ def test_bound_headers_and_scores_are_checked():
     with pytest.raises(kvcodec.FormatError, match="NaN") as e:
         kvcodec.decode(fuzz_tools().reseal(raw), m)
     assert e.value.field == "State.Data"
+
+
+def test_a_bounded_layer_without_kept_entries_keeps_none_of_the_moved_tokens():
+    """spec/kvz.md section 14.4: each head keeps as many of the candidates as its fixed part held - none, for a
+    bounded layer that was never given a selection: it holds its sinks and its recent raw tokens only."""
+    g = torch.Generator().manual_seed(3)
+    la = ReducedLayer(Plan(k=1, block=1, sinks=2, method=None, form="dot", recent=2, step=3), 0, 0.5)
+    la.update(torch.randn(1, 1, 8, 4, generator=g), torch.randn(1, 1, 8, 4, generator=g))  # 2 sinks, 6 raw
+    last = torch.randn(1, 1, 1, 4, generator=g)
+    la.update(last, torch.randn(1, 1, 1, 4, generator=g))  # compacts first: 4 move, 0 kept; 2 recent + this one
+    assert la.entries() == 2 + 2 + 1 and la.fixed[0].shape[2] == 0 and torch.equal(la.keys[:, :, -1:], last)
+    assert la.get_seq_length() == 9 and la.scores.shape[2] == 5

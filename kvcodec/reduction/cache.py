@@ -330,9 +330,7 @@ class ReducedLayer(DynamicLayer):
         s = int(self.sinks[0].shape[2])
         fb = torch.zeros(b, h, f) if fb is None else fb.float()
         present = torch.isfinite(fb)
-        count = present.sum(-1) if f else torch.full((b, h), 0, dtype=torch.long)
-        if f == 0:
-            count = count + move  # an empty fixed part takes the moved tokens as they are
+        count = present.sum(-1)  # each head keeps as many as its fixed part holds (spec/kvz.md section 14.4)
         ck = torch.cat([fk, bk[:, :, :move]], 2)
         cv = torch.cat([fv, bv[:, :, :move]], 2)
         cb = torch.cat([fb, fb.new_zeros(b, h, move)], 2)
