@@ -392,7 +392,7 @@ def cmd_store(args) -> int:
         if not store.exists():  # a mistyped path or bucket is an error, not an empty store
             raise FileNotFoundError(f"no store at {args.url} ({store.root} has no ns/ directory)")
     if args.action == "ls":
-        keys = store.sessions()
+        keys = store.sessions() + store.reductions()  # sessions <N>:<s>, then reduced objects <N>:<s>:<r>
         if args.json:
             print(json.dumps(keys))
         else:
@@ -407,7 +407,8 @@ def cmd_store(args) -> int:
             print(json.dumps(st, indent=2))
             return 0
         print(f"{args.url}: {st['sessions']} sessions, {st['chunks']} chunks (+ {st['cold_chunks']} cold), "
-              f"{st['entries']} prefix entries, {_human(st['bytes'])}, {st['quarantined']} quarantined")
+              f"{st['entries']} prefix entries, {st['reduced']} reduced caches, {_human(st['bytes'])}, "
+              f"{st['quarantined']} quarantined")
         for ns, d in st["namespaces"].items():
             rec = d["record"] or {}
             model = (rec.get("model") or {}).get("fingerprint", "none")[:16]
@@ -443,7 +444,23 @@ def cmd_store(args) -> int:
         from safetensors.torch import save_file
 
         if len(args.keys) != 1 or not args.output:
-            raise ConfigError("kvz store get URL KEY -o OUT.safetensors")
+            raise ConfigError("kvz store get URL KEY -o OUT.safetensors (a reduced cache's key: -o OUT.kvz)")
+        if Path(args.output).exists() and not args.force:
+            raise ConfigError(f"{args.output} exists (use -f to replace it)")
+        if args.keys[0].count(":") == 2:  # a reduced object: entries with masses, kept as a .kvz file
+            from .api import save
+
+            if not args.output.endswith(".kvz"):
+                raise ConfigError("a reduced cache is written as a .kvz file (its atoms' masses have no place in "
+                                  "a plain safetensors file): -o OUT.kvz")
+            try:
+                kv = store.get(args.keys[0], output="kvcache")
+            except KeyError:
+                raise ConfigError(f"no reduced cache {args.keys[0]}") from None
+            save(args.output, kv)
+            _report(args, f"{args.output}: a reduced cache of {max(kv.cumulative_length)} tokens, {kv.num_layers} "
+                    "layers (lossless)", file=args.output, tokens=max(kv.cumulative_length))
+            return 0
         try:
             kv = store.get(args.keys[0], output="kvcache")
         except KeyError:
@@ -452,8 +469,6 @@ def cmd_store(args) -> int:
             if store.model is None and "model=" in str(e):
                 raise type(e)(f"{e} (on the command line: --with-model)") from None
             raise
-        if Path(args.output).exists() and not args.force:
-            raise ConfigError(f"{args.output} exists (use -f to replace it)")
         tensors = {f"layers.{i}.{p}": t.contiguous() for i, (k, v) in enumerate(zip(kv.keys, kv.values))
                    for p, t in (("keys", k), ("values", v))}
         tensors["tokens"] = kv.tokens

@@ -1400,21 +1400,73 @@ def test_bench_merges_an_earlier_run_only_when_it_is_the_same_experiment(tmp_pat
             br.merge_renames(pairs, ["full", "kvzip"], runs)
 
 
-def test_store_refuses_a_reduced_cache_and_a_stored_session_reduces(tmp_path):
-    """The store chunks by token position, which atoms do not have: put(reduced) is refused by name; the
-    composition that works is reduce() on what the store returns."""
-    from kvcodec.errors import UnsupportedCache
+def test_store_keeps_a_reduced_cache_beside_its_session(tmp_path, capsys):
+    """Reduced objects (store spec §6.1): put(reduced, tokens=) stores it whole, keyed by the full token sequence
+    and how it was reduced; get() returns the same reduced cache (same logits, same compactions later); it
+    survives a collection (its session deleted, an eviction budget of 0); a generated-into cache is stored
+    under its longer sequence; bad tokens and a copy under another name are refused by field."""
+    import copy
+    import json
 
     m = _model("llama")
     ids = _ids(80)
-    store = kvcodec.Store(tmp_path / "s", m, chunk_tokens=32)
-    key = store.put(model_cache(m, ids), tokens=ids)
+    store = kvcodec.Store(tmp_path / "s", m, chunk_tokens=32, grace_seconds=0)
+    full = model_cache(m, ids)
+    key = store.put(full, tokens=ids)
     red = kvcodec.reduce(store.get(key), m, keep=0.25, tokens=ids)
-    with pytest.raises(UnsupportedCache, match="atoms, not token positions"):
-        store.put(red, tokens=ids)
-    nxt = _ids(3, 5)
-    direct = kvcodec.reduce(model_cache(m, ids), m, keep=0.25, tokens=ids)
-    assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=direct).logits)
+    with pytest.raises(kvcodec.ConfigError, match="tokens="):
+        store.put(red)
+    with pytest.raises(kvcodec.ConfigError, match="79 token ids for a reduced cache that has seen 80"):
+        store.put(red, tokens=ids[:, :-1])
+    rkey = store.put(red, tokens=ids)
+    ns, s, r = rkey.split(":")
+    assert key == f"{ns}:{s}" and len(r) == 16  # keyed by the same token sequence as the full session
+    other = store.put(kvcodec.reduce(store.get(key), m, keep=0.5, tokens=ids), tokens=ids)
+    assert store.reductions(ids) == sorted([rkey, other]) == store.reductions() and rkey in store
+    assert store.sessions() == [key]  # sessions are sessions; reduced objects are listed apart
+    assert store.stats()["reduced"] == 2
+    from kvcodec.cli import main  # the command line lists them and writes one out as a .kvz file
+
+    url = str(tmp_path / "s")
+    assert main(["store", "ls", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [key] + sorted([rkey, other])
+    assert main(["store", "get", url, rkey, "-o", str(tmp_path / "r.safetensors")]) == 1
+    assert "-o OUT.kvz" in capsys.readouterr().err
+    assert main(["store", "get", url, rkey, "-o", str(tmp_path / "r.kvz")]) == 0
+    capsys.readouterr()
+    assert kvcodec.to_canonical(kvcodec.load(tmp_path / "r.kvz")).equal(kvcodec.to_canonical(red))
+    nxt, nxt2 = _ids(40, 5), _ids(3, 6)
+
+    def run(cache):  # the second call compacts the first call's tokens (a bounded layer)
+        return torch.cat([m(nxt, past_key_values=cache).logits, m(nxt2, past_key_values=cache).logits], 1)
+
+    want = run(copy.deepcopy(red))
+    store.delete(key)
+    store.gc(max_bytes=0)  # its session gone and every chunk evicted: the reduced objects are roots
+    assert key not in store and store.reductions() == sorted([rkey, other])
+    back = store.get(rkey, m)
+    assert isinstance(back, ReducedCache)
+    assert torch.equal(run(back), want)  # and the 40 tokens compacted alike
+    longer = torch.cat([ids, nxt, nxt2], 1)
+    with pytest.raises(kvcodec.ConfigError, match="has seen 123"):
+        store.put(back, tokens=ids)
+    k2 = store.put(back, tokens=longer)
+    assert k2.split(":")[2] == r and k2.split(":")[1] != s  # the same reduction of the longer sequence
+    store.delete(other)
+    with pytest.raises(KeyError):
+        store.delete(other)
+    with pytest.raises(KeyError):
+        store.get(other)
+    # a reduced object copied under another sequence's name is refused by its own header, and quarantined
+    src = tmp_path / "s" / "ns" / ns / "reduced" / s[:2] / s / f"{r}.kvz"
+    fake = "f" * 64
+    dest = tmp_path / "s" / "ns" / ns / "reduced" / fake[:2] / fake
+    dest.mkdir(parents=True)
+    (dest / f"{r}.kvz").write_bytes(src.read_bytes())
+    with pytest.raises(kvcodec.FormatError) as err:
+        store.get(f"{ns}:{fake}:{r}")
+    assert err.value.field == "Header.info"
+    assert not (dest / f"{r}.kvz").exists() and any((tmp_path / "s" / "quarantine").iterdir())
 
 
 def _question_queries(m, cache, q):

@@ -350,6 +350,32 @@ def test_store_on_s3_through_fsspec(s3_server, monkeypatch):
     assert removed["chunks"] == 1 and store.get(keys[1], output="kvcache").equal(caches[1])
 
 
+@pytest.mark.filterwarnings("ignore:vq_rans")  # a tiny model's few components: 3 bits not reachable
+def test_reduced_objects_on_s3_in_the_lossy_tier(s3_server):
+    """A reduced cache in a lossy namespace on S3 (store spec §6.1): stored whole beside the full session,
+    listed, read back as the file the lossy tier writes, kept by a collection, deleted by key."""
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3_server}}
+    m = tiny_model("llama")
+    ids = _ids(64, 3)
+    store = kvcodec.Store("s3://kvz-test/reduced", m, storage_options=opts, chunk_tokens=16, tier="lossy",
+                          bits=3.0, grace_seconds=0)
+    key = store.put(model_cache(m, ids), tokens=ids)
+    red = kvcodec.reduce(store.get(key), m, keep=0.25, tokens=ids)
+    rkey = store.put(red, tokens=ids)
+    assert rkey.startswith(key + ":") and store.reductions(ids) == [rkey]
+    ns, s, r = rkey.split(":")
+    got = store.get(rkey, output="kvcache")
+    want = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3.0), output="kvcache")
+    assert got.reduce == want.reduce and all(torch.equal(a, b) for a, b in zip(got.keys, want.keys))
+    store.delete(key)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert store.gc(grace_seconds=0)["chunks"] > 0 and store.reductions() == [rkey]
+    assert not [w for w in seen if "not store objects" in str(w.message)]  # a reduced object is the store's
+    store.delete(rkey)
+    assert store.reductions() == [] and rkey not in store
+
+
 def test_command_line(tmp_path, capsys):
     import json
 

@@ -50,9 +50,11 @@ from .keys import (
     parse_entry_name,
     session_path,
     split_chunk_name,
+    split_reduced_key,
 )
 from .lease import Lease, prune_records, write_record
 from .objects import IDS_MAGIC, LM_HEAD, LM_MAGIC, MAX_BASE_DEPTH, SMALL_LIMIT
+from .reduced import is_reduced_rel
 from .write import WritePath
 
 BATCH = 256
@@ -71,8 +73,10 @@ class _Listing:
 
 class Collector(WritePath):
     def delete(self, key: str) -> None:
-        """Remove a session (its chunks stay until :meth:`gc` finds them unreferenced); KeyError when there is
-        no such session (also for the second of two deletes racing each other)."""
+        """Remove a session (its chunks stay until :meth:`gc` finds them unreferenced), or a reduced object;
+        KeyError when there is no such session (also for the second of two deletes racing each other)."""
+        if split_reduced_key(key) is not None:  # a reduced object (spec §6.1)
+            return self._delete_reduced(key)
         ns, session = self._split_key(key)
         if self.backend.delete(session_path(ns, session)) < 0:
             raise KeyError(key)
@@ -167,6 +171,8 @@ class Collector(WritePath):
             elif top == "sessions" and len(parts) == 3 and it.name.endswith(".kvs") and is_hex64(it.name[:-4]) \
                     and parts[1] == it.name[:2]:
                 lst.sessions[it.name[:-4]] = it
+            elif is_reduced_rel(parts, it.name):  # roots that only delete() removes (spec §6.1, §7.3)
+                continue
             elif top == "prefix":  # pointer objects of store revisions before 2.0 (spec §9): hints, replaced
                 lst.collectable.append((rel, it))
             elif len(parts) == 1 and it.name == "namespace.json" or top in ("numerics", "predictors"):

@@ -26,7 +26,7 @@ FORMAT = "kvz-store"
 #: the namespace record's version (spec §2): unchanged since 1.0, so namespaces (and their ids) carry over
 VERSION = 1
 #: the store specification's revision this code implements (spec/store.md, change log §9)
-REVISION = "2.0.0"
+REVISION = "2.1.0"
 CHUNK_MAGIC = b"kvcodec-store-chunk-v1\x00"
 ROOT_PARENT = bytes(32)
 #: entry names carry at most this many token ids (8 hex digits each: a name stays under 255 bytes)
@@ -34,6 +34,7 @@ MAX_GRANULARITY = 16
 TEMP_SUFFIX = ".kvz-tmp"
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
 _ENTRY = re.compile(r"((?:[0-9a-f]{8}){1,16})\.([0-9a-f]{64})\Z")
 
 
@@ -119,6 +120,25 @@ def cold_path(ns: str, key: bytes) -> str:
 
 def session_path(ns: str, session: str) -> str:
     return f"ns/{ns}/sessions/{session[:2]}/{session}.kvs"
+
+
+def reduced_path(ns: str, session: str, reduction: str) -> str:
+    """A reduced object (spec §6.1): a reduced cache of the token sequence whose session key is ``session``."""
+    return f"ns/{ns}/reduced/{session[:2]}/{session}/{reduction}.kvz"
+
+
+def reduction_id(reduce_record: dict) -> str:
+    """16 lowercase hex digits: the first 8 bytes of SHA-256 of the canonical JSON of a reduced file's header
+    ``reduce`` object (how it was reduced), which names its reduced object among those of one sequence."""
+    return hashlib.sha256(canonical(reduce_record)).hexdigest()[:16]
+
+
+def split_reduced_key(key) -> tuple[str, str, str] | None:
+    """``(namespace, session, reduction)`` of a reduced object's key ``<N>:<s>:<r>``, else None."""
+    parts = str(key).split(":")
+    if len(parts) == 3 and is_hex64(parts[0]) and is_hex64(parts[1]) and _HEX16.match(parts[2]):
+        return parts[0], parts[1], parts[2]
+    return None
 
 
 def numerics_path(ns: str, pid: bytes) -> str:

@@ -38,7 +38,9 @@ from .keys import (
     is_hex64,
     numerics_path,
     parse_entry_name,
+    reduced_path,
     session_path,
+    split_reduced_key,
     token_ids,
 )
 from .objects import MAX_BASE_DEPTH, SMALL_LIMIT, Objects, chunk_links
@@ -355,6 +357,8 @@ class ReadPath(Objects):
         model = self.model if model is None else model
         if output not in ("dynamic", "kvcache"):
             raise ConfigError(f"output must be 'dynamic' or 'kvcache', not {output!r}")
+        if split_reduced_key(key) is not None:  # a reduced object (spec §6.1): its own file
+            return self._get_reduced(key, model, output)
         ns, m = self._manifest(key, model)
         ids, parts, a = m["ids"], [], 0
         for k, held in m["chain"]:
@@ -415,6 +419,8 @@ class ReadPath(Objects):
         return iter(self.sessions())
 
     def __contains__(self, key: str) -> bool:
+        if (red := split_reduced_key(key)) is not None:
+            return self._exists(reduced_path(*red))
         try:
             ns, session = self._split_key(key)
         except ConfigError:
@@ -812,12 +818,14 @@ class ReadPath(Objects):
 
     def stats(self) -> dict:
         """Counts and bytes: sessions, hot chunks (keys and values), cold chunks (token ids only: evicted),
-        prefix entries, quarantined objects, per namespace and in total."""
+        prefix entries, reduced objects, quarantined objects, per namespace and in total."""
         out = {"url": self.backend.describe(), "namespaces": {}, "sessions": 0, "chunks": 0, "cold_chunks": 0,
-               "entries": 0, "bytes": 0}
+               "entries": 0, "reduced": 0, "bytes": 0}
         for ns in self.namespaces():
-            d = {"sessions": 0, "chunks": 0, "cold_chunks": 0, "entries": 0, "chunk_bytes": 0, "session_bytes": 0}
-            for sub, kind in (("chunks", "chunks"), ("entries", "entries"), ("sessions", "sessions")):
+            d = {"sessions": 0, "chunks": 0, "cold_chunks": 0, "entries": 0, "chunk_bytes": 0, "session_bytes": 0,
+                 "reduced": 0, "reduced_bytes": 0}
+            for sub, kind in (("chunks", "chunks"), ("entries", "entries"), ("sessions", "sessions"),
+                              ("reduced", "reduced")):
                 for _rel, item in self.backend.walk(f"ns/{ns}/{sub}"):
                     if item.kind != "file" or item.name.startswith("."):
                         continue
@@ -826,6 +834,9 @@ class ReadPath(Objects):
                         d["chunk_bytes"] += item.size
                     elif kind == "entries":
                         d["entries"] += 1
+                    elif kind == "reduced":
+                        d["reduced"] += 1
+                        d["reduced_bytes"] += item.size
                     else:
                         d["sessions"] += 1
                         d["session_bytes"] += item.size
@@ -834,8 +845,8 @@ class ReadPath(Objects):
             except (KeyError, KvzError):
                 d["record"] = None
             out["namespaces"][ns] = d
-            for k in ("sessions", "chunks", "cold_chunks", "entries"):
+            for k in ("sessions", "chunks", "cold_chunks", "entries", "reduced"):
                 out[k] += d[k]
-            out["bytes"] += d["chunk_bytes"] + d["session_bytes"]
+            out["bytes"] += d["chunk_bytes"] + d["session_bytes"] + d["reduced_bytes"]
         out["quarantined"] = sum(1 for _ in self.backend.walk("quarantine"))
         return out

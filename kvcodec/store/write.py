@@ -37,7 +37,7 @@ from .keys import (
 )
 from .lease import KEEP_RECORDS, read_record, read_state, wait_finished
 from .objects import MAX_BASE_DEPTH, SESSION_MAGIC
-from .read import ReadPath
+from .reduced import ReducedObjects
 
 
 class Needs:
@@ -68,7 +68,7 @@ class Needs:
         return out
 
 
-class WritePath(ReadPath):
+class WritePath(ReducedObjects):
     #: how long a put waits for a collection that condemned an object it needs to end (seconds)
     settle_timeout = 600.0
 
@@ -91,9 +91,15 @@ class WritePath(ReadPath):
         """Store one session's cache (batch 1) and return its key.  ``tokens`` (1-D or ``[1, n]``): the ids of
         the positions the cache holds; else recovered from the cache with the model, as :func:`encode` does.
         Chunks already stored (by this or any other session) are not written again.  When this returns, the
-        session is stored whatever collections ran meanwhile (module docstring)."""
+        session is stored whatever collections ran meanwhile (module docstring).
+
+        A reduced cache (:func:`kvcodec.reduce`) is stored as its own object (spec §6.1), keyed by the full
+        token sequence it stands for - ``tokens`` is then required - and returns ``<N>:<s>:<r>``:
+        :meth:`get` reads it back, :meth:`reductions` lists them, :meth:`delete` removes it."""
         model = self.model if model is None else model
         kv = to_canonical(cache)
+        if kv.reduce is not None:
+            return self._put_reduced(kv, model, tokens)
         n = self._check_storable(kv)
         ids = self._session_tokens(kv, model, tokens, n)
         ns = self.namespace(model, kv.dtype)
@@ -246,10 +252,6 @@ class WritePath(ReadPath):
     def _check_storable(self, kv: KVCache) -> int:
         if kv.batch != 1:
             raise UnsupportedCache(f"a store keeps one session per put: batch {kv.batch} (put each row)")
-        if kv.reduce is not None:
-            raise UnsupportedCache("a reduced cache holds atoms, not token positions: the store cannot chunk or "
-                                   "share it. save() it as one .kvz (tier lossless or lossy), or put() the full "
-                                   "cache and kvcodec.reduce() what get() / match() return")
         if kv.has_state:
             raise UnsupportedCache("layers with recurrent / conv state or indexer keys have no per-token slices "
                                    "to share between sessions: save() such a cache as one .kvz file")
