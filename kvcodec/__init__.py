@@ -17,11 +17,13 @@ Public API::
     cache = kvcodec.decode(data, predictors=pred)     # the predictors, never the model
 """
 
-from . import codecs, tiers  # noqa: E402,F401  (register the built-in codecs and tiers)
-from .api import Encoder, KvzFile, decode, encode, inspect, load, open_kvz, save  # noqa: E402
-from .cache import KVCache, to_canonical  # noqa: E402
-from .calibrate import Profile, calibrate  # noqa: E402
-from .errors import (  # noqa: E402
+# The public names load on first use (PEP 562): the tiers and codecs import torch, transformers and numba
+# (seconds), and ``import kvcodec.cli`` - ``kvz --version``, ``kvz --help`` - needs none of them.
+import importlib
+import importlib.util
+
+from . import registry
+from .errors import (
     BackendUnavailable,
     BadMagic,
     ChecksumMismatch,
@@ -45,14 +47,41 @@ from .errors import (  # noqa: E402
     UnsupportedCache,
     UnsupportedVersion,
 )
-from .models import load_model, model_fingerprint, tokenizer_fingerprint  # noqa: E402
-from .predict import Predictors, calibrate_predictors  # noqa: E402
-from .reduction import ReducedCache, reduce  # noqa: E402
-from .store import Store  # noqa: E402
 from .version import __version__
-from ._compat import llvmlite_shim  # noqa: E402
 
-llvmlite_shim()  # numba is loaded: let vLLM's workers start beside it (kvcodec/_compat.py)
+#: public name -> the module that defines it, imported when the name is first asked for
+_LAZY = {
+    **dict.fromkeys(["Encoder", "KvzFile", "decode", "encode", "inspect", "load", "open_kvz", "save"], "api"),
+    **dict.fromkeys(["KVCache", "to_canonical"], "cache"),
+    **dict.fromkeys(["Profile", "calibrate"], "calibrate"),
+    **dict.fromkeys(["load_model", "model_fingerprint", "tokenizer_fingerprint"], "models"),
+    **dict.fromkeys(["Predictors", "calibrate_predictors"], "predict"),
+    **dict.fromkeys(["ReducedCache", "reduce"], "reduction"),
+    "Store": "store",
+}
+
+
+def _load_builtins() -> None:
+    """Register the built-in codecs and tiers (the registry calls this before its first look-up)."""
+    from . import codecs, tiers  # noqa: F401  (registers them)
+
+
+registry.set_builtins(_load_builtins)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # once: later look-ups are plain attribute reads
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule: kvcodec.tokens, kvcodec.tiers, ...
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__", "Encoder", "encode", "decode", "save", "load", "inspect", "open_kvz", "KvzFile", "load_model",

@@ -8,7 +8,7 @@ def llvmlite_shim() -> None:
     with ``vars(x).get``; llvmlite's library wrapper (loaded by numba, which kvcodec's rANS uses) answers
     ``__dict__`` through its ``__getattr__`` with a wrapped C function, and the scan raises ``AttributeError``:
     a vLLM worker that imported kvcodec would not start.  Give that wrapper an empty ``__dict__`` answer
-    (nothing in llvmlite asks for it).  Called when kvcodec is imported."""
+    (nothing in llvmlite asks for it).  Called by the modules that import numba."""
     try:
         from llvmlite.binding import ffi
     except ImportError:

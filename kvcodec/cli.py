@@ -528,7 +528,9 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .container.layout import FORMAT_VERSION_MAJOR, FORMAT_VERSION_MINOR
+    """The parser, built without importing torch or the tiers: ``--version`` and every ``--help`` answer at once
+    (each verb imports what it needs)."""
+    from .container.layout import FORMAT_VERSION_MAJOR, FORMAT_VERSION_MINOR, REDUCE_METHODS
     from .version import __version__
 
     p = argparse.ArgumentParser(prog="kvz", description="Store transformer KV caches compactly (.kvz).")
@@ -542,8 +544,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true", help="also read every payload and check its checksum")
     s.set_defaults(func=cmd_inspect)
 
-    from .state import REDUCE_METHODS
-
     s = sub.add_parser("encode", help="store a KV cache: a model's over a text file, or a cache saved as "
                                       "safetensors")
     s.add_argument("--model", default="smollm2", help="embedded model name or local model directory")
@@ -552,8 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tokens), as `kvz decode` writes it; the model is needed for tiers exact/tokens")
     s.add_argument("-o", "--output", help="the .kvz file to write (default: the text's name with .kvz)")
     s.add_argument("-f", "--force", action="store_true", help="replace an existing output file")
-    s.add_argument("--tier", default="exact", choices=registry.tier_ids(),
-                   help="; ".join(f"{t}: {registry.tier(t).summary}" for t in registry.tier_ids())
+    s.add_argument("--tier", default="exact", choices=sorted(registry.BUILTIN_TIERS),
+                   help="; ".join(f"{t}: {line}" for t, line in sorted(registry.BUILTIN_TIERS.items()))
                    + " (default: exact)")
     s.add_argument("--bits", type=float, default=3.0,
                    help="lossy: average bits per quantized component, all side info included (exact tokens on top)")

@@ -23,8 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numba as nb
 import numpy as np
 
+from ._compat import llvmlite_shim
 from .codecs.vq_rans import PREDICTED_KEY_RATIO
 from .parallel import threads as worker_threads
+
+llvmlite_shim()  # numba is loaded: let vLLM's workers start beside it (kvcodec/_compat.py)
 
 __all__ = ["Predictors", "calibrate_predictors", "rope_tables", "rotate", "predict"]
 

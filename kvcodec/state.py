@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .container.layout import REDUCE_FORMS, REDUCE_METHODS, REDUCERS  # noqa: F401  (the header's ids)
 from .dtypes import DTYPES, bit_patterns, from_bit_patterns, of, same_bits
 from .errors import FormatError, UnsupportedCache
 
@@ -40,11 +41,6 @@ NAMES = ("conv", "recurrent", "indexer_keys", "log_weights", "anchor", "scores")
 #: the parts of a reduced layer's entries, in storage order (``levels``: highest level first)
 REDUCED_PARTS = ("fixed", "sinks", "levels", "buffer")
 MAX_LEVELS = 64
-#: the header's ``reduce`` object (1.4): what reduced the cache (``tova``, ``kvzip``: 1.7), the merge-reduce
-#: reducers, the mass forms
-REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova", "kvzip")
-REDUCERS = ("cluster", "sample")
-REDUCE_FORMS = ("query", "dot", "kernel")
 MAX_SLOTS = 256
 MAX_RANK = 8
 

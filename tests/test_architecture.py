@@ -63,6 +63,31 @@ def test_every_tier_declares_the_contract():
         assert isinstance(t.needs_model, bool) and isinstance(t.option_names, frozenset)
 
 
+def test_the_builtin_tiers_are_listed_as_they_are():
+    """registry.BUILTIN_TIERS (the command line's --tier choices and help, read without importing the tiers) names
+    every built-in tier with its own summary."""
+    assert {t: registry.tier(t).summary for t in registry.tier_ids()} == registry.BUILTIN_TIERS
+
+
+def test_the_public_names_load_on_first_use():
+    """``import kvcodec`` imports no tier, codec or torch; every name of ``__all__`` is there all the same, and the
+    first look-up in the registry finds the built-in tiers and codecs."""
+    code = """if True:
+        import sys
+        import kvcodec
+        light = not any(m in sys.modules for m in ("torch", "transformers", "numba", "kvcodec.tiers"))
+        from kvcodec import registry
+        tiers = registry.tier_ids()
+        missing = [n for n in kvcodec.__all__ if getattr(kvcodec, n, None) is None]
+        from kvcodec import *  # noqa: F403
+        print(light, tiers == sorted(registry.BUILTIN_TIERS), bool(registry.codec_ids()), missing, callable(Store),
+              kvcodec.tokens.__name__)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "True", "[]", "True", "kvcodec.tokens"], r.stdout
+
+
 def _modules():
     """kvcodec module name -> (path, is package)."""
     out = {}

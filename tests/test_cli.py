@@ -49,6 +49,28 @@ def test_console_script_entry_point():
     assert r.returncode == 0 and "tokens" in r.stdout
 
 
+def test_version_and_help_import_no_model_stack():
+    """``kvz --version``, ``kvz --help`` and every verb's ``--help`` answer without importing torch, transformers,
+    numba or a tier (they took seconds): the package and the parser load them only where a verb needs them."""
+    code = """if True:
+        import contextlib, io, sys
+        import kvcodec.cli
+        from kvcodec.cli import build_parser
+        p = build_parser()
+        verbs = list(next(a for a in p._actions if a.dest == "cmd").choices)
+        for argv in [["--version"], ["--help"]] + [[v, "--help"] for v in verbs]:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+                p.parse_args(argv)
+        heavy = sorted(m for m in ("torch", "transformers", "numba", "kvcodec.tiers", "kvcodec.codecs", "kvcodec.api")
+                       if m in sys.modules)
+        print(len(verbs), heavy)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    n, heavy = r.stdout.split(" ", 1)
+    assert int(n) >= 10 and heavy.strip() == "[]", r.stdout
+
+
 def test_missing_file_exit_code(capsys):
     assert main(["inspect", "/nonexistent/file.kvz"]) == 2  # bad input, like a malformed file
     err = capsys.readouterr().err

@@ -12,6 +12,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .._compat import llvmlite_shim
+
+llvmlite_shim()  # numba is loaded: let vLLM's workers start beside it (kvcodec/_compat.py)
+
 
 @nb.njit(cache=True, nogil=True, inline="always")
 def _rotate(syms, offset, step, codebook, use_codebook, sign, inv_d, norms, out, d):

@@ -718,22 +718,20 @@ def _parse_state(v: Validator, st, p: str, batch: int, lim: dict) -> StateInfo:
 
 def _parse_reduce(v: Validator, r, lim: dict) -> dict:
     """The ``reduce`` object (1.4): how the cache was reduced and how it keeps reducing."""
-    from ..state import REDUCE_FORMS, REDUCE_METHODS, REDUCERS
-
     v.obj(r, "reduce", {"method", "reducer", "form", "k", "block", "sinks", "window", "seed"}, {"bound"})
     method = v.str(r, "method", "reduce")
-    if method not in REDUCE_METHODS:
-        v.fail("reduce.method", f"{method!r} is not one of {list(REDUCE_METHODS)}", UnknownId)
+    if method not in L.REDUCE_METHODS:
+        v.fail("reduce.method", f"{method!r} is not one of {list(L.REDUCE_METHODS)}", UnknownId)
     reducer = r["reducer"]
     if reducer is not None:
         reducer = v.str(r, "reducer", "reduce")
-        if reducer not in REDUCERS:
-            v.fail("reduce.reducer", f"{reducer!r} is not null or one of {list(REDUCERS)}", UnknownId)
-    if (method in REDUCERS) != (reducer == method) or (method not in REDUCERS and reducer is not None):
+        if reducer not in L.REDUCERS:
+            v.fail("reduce.reducer", f"{reducer!r} is not null or one of {list(L.REDUCERS)}", UnknownId)
+    if (method in L.REDUCERS) != (reducer == method) or (method not in L.REDUCERS and reducer is not None):
         v.fail("reduce.reducer", f"must be the method for a merge-reduce method and null for {method!r}")
     form = v.str(r, "form", "reduce")
-    if form not in REDUCE_FORMS:
-        v.fail("reduce.form", f"{form!r} is not one of {list(REDUCE_FORMS)}", UnknownId)
+    if form not in L.REDUCE_FORMS:
+        v.fail("reduce.form", f"{form!r} is not one of {list(L.REDUCE_FORMS)}", UnknownId)
     out = {"method": method, "reducer": reducer, "form": form}
     for key, lo in (("k", 1), ("block", 1), ("sinks", 0), ("window", 0)):
         out[key] = v.int(r, key, "reduce", lo, lim["max_seq_len"], LimitExceeded)

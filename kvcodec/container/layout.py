@@ -53,6 +53,12 @@ FLAGS_RESERVED = 0xFFFE
 PART_KEYS = 0
 PART_VALUES = 1
 
+#: the header's ``reduce`` object (1.4): what reduced the cache (``tova``, ``kvzip``: 1.7), the merge-reduce
+#: reducers, the mass forms (:mod:`kvcodec.state` uses them; here, the command line lists them without torch)
+REDUCE_METHODS = ("cluster", "sample", "streaming", "snapkv", "h2o", "tova", "kvzip")
+REDUCERS = ("cluster", "sample")
+REDUCE_FORMS = ("query", "dot", "kernel")
+
 # Decoder limits (a decoder may lower them; these are the defaults).
 MAX_HEADER_BYTES = 16 << 20
 MAX_SECTIONS = 1 << 22

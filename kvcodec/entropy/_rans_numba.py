@@ -30,6 +30,10 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .._compat import llvmlite_shim
+
+llvmlite_shim()  # numba is loaded: let vLLM's workers start beside it (kvcodec/_compat.py)
+
 RANS_L = 1 << 16  # lower bound of the state; also the final state the decoder must reach
 
 OK = 0
