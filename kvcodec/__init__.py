@@ -21,8 +21,14 @@ Public API::
 # (seconds), and ``import kvcodec.cli`` - ``kvz --version``, ``kvz --help`` - needs none of them.
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
 from . import registry
+
+# calibrate is bound now, not on first use: it is also its module's name, and the first import of
+# kvcodec.calibrate (by any module) would set the package's attribute to the module (light: numpy and torch load
+# inside its functions)
+from .calibrate import Profile, calibrate
 from .errors import (
     BackendUnavailable,
     BadMagic,
@@ -49,11 +55,18 @@ from .errors import (
 )
 from .version import __version__
 
+if TYPE_CHECKING:  # the same names, as type checkers and editors see them
+    from .api import Encoder, KvzFile, decode, encode, inspect, load, open_kvz, save
+    from .cache import KVCache, to_canonical
+    from .models import load_model, model_fingerprint, tokenizer_fingerprint
+    from .predict import Predictors, calibrate_predictors
+    from .reduction import ReducedCache, reduce
+    from .store import Store
+
 #: public name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
     **dict.fromkeys(["Encoder", "KvzFile", "decode", "encode", "inspect", "load", "open_kvz", "save"], "api"),
     **dict.fromkeys(["KVCache", "to_canonical"], "cache"),
-    **dict.fromkeys(["Profile", "calibrate"], "calibrate"),
     **dict.fromkeys(["load_model", "model_fingerprint", "tokenizer_fingerprint"], "models"),
     **dict.fromkeys(["Predictors", "calibrate_predictors"], "predict"),
     **dict.fromkeys(["ReducedCache", "reduce"], "reduction"),

@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+# numpy and torch are imported where they are used: ``import kvcodec`` binds this module's names without them
 
 __all__ = ["Profile", "calibrate"]
 
@@ -76,6 +79,8 @@ class Profile:
         if obj.get("version") != PROFILE_VERSION:
             raise FormatError(f"profile version {obj.get('version')!r}; this reader takes {PROFILE_VERSION}",
                               field="Profile.version")
+        import numpy as np
+
         layers = obj.get("key_weights")
         if not isinstance(layers, list):
             raise FormatError("key_weights must be a list", field="Profile.key_weights")
@@ -121,10 +126,11 @@ def default_ids(tokenizer, tokens: int) -> torch.Tensor:
     return tokenize(tokenizer, text, tokens)
 
 
-@torch.no_grad()
 def calibrate(model, ids=None, *, tokenizer=None, tokens: int = 128) -> Profile:
     """A :class:`Profile` of ``model`` from the queries of one forward pass over ``ids`` (``[1, n]`` or 1-D;
     default: the first ``tokens`` tokens of the embedded text, which needs ``tokenizer``)."""
+    import torch
+
     from .identity import fingerprint
     from .reduction.attention import observe
 
@@ -137,7 +143,7 @@ def calibrate(model, ids=None, *, tokenizer=None, tokens: int = 128) -> Profile:
     if ids.shape[0] != 1 or ids.shape[1] < 1:
         raise ConfigError(f"calibrate() takes one sequence of ids, got shape {tuple(ids.shape)}")
     n = int(ids.shape[1])
-    with observe(model, window=n, received=False) as obs:
+    with observe(model, window=n, received=False) as obs, torch.no_grad():
         model(ids, use_cache=False)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
