@@ -82,8 +82,17 @@ def tiny_model(kind: str, dtype=torch.float32):
 
 @torch.no_grad()
 def model_cache(model, ids):
-    out = model(ids, use_cache=True)
-    return out["cache"] if "cache" in out else out["past_key_values"]
+    from kvcodec.tokens.plan import output_cache
+
+    return output_cache(model(ids, use_cache=True))
+
+
+def cache_arg(model, cache) -> dict:
+    """``cache`` as the keyword argument of ``model``'s forward / ``generate``, by the name the installed
+    transformers takes (``cache``; ``past_key_values`` before 5.2x, which newer versions warn about)."""
+    from kvcodec.tokens.plan import cache_kwarg
+
+    return {cache_kwarg(model): cache}
 
 
 def recorded_generate(model, ids, new, pad_token_id=0, **kw):

@@ -17,6 +17,7 @@ import torch
 
 import kvcodec
 from kvcodec.errors import FallbackWarning
+from kvcodec.tokens.plan import output_cache
 
 from .common import VOCAB, greedy_from, model_cache, tiny_model
 
@@ -41,7 +42,7 @@ def _cache(model, mode):
     if mode == "prefill":
         return model_cache(model, ids), ids, torch.cat([ids, torch.randint(1, VOCAB, (1, 1))], 1)
     out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     return cache, out.sequences[:, :-1], out.sequences
 
 

@@ -19,8 +19,9 @@ from kvcodec.reduction import (
     reducers,
 )
 from kvcodec.reduction import attention as att
+from kvcodec.tokens.plan import output_cache
 
-from .common import check_rejects, fuzz_tools, model_cache, tiny_model
+from .common import cache_arg, check_rejects, fuzz_tools, model_cache, tiny_model
 
 KINDS = ["llama", "qwen2", "gpt2"]
 
@@ -60,7 +61,7 @@ def test_unit_masses_reproduce_exact_attention_bit_for_bit_on_eager(kind):
     m = _model(kind)
     ids, nxt = _ids(50), _ids(7, seed=1)
     full = model_cache(m, ids)
-    ref = m(nxt, past_key_values=full).logits
+    ref = m(nxt, **cache_arg(m, full)).logits
 
     def build(i, k, v, s):
         red = ReducedLayer(Plan(k=1, block=1, method=None), i, s)
@@ -69,7 +70,7 @@ def test_unit_masses_reproduce_exact_attention_bit_for_bit_on_eager(kind):
 
     red = _layers_from(model_cache(m, ids), m, build)
     assert red.layers[0].beta is not None  # the bias path is exercised
-    got = m(nxt, past_key_values=red).logits
+    got = m(nxt, **cache_arg(m, red)).logits
     assert torch.equal(ref, got)
 
 
@@ -97,9 +98,9 @@ def test_log_weight_equals_duplicated_token(impl):
             return red
         return build
 
-    a = m(nxt, past_key_values=_layers_from(cache, m, dup)).logits
-    b = m(nxt, past_key_values=_layers_from(cache, m, weighted(math.log(2)))).logits
-    c = m(nxt, past_key_values=_layers_from(cache, m, weighted(0.0))).logits
+    a = m(nxt, **cache_arg(m, _layers_from(cache, m, dup))).logits
+    b = m(nxt, **cache_arg(m, _layers_from(cache, m, weighted(math.log(2))))).logits
+    c = m(nxt, **cache_arg(m, _layers_from(cache, m, weighted(0.0)))).logits
     assert torch.allclose(a, b, atol=1e-5)
     assert (a - c).abs().max() > 1e-4
 
@@ -214,7 +215,7 @@ def test_reduce_then_forward_and_generate(kind, method):
     assert red.counted() == pytest.approx(e) and red.describe()["entries"] == e and red.describe()["tokens"] == 200
     assert red.entries() >= e  # held: more where the heads of a layer keep different numbers (kvzip)
     assert red.get_seq_length() == 200
-    out = m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=red, max_new_tokens=30, do_sample=False,
+    out = m.generate(torch.cat([ids, _ids(5, 1)], 1), **cache_arg(m, red), max_new_tokens=30, do_sample=False,
                      pad_token_id=0)
     assert out.shape == (1, 235)
     assert red.get_seq_length() == 234  # the last generated token is never fed back
@@ -252,7 +253,7 @@ def test_a_reduced_cache_holds_one_copy_of_its_entries(method):
 
     red = kvcodec.reduce(full, m, keep=0.2, method=method, tokens=ids)
     assert holds_own(red) and red.nbytes() < 0.4 * full_bytes
-    m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=red, max_new_tokens=20, do_sample=False,
+    m.generate(torch.cat([ids, _ids(5, 1)], 1), **cache_arg(m, red), max_new_tokens=20, do_sample=False,
                pad_token_id=0)
     assert holds_own(red)
     back = kvcodec.decode(kvcodec.encode(red), m)  # log-weights decode as a tensor, zeros where the cache had none
@@ -265,14 +266,14 @@ def test_reduce_keep_all_equals_full_cache_and_same_seed_same_cache():
     ids = _ids(120)
     cache = model_cache(m, ids)
     nxt = _ids(4, 3)
-    ref = m(nxt, past_key_values=model_cache(m, ids)).logits
-    assert torch.equal(m(nxt, past_key_values=kvcodec.reduce(cache, m, keep=1.0)).logits, ref)
+    ref = m(nxt, **cache_arg(m, model_cache(m, ids))).logits
+    assert torch.equal(m(nxt, **cache_arg(m, kvcodec.reduce(cache, m, keep=1.0))).logits, ref)
     a = kvcodec.reduce(cache, m, keep=0.25, method="sample", seed=7)
     b = kvcodec.reduce(cache, m, keep=0.25, method="sample", seed=7)
     c = kvcodec.reduce(cache, m, keep=0.25, method="sample", seed=8)
     assert torch.equal(a.layers[1].keys, b.layers[1].keys) and torch.equal(a.layers[1].beta, b.layers[1].beta)
     assert not torch.equal(a.layers[1].beta, c.layers[1].beta)
-    assert not torch.equal(m(nxt, past_key_values=a).logits, ref)  # a reduction changes the output
+    assert not torch.equal(m(nxt, **cache_arg(m, a)).logits, ref)  # a reduction changes the output
 
 
 def test_baselines_keep_the_documented_tokens():
@@ -306,7 +307,7 @@ def test_tova_keeps_what_the_last_token_attends_to_most(kind):
     m = _model(kind)
     ids = _ids(90)
     out = m(ids, use_cache=True, output_attentions=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     red = kvcodec.reduce(cache, m, budget=17, method="tova", tokens=ids)
     e = plan_for(90, budget=17)[2]  # as many entries as a merge-reduce summary of that budget holds
     assert red.entries() == e and red.method == "tova"
@@ -321,7 +322,7 @@ def test_tova_keeps_what_the_last_token_attends_to_most(kind):
         assert torch.equal(red.layers[li].values, layer.values[:, :, kept])
     a = kvcodec.reduce(cache, m, budget=17, method="tova")  # tokens recovered from the cache
     assert torch.equal(a.layers[1].keys, red.layers[1].keys)
-    out2 = m.generate(torch.cat([ids, _ids(3, 1)], 1), past_key_values=red, max_new_tokens=4, do_sample=False,
+    out2 = m.generate(torch.cat([ids, _ids(3, 1)], 1), **cache_arg(m, red), max_new_tokens=4, do_sample=False,
                       pad_token_id=0)
     assert out2.shape == (1, 97)
 
@@ -335,7 +336,7 @@ def test_tova_knowing_the_question_ranks_every_token_by_the_questions_last_query
     m = _model("llama")
     ids, q = _ids(100), _ids(7, 5)
     cache = model_cache(m, ids)
-    ref = m(q, past_key_values=copy.deepcopy(cache), output_attentions=True).attentions
+    ref = m(q, **cache_arg(m, copy.deepcopy(cache)), output_attentions=True).attentions
     red = kvcodec.reduce(cache, m, budget=20, method="tova", question=q)
     e = plan_for(100, budget=20)[2]
     assert cache.get_seq_length() == 100 and red.entries() == e
@@ -358,7 +359,7 @@ def test_kvzip_keeps_the_sinks_and_what_the_replay_attends_to_most(kind):
     red = kvcodec.reduce(cache, m, budget=24, method="kvzip", tokens=ids, prompt=prompt, allocation="uniform")
     e = plan_for(80, budget=24)[2]
     assert red.entries() == e and cache.get_seq_length() == 80
-    att_out = m(torch.cat([prompt, ids], 1), past_key_values=copy.deepcopy(cache), output_attentions=True).attentions
+    att_out = m(torch.cat([prompt, ids], 1), **cache_arg(m, copy.deepcopy(cache)), output_attentions=True).attentions
     differ = False
     for li, layer in enumerate(cache.layers):
         h = layer.keys.shape[1]
@@ -501,13 +502,13 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
         last = sc[:, 4:].topk(sizes[li] - 4, -1).values[:, -1:]
         assert (sc.gather(1, kept[:, 4:]) >= last).all()
     nxt = _ids(6, 7)
-    got = m(nxt, past_key_values=copy.deepcopy(red)).logits
-    ref = m(nxt, past_key_values=_padded(red, m)).logits
+    got = m(nxt, **cache_arg(m, copy.deepcopy(red))).logits
+    ref = m(nxt, **cache_arg(m, _padded(red, m))).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     uni = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="uniform")
     if len(set(sizes)) > 1:
-        assert not torch.allclose(got, m(nxt, past_key_values=copy.deepcopy(uni)).logits)
-    out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(red), max_new_tokens=8,
+        assert not torch.allclose(got, m(nxt, **cache_arg(m, copy.deepcopy(uni))).logits)
+    out = m.generate(torch.cat([ids, nxt], 1), **cache_arg(m, copy.deepcopy(red)), max_new_tokens=8,
                      do_sample=False, pad_token_id=0)
     assert out.shape == (1, 134)
     data = kvcodec.encode(red)
@@ -516,7 +517,7 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     assert info["keep"] == round(e / 120, 4)
     back = kvcodec.decode(data, m)
     assert [la.entries() for la in back.layers] == sizes and back.describe() == red.describe()
-    assert torch.equal(m(nxt, past_key_values=back).logits, got)
+    assert torch.equal(m(nxt, **cache_arg(m, back)).logits, got)
     lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
     assert [la.entries() for la in lossy.layers] == sizes
     ranks = kvcodec.reduce(cache, m, budget=30, method="kvzip", observation=obs, allocation="ranks")
@@ -527,8 +528,8 @@ def test_kvzip_spread_over_layers_runs_with_layers_of_different_sizes(kind, impl
     want = rank_budgets({i: obs.peak[i] for i in range(len(cache.layers))}, e, 4)
     sizes = [la.entries() for la in ranks.layers]
     assert sizes == [want[i] for i in range(len(sizes))] and sum(sizes) == e * len(sizes)
-    got = m(nxt, past_key_values=copy.deepcopy(ranks)).logits
-    torch.testing.assert_close(got, m(nxt, past_key_values=_padded(ranks, m)).logits, rtol=1e-5, atol=1e-5)
+    got = m(nxt, **cache_arg(m, copy.deepcopy(ranks))).logits
+    torch.testing.assert_close(got, m(nxt, **cache_arg(m, _padded(ranks, m))).logits, rtol=1e-5, atol=1e-5)
     back = kvcodec.decode(kvcodec.encode(ranks), m)
     assert [la.entries() for la in back.layers] == sizes
     for alloc in ("layers", "ranks", "heads", "layer-heads"):
@@ -600,8 +601,8 @@ def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_
                 assert (beta[0, h, :c] == 0).all() and torch.isneginf(beta[0, h, c:]).all()
                 assert not la.keys[0, h, c:].any() and not la.values[0, h, c:].any()
         nxt = _ids(6, 7)
-        got = m(nxt, past_key_values=copy.deepcopy(red)).logits
-        torch.testing.assert_close(got, m(nxt, past_key_values=_padded(red, m)).logits, rtol=1e-5, atol=1e-5)
+        got = m(nxt, **cache_arg(m, copy.deepcopy(red))).logits
+        torch.testing.assert_close(got, m(nxt, **cache_arg(m, _padded(red, m))).logits, rtol=1e-5, atol=1e-5)
         data = kvcodec.encode(red)
         ragged = any(la.beta is not None and torch.isneginf(la.beta).any() for la in red.layers)
         assert ragged or cache.layers[0].keys.shape[1] == 1  # one KV head: a layer's heads cannot differ
@@ -618,7 +619,7 @@ def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_
         for a, b in zip(red.layers, back.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(beta(a), beta(b))
         assert back.describe() == red.describe()
-        assert torch.equal(m(nxt, past_key_values=back).logits, got)
+        assert torch.equal(m(nxt, **cache_arg(m, back)).logits, got)
         lossy = kvcodec.decode(kvcodec.encode(red, tier="lossy", bits=3), m)
         for a, b in zip(red.layers, lossy.layers):
             assert torch.equal(beta(a), beta(b)) and not b.keys[torch.isneginf(beta(b))].any()
@@ -626,7 +627,7 @@ def test_kvzip_heads_of_a_layer_keep_different_numbers_and_store_only_what_they_
         for li, la in enumerate(red.layers):
             assert spec_k[li].tobytes() == la.keys.numpy().tobytes()
             assert spec_v[li].tobytes() == la.values.numpy().tobytes()
-        out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(red), max_new_tokens=4,
+        out = m.generate(torch.cat([ids, nxt], 1), **cache_arg(m, copy.deepcopy(red)), max_new_tokens=4,
                          do_sample=False, pad_token_id=0)
         assert out.shape == (1, 130)
 
@@ -686,7 +687,7 @@ def test_rest_gives_each_head_s_evicted_tokens_one_atom(alloc):
         for a, b in zip(red.layers, back.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
         nxt = _ids(6, 7)
-        assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(red)).logits)
+        assert torch.equal(m(nxt, **cache_arg(m, back)).logits, m(nxt, **cache_arg(m, copy.deepcopy(red))).logits)
     assert atoms and (sinks_only or alloc == "uniform")
     with pytest.raises(ValueError, match="rest="):
         kvcodec.reduce(cache, m, budget=30, method="cluster", rest=True)
@@ -775,8 +776,8 @@ def test_fit_matches_the_whole_cache_s_attention_better_than_the_selection(alloc
     for a, b in zip(fitted.layers, back.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
     nxt = _ids(6, 7)
-    assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(fitted)).logits)
-    out = m.generate(torch.cat([ids, nxt], 1), past_key_values=copy.deepcopy(fitted), max_new_tokens=3,
+    assert torch.equal(m(nxt, **cache_arg(m, back)).logits, m(nxt, **cache_arg(m, copy.deepcopy(fitted))).logits)
+    out = m.generate(torch.cat([ids, nxt], 1), **cache_arg(m, copy.deepcopy(fitted)), max_new_tokens=3,
                      do_sample=False, pad_token_id=0)
     assert out.shape == (1, 129)
     with pytest.raises(ValueError, match="fit="):
@@ -845,7 +846,7 @@ def test_fit_on_policy_refits_each_layer_on_queries_through_the_fitted_layers_be
     for a, b in zip(pol.layers, back.layers):
         assert torch.equal(a.values, b.values) and torch.equal(_beta(a), _beta(b))
     nxt = _ids(6, 7)
-    assert torch.equal(m(nxt, past_key_values=back).logits, m(nxt, past_key_values=copy.deepcopy(pol)).logits)
+    assert torch.equal(m(nxt, **cache_arg(m, back)).logits, m(nxt, **cache_arg(m, copy.deepcopy(pol))).logits)
     with pytest.raises(ValueError, match="fit must be"):
         kvcodec.reduce(cache, m, budget=20, method="kvzip", observation=obs, fit="yes")
 
@@ -967,7 +968,7 @@ def test_kvzip_replays_long_caches_in_chunks_within_the_models_positions():
     obs = replay_observation(cache, m, ids, prompt, chunk=120)  # passes over 0-119, 120-239, 240-299
     for start, end in ((0, 120), (120, 240), (240, 300)):
         lead = torch.cat([prompt, ids[:, max(0, start - 8):start]], 1)
-        att = m(torch.cat([lead, ids[:, start:end]], 1), past_key_values=copy.deepcopy(cache),
+        att = m(torch.cat([lead, ids[:, start:end]], 1), **cache_arg(m, copy.deepcopy(cache)),
                 output_attentions=True).attentions
         for li in range(2):
             w = att[li][0, :, :, start:end].double().amax(1)  # [hq, chunk]
@@ -1000,7 +1001,7 @@ def test_sliding_layers_are_kept_and_mixed_models_run():
     cache = model_cache(m, ids)
     red = kvcodec.reduce(cache, m, keep=0.3)
     assert isinstance(red.layers[0], ReducedLayer) and not isinstance(red.layers[1], ReducedLayer)
-    out = m.generate(torch.cat([ids, _ids(3, 1)], 1), past_key_values=red, max_new_tokens=10, do_sample=False,
+    out = m.generate(torch.cat([ids, _ids(3, 1)], 1), **cache_arg(m, red), max_new_tokens=10, do_sample=False,
                      pad_token_id=0)
     assert out.shape == (1, 73)
 
@@ -1018,7 +1019,7 @@ def test_merge_reduce_prefill(impl):
     d = (out.logits - full).abs()
     assert d[:, : 4 + k].max() < 1e-6  # the sinks and the first block see raw tokens only (other float order)
     assert d[:, 4 + k:].max() > 1e-5  # later blocks see a summary
-    out2 = m.generate(torch.cat([ids, _ids(2, 1)], 1), past_key_values=cache, max_new_tokens=5, do_sample=False,
+    out2 = m.generate(torch.cat([ids, _ids(2, 1)], 1), **cache_arg(m, cache), max_new_tokens=5, do_sample=False,
                       pad_token_id=0)
     assert out2.shape == (1, 307)
 
@@ -1117,7 +1118,7 @@ def test_reduced_cache_roundtrips_through_kvz_and_keeps_decoding(method):
         assert torch.equal(a.beta if a.beta is not None else torch.zeros(a.keys.shape[:3]), b.beta)
         assert (a.anchor is None) == (b.anchor is None) and (a.anchor is None or torch.equal(a.anchor, b.anchor))
     nxt = _ids(40, 5)  # crosses block boundaries: both caches reduce again, the same way
-    assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=back).logits)
+    assert torch.equal(m(nxt, **cache_arg(m, red)).logits, m(nxt, **cache_arg(m, back)).logits)
     assert back.describe() == red.describe()
     # re-encoding the decoded cache gives the same bytes
     assert kvcodec.encode(kvcodec.decode(data, m)) == data
@@ -1162,8 +1163,8 @@ def test_reduced_cache_composes_with_the_lossy_tier():
         assert torch.equal(a.beta, b.beta)  # log-weights are exact in every tier
         assert (a.keys - b.keys).abs().max() > 0  # the entries themselves are quantized
     nxt = _ids(3, 6)
-    ref = torch.log_softmax(m(nxt, past_key_values=kvcodec.decode(lossless, m)).logits.double(), -1)
-    got = torch.log_softmax(m(nxt, past_key_values=back).logits.double(), -1)
+    ref = torch.log_softmax(m(nxt, **cache_arg(m, kvcodec.decode(lossless, m))).logits.double(), -1)
+    got = torch.log_softmax(m(nxt, **cache_arg(m, back)).logits.double(), -1)
     assert (ref.exp() * (ref - got)).sum(-1).max() < 0.05  # 3-bit atoms stay close to the exact atoms
 
 
@@ -1191,13 +1192,13 @@ def test_decoded_reduced_cache_without_the_model_is_refused_before_any_change(ki
     back = kvcodec.decode(data)
     before = back.describe()
     with pytest.raises(kvcodec.ConfigError, match="bound"):
-        fresh(_ids(2, 1), past_key_values=back)
+        fresh(_ids(2, 1), **cache_arg(fresh, back))
     assert back.describe() == before and back.get_seq_length() == 80
-    ref = m(_ids(2, 1), past_key_values=kvcodec.decode(data, m)).logits
-    assert torch.equal(fresh(_ids(2, 1), past_key_values=back.bind(fresh)).logits, ref)
+    ref = m(_ids(2, 1), **cache_arg(m, kvcodec.decode(data, m))).logits
+    assert torch.equal(fresh(_ids(2, 1), **cache_arg(fresh, back.bind(fresh))).logits, ref)
     fresh.set_attn_implementation("eager")  # switched away again: refused again
     with pytest.raises(kvcodec.ConfigError, match="bind"):
-        fresh(_ids(2, 1), past_key_values=back)
+        fresh(_ids(2, 1), **cache_arg(fresh, back))
 
 
 def test_hand_built_reduced_cache_that_breaks_the_spec_is_refused_at_encode():
@@ -1438,7 +1439,7 @@ def test_store_keeps_a_reduced_cache_beside_its_session(tmp_path, capsys):
     nxt, nxt2 = _ids(40, 5), _ids(3, 6)
 
     def run(cache):  # the second call compacts the first call's tokens (a bounded layer)
-        return torch.cat([m(nxt, past_key_values=cache).logits, m(nxt2, past_key_values=cache).logits], 1)
+        return torch.cat([m(nxt, **cache_arg(m, cache)).logits, m(nxt2, **cache_arg(m, cache)).logits], 1)
 
     want = run(copy.deepcopy(red))
     store.delete(key)
@@ -1474,7 +1475,7 @@ def _question_queries(m, cache, q):
     import copy
 
     with att.observe(m, window=q.shape[1], received=False) as obs:
-        m(q, past_key_values=copy.deepcopy(cache))
+        m(q, **cache_arg(m, copy.deepcopy(cache)))
     return obs
 
 
@@ -1504,7 +1505,7 @@ def test_snapkv_knowing_the_question_keeps_the_keys_the_question_attends_to():
         assert (kept.diff(dim=-1) > 0).all()
         twentieth = score.topk(20, -1).values[..., -1:]
         assert (score.gather(-1, kept) >= twentieth - 1e-8).all()  # scores ~0.01: float32 error ~1e-9
-    out = m.generate(torch.cat([ids, q], 1), past_key_values=red, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out = m.generate(torch.cat([ids, q], 1), **cache_arg(m, red), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 112)
 
 
@@ -1523,7 +1524,7 @@ def test_merge_reduce_knowing_the_question_anchors_at_its_queries():
         assert not torch.allclose(layer.anchor, blind.layers[li].anchor)
     assert red.entries() == blind.entries()
     nxt = _ids(3, 2)
-    assert torch.isfinite(m(nxt, past_key_values=red).logits).all()
+    assert torch.isfinite(m(nxt, **cache_arg(m, red)).logits).all()
 
 
 def test_a_question_is_refused_where_it_would_change_nothing():
@@ -1547,7 +1548,7 @@ def test_reduce_takes_a_cache_made_with_autograd_on(method):
     reduce() copies it without that history (the same entries as from a no_grad cache)."""
     m = _model("qwen2_mixed")  # a sliding layer too, copied as it is
     ids = _ids(60)
-    with_grad = m(ids, use_cache=True).past_key_values
+    with_grad = output_cache(m(ids, use_cache=True))
     assert with_grad.layers[0].keys.requires_grad
     kw = {"question": _ids(4, 1)} if method == "tova" else {"tokens": ids}
     red = kvcodec.reduce(with_grad, m, keep=0.3, method=method, **kw)
@@ -1578,7 +1579,7 @@ def test_kvzip_by_default_keeps_its_budget_while_generating():
     kept = {i: _present(la).clone() for i, la in enumerate(red.layers) if isinstance(la, ReducedLayer)}
     new = 120
     for cache in (red, grow):
-        m.generate(torch.cat([ids, _ids(5, 1)], 1), past_key_values=cache, max_new_tokens=new, do_sample=False,
+        m.generate(torch.cat([ids, _ids(5, 1)], 1), **cache_arg(m, cache), max_new_tokens=new, do_sample=False,
                    pad_token_id=0, min_new_tokens=new)
     for i, la in enumerate(red.layers):
         if not isinstance(la, ReducedLayer):
@@ -1643,7 +1644,7 @@ def test_scores_are_the_largest_attention_weight_each_entry_receives(kind):
     red = kvcodec.reduce(model_cache(m, ids), m, keep=0.25, tokens=ids)
     before = {i: la.scores.clone() for i, la in enumerate(red.layers) if isinstance(la, ReducedLayer)}
     nxt = _ids(6, 3)
-    out = m(nxt, past_key_values=red, output_attentions=True)
+    out = m(nxt, **cache_arg(m, red), output_attentions=True)
     for i, s in before.items():
         la = red.layers[i]
         w = out.attentions[i].float()  # [b, hq, q, entries + new]
@@ -1660,8 +1661,8 @@ def test_a_bounded_cache_round_trips_and_keeps_compacting_identically():
     m = _model("llama")
     ids = _ids(150)
     red = kvcodec.reduce(model_cache(m, ids), m, keep=0.2, tokens=ids)
-    m(_ids(40, 2), past_key_values=red)
-    m(_ids(1, 4), past_key_values=red)  # compacts first (40 raw tokens >= recent + step)
+    m(_ids(40, 2), **cache_arg(m, red))
+    m(_ids(1, 4), **cache_arg(m, red))  # compacts first (40 raw tokens >= recent + step)
     data = kvcodec.encode(red)
     assert data[10] == 11 and kvcodec.inspect(data)["reduce"]["bound"] == {"recent": 16, "step": 16}
     back = kvcodec.decode(data, m)
@@ -1669,7 +1670,7 @@ def test_a_bounded_cache_round_trips_and_keeps_compacting_identically():
         assert torch.equal(a.keys, b.keys) and torch.equal(a.scores, b.scores)
     for step in range(3):
         nxt = _ids(20, 10 + step)
-        assert torch.equal(m(nxt, past_key_values=red).logits, m(nxt, past_key_values=back).logits)
+        assert torch.equal(m(nxt, **cache_arg(m, red)).logits, m(nxt, **cache_arg(m, back)).logits)
         assert back.describe() == red.describe()
     assert kvcodec.encode(kvcodec.decode(kvcodec.encode(red), m)) == kvcodec.encode(red)
 

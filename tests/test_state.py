@@ -10,8 +10,9 @@ import torch
 
 import kvcodec
 from kvcodec.state import CODING_RAW, CODING_ZSTD, LayerState, decode_payload, encode_payload
+from kvcodec.tokens.plan import output_cache
 
-from .common import VOCAB, check_rejects, fuzz_tools, tiny_model
+from .common import VOCAB, cache_arg, check_rejects, fuzz_tools, tiny_model
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 header_of, with_header, reseal = fuzz_tools().header_of, fuzz_tools().with_header, fuzz_tools().reseal
@@ -66,7 +67,7 @@ def _with_payload(monkeypatch, payload: bytes) -> bytes:
 
     model = tiny_model("mamba")
     with torch.no_grad():
-        cache = model(torch.randint(0, VOCAB, (1, 6)), use_cache=True).past_key_values
+        cache = output_cache(model(torch.randint(0, VOCAB, (1, 6)), use_cache=True))
     first = {"done": False}
 
     def crafted(t):
@@ -157,7 +158,7 @@ def test_tampered_state_section_of_a_token_tier_file_fails_its_checksum():
 def test_layer_recording_its_past_is_refused_by_name():
     model = tiny_model("mamba")
     with torch.no_grad():
-        cache = model(torch.randint(0, VOCAB, (1, 6)), use_cache=True).past_key_values
+        cache = output_cache(model(torch.randint(0, VOCAB, (1, 6)), use_cache=True))
     cache.layers[1].activate_past_recording()
     check_rejects(kvcodec.UnsupportedCache, cache, match="layer 1: .*records its past.*crop")
 
@@ -183,12 +184,10 @@ def test_decoded_state_is_not_changed_by_generating_from_it():
     model = tiny_model("falcon_h1")
     ids = torch.randint(0, VOCAB, (1, 8))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
     kv = kvcodec.decode(kvcodec.encode(cache), output="kvcache")
     before = [t.clone() for st in kv.states if st is not None for _, _, t in st.tensors()]
-    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                   **{"cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values":
-                      kv.to_dynamic_cache()})
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, **cache_arg(model, kv.to_dynamic_cache()))
     after = [t for st in kv.states if st is not None for _, _, t in st.tensors()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 

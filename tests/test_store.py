@@ -16,7 +16,7 @@ import kvcodec
 from kvcodec.store import keys as K
 from kvcodec.store import token_ids
 
-from .common import VOCAB, greedy_from, model_cache, tiny_model
+from .common import VOCAB, cache_arg, greedy_from, model_cache, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,6 +156,47 @@ def test_real_model_round_trip_and_the_reuse_loop(tmp_path):
     assert store.match(q, other)[0] == 0
     with pytest.raises(kvcodec.ModelMismatch):  # and never recomputes a stored session's positions
         store.get(key, other)
+
+
+def test_the_library_calls_transformers_by_its_current_names(tmp_path):
+    """No deprecation from transformers on the library's own calls (issue 50: ``past_key_values`` is ``cache``
+    since 5.2x): a store round trip with the model, Store.generate, a get that recomputes evicted positions (kvz
+    store get --with-model), the exact tier and a reduction generated from - FutureWarning an error, and the
+    deprecation transformers logs (once per process: its memo cleared) counted."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    class Logged(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    model = tiny_model("llama")
+    ids, more = _ids(40, 5), _ids(6, 6)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    getattr(hf_logging.warning_once, "cache_clear", lambda: None)()
+    logged = Logged()
+    logging.getLogger("transformers").addHandler(logged)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            store = kvcodec.Store(tmp_path, model, chunk_tokens=16, granularity=4)
+            key = store.put(model_cache(model, ids))
+            assert store.match(torch.cat([ids, more], 1))[0] == 40
+            store.generate(torch.cat([ids, more], 1), **kw)
+            assert store.gc(max_bytes=0)["evicted"] > 0
+            assert store.get(key, output="kvcache").stored_positions < 40  # recomputed with the model
+            cache = model_cache(model, ids)
+            kvcodec.decode(kvcodec.encode(cache, model), model)  # the exact tier: the model replays the tokens
+            red = kvcodec.reduce(cache, model, keep=0.5, tokens=ids)  # kvzip: the model reads a repeat prompt
+            model.generate(torch.cat([ids, more], 1), **cache_arg(model, red), **kw)
+    finally:
+        logging.getLogger("transformers").removeHandler(logged)
+    assert not [line for line in logged.lines if "deprecated" in line], logged.lines
 
 
 def test_caches_a_store_cannot_chunk_are_refused_by_name(tmp_path):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvcodec.lab.vllm_driver import drive, venv_python
+from kvcodec.tokens.plan import output_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128  # vLLM's block size on CPU
@@ -117,7 +118,7 @@ def test_the_store_holds_the_models_keys_and_values(stored, prompts):
     assert got.keys[0].dtype == torch.bfloat16
     model, _tok = load_model("smollm2")
     with torch.no_grad():
-        ref = model(torch.tensor([prompts[0][:n]]), use_cache=True).past_key_values
+        ref = output_cache(model(torch.tensor([prompts[0][:n]]), use_cache=True))
     for i, layer in enumerate(ref.layers):
         for mine, theirs in ((got.keys[i], layer.keys), (got.values[i], layer.values)):
             assert mine.shape == theirs.shape

@@ -96,6 +96,7 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
 
     from .. import api
     from ..cache import to_canonical
+    from ..tokens.plan import output_cache
 
     n_layers = len(kv.keys)
     raw = kv.nbytes()
@@ -156,7 +157,7 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
         # the cache a prefill with that count makes (what a user restoring on the machine that made it has)
         _set_threads(threads)
         with torch.no_grad():
-            own = to_canonical(model(ids, use_cache=True).past_key_values)
+            own = to_canonical(output_cache(model(ids, use_cache=True)))
         out = {}
         for name, opts in tiers:
             needs_model = opts["tier"] in ("exact", "tokens")
@@ -201,7 +202,7 @@ def restore_rows(model, ids, kv, folder: Path, repeats: int, thread_counts: list
 
         def recompute():  # the cheapest recompute: the cache, and the logits of the last position only
             with torch.no_grad():
-                return model(ids, use_cache=True, logits_to_keep=1).past_key_values
+                return output_cache(model(ids, use_cache=True, logits_to_keep=1))
 
         add("recompute (one prefill)", None, recompute, threads)
         run_pending()

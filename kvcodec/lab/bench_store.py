@@ -64,9 +64,9 @@ def _sessions(tok, files, n_sessions: int, prefix_tokens: int, seed: int):
 @torch.no_grad()
 def _caches(model, prefix, tails):
     from ..cache import to_canonical
-    from ..tokens.plan import cache_kwarg
+    from ..tokens.plan import cache_kwarg, output_cache
 
-    base = model(prefix, use_cache=True).past_key_values
+    base = output_cache(model(prefix, use_cache=True))
     out = []
     for tail in tails:
         c = copy.deepcopy(base)
@@ -278,11 +278,11 @@ def run_lean(args, model, tok, files, n_sessions: int) -> dict:
     from ..api import encode
     from ..cache import KVCache, to_canonical
     from ..store import Store
-    from ..tokens.plan import cache_kwarg
+    from ..tokens.plan import cache_kwarg, output_cache
 
     prefix, tails = _sessions(tok, files, n_sessions, args.prefix_tokens, seed=n_sessions)
     p = prefix.shape[1]
-    base = model(prefix, use_cache=True).past_key_values
+    base = output_cache(model(prefix, use_cache=True))
     prefix_kv = to_canonical(base)
     per_token = prefix_kv.nbytes() // p
     ideal = len(encode(prefix_kv, tier="lossless"))
@@ -344,12 +344,13 @@ def _s3_latency(sessions) -> dict | str:
 def _restore_vs_recompute(model, tok, files) -> dict:
     """A stored 2,048-token prefix: match() (decode, lossless) against recomputing it (one prefill)."""
     from ..store import Store
+    from ..tokens.plan import output_cache
 
     text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     ids = tok(text, return_tensors="pt").input_ids[:, :2048]
     with tempfile.TemporaryDirectory() as d:
         store = Store(d, chunk_tokens=256, model_id="smollm2")
-        store.put(model(ids, use_cache=True).past_key_values, tokens=ids)
+        store.put(output_cache(model(ids, use_cache=True)), tokens=ids)
         restore, recompute = [], []
         for _ in range(3):
             t = time.perf_counter()

@@ -3,10 +3,10 @@
 The package is ``kvcodec.reduction``; its entry point is ``kvcodec.reduce``.
 
 ``kvcodec.reduce(cache, model, keep=0.1)`` returns a :class:`ReducedCache` that the same model takes as its cache
-directly - ``model(ids, past_key_values=reduced)`` and ``model.generate(...)`` - and that keeps its budget as
-decoding appends to it.  The default method is ``"kvzip"`` with its attention-matching fit and its bound (the
-method that measures best on held-out documents, BENCHMARKS.md "Reduce tier"; docs/reduce.md says which to use
-when).  Methods:
+directly - ``model(ids, cache=reduced)`` (``past_key_values=`` before transformers 5.2x) and ``model.generate(...)`` -
+and that keeps its budget as decoding appends to it.  The default method is ``"kvzip"`` with its
+attention-matching fit and its bound (the method that measures best on held-out documents, BENCHMARKS.md "Reduce
+tier"; docs/reduce.md says which to use when).  Methods:
 
 - ``"cluster"``, ``"sample"``: the paper's merge-reduce summaries (binary-counter buckets of ``K``-atom
   summaries, blocks of ``B = K`` tokens, 4 raw attention sinks, optionally a raw recent ``window``) with the

@@ -483,13 +483,13 @@ class ReadPath(Objects):
     @torch.no_grad()
     def _recompute(self, model, parts: list[KVCache], ids: np.ndarray, a: int) -> KVCache:
         """Positions ``a ..`` of a session, computed by the model on top of the stored ``parts`` (one call)."""
-        from ..tokens.plan import cache_kwarg
+        from ..tokens.plan import cache_kwarg, output_cache
 
         mdl, _ = split_model(model)
         prefix = self._output(parts, "dynamic") if parts else None
         kw = {} if prefix is None else {cache_kwarg(mdl): prefix}
         out = mdl(torch.from_numpy(ids[a:])[None].to(next(mdl.parameters()).device), use_cache=True, **kw)
-        full = to_canonical(out.past_key_values)
+        full = to_canonical(output_cache(out))
         return KVCache([k[:, :, a:].cpu() for k in full.keys], [v[:, :, a:].cpu() for v in full.values],
                        start_position=a)
 

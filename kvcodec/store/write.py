@@ -289,7 +289,7 @@ class WritePath(ReducedObjects):
         """Persisted agent memory in one call: the longest stored prefix of ``tokens`` is restored, the model
         runs on the rest and generates (``generate_kwargs`` go to ``model.generate``), and the whole session
         - prompt and answer - is stored.  Returns ``(output ids [1, n + new], session key, tokens reused)``."""
-        from ..tokens.plan import cache_kwarg
+        from ..tokens.plan import cache_kwarg, output_cache
 
         model = self.model if model is None else model
         if model is None:
@@ -302,8 +302,9 @@ class WritePath(ReducedObjects):
         cache = DynamicCache(config=mdl.config) if cache is None else cache
         out = mdl.generate(ids, **{cache_kwarg(mdl): cache}, return_dict_in_generate=True, **generate_kwargs)
         seq = out.sequences
-        held = to_canonical(out.past_key_values).seq_len
-        key = self.put(out.past_key_values, model, tokens=seq[:, :held])
+        cache = output_cache(out)
+        held = to_canonical(cache).seq_len
+        key = self.put(cache, model, tokens=seq[:, :held])
         return seq, key, n
 
 

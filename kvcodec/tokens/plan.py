@@ -29,8 +29,8 @@ from ..cache import KVCache, to_canonical
 from ..errors import ConfigError
 from .schedule import expand
 
-__all__ = ["Plan", "cache_kwarg", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg", "step_threads",
-           "STEP_THREADS",
+__all__ = ["Plan", "cache_kwarg", "output_cache", "call_kwargs", "new_cache", "forward", "replay", "schedule_arg",
+           "step_threads", "STEP_THREADS",
            "padding_candidates", "infer_plan", "step_thread_candidates", "single_steps"]
 
 
@@ -61,6 +61,12 @@ def cache_kwarg(model) -> str:
     ``past_key_values``."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a forward or ``generate`` output holds, by its name in the installed transformers (``cache``, or
+    ``past_key_values`` before 5.2x): reading the old name on a newer output logs a deprecation warning."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def call_kwargs(plan: Plan, a: int, b: int, device) -> dict:
