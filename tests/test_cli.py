@@ -71,6 +71,24 @@ def test_version_and_help_import_no_model_stack():
     assert int(n) >= 10 and heavy.strip() == "[]", r.stdout
 
 
+def test_the_progress_bars_rate_counts_from_the_first_update(monkeypatch):
+    """The set-up before the first update (recovering the tokens, the first compilation) is not the work's pace:
+    counted in, the demo's first ETA read 2:17:14 (issue 50).  A clock of our own: no timing."""
+    from kvcodec.formatting import progress_bar
+
+    now = [1000.0]
+    monkeypatch.setattr("tqdm.std.time", lambda: now[0])
+    bar = progress_bar(512, "encoding", "token")
+    now[0] += 16.0  # sixteen seconds before the first token
+    bar.update(1)
+    for _ in range(20):  # then ten tokens a second
+        now[0] += 0.1
+        bar.update(1)
+    rate = bar.format_dict["rate"]
+    bar.close()
+    assert rate is not None and 8 < rate < 12, rate  # an ETA of about 49 s, not 1/16 token/s (2:16:16)
+
+
 def test_missing_file_exit_code(capsys):
     assert main(["inspect", "/nonexistent/file.kvz"]) == 2  # bad input, like a malformed file
     err = capsys.readouterr().err
