@@ -816,8 +816,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("store", help="many sessions on a directory or object storage, each shared prefix stored "
                                      "once (spec/store.md)")
     s.add_argument("action", choices=["ls", "stats", "put", "get", "rm", "gc"],
-                   help="ls: session keys; stats: counts and bytes; put: store a session; get: a session to "
-                        "safetensors; rm: delete sessions; gc: remove unreferenced chunks and debris")
+                   help="ls: session keys, then reduced caches' keys; stats: counts and bytes; put: store a "
+                        "session; get: a session to safetensors (a reduced cache to .kvz); rm: delete sessions or "
+                        "reduced caches; gc: remove unreferenced chunks and debris")
     s.add_argument("url", help="the store: a directory, file://..., s3://bucket/prefix or any fsspec URL")
     s.add_argument("keys", nargs="*", help="get / rm: session keys (as ls prints them)")
     s.add_argument("--text", help="put: UTF-8 text file: the model's cache over its first --max-tokens tokens")
@@ -830,7 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="put --text: the model's dtype")
     s.add_argument("--max-tokens", type=int, default=2048, help="put --text: tokens of the text to run")
     s.add_argument("--chunk-tokens", type=int, default=256, help="put: positions per chunk (part of the namespace)")
-    s.add_argument("-o", "--output", help="get: the safetensors file to write")
+    s.add_argument("-o", "--output", help="get: the safetensors file to write (a reduced cache: a .kvz file)")
     s.add_argument("-f", "--force", action="store_true", help="get: replace an existing output file")
     s.add_argument("--grace", type=float, default=None,
                    help="gc: only remove objects older than this many seconds (default 3600)")
