@@ -447,6 +447,20 @@ class _PredictedDecoder:
         with self.lock:
             return self._layers(pred, layers, progress)
 
+    def _check_finite(self, li: int, row: int, khat, vhat, rot) -> None:
+        """spec section 13.1: every binary32 value of steps 2 and 3 (the keys and values with their prediction,
+        the rotated keys) is finite, else the file is invalid.  Infinities and NaN stay non-finite under + and x,
+        so checking the final values finds every overflow, and no NaN (whose bits are the CPU's) is returned."""
+        from ..errors import FormatError
+
+        for what, x, part in (("key", khat, L.PART_KEYS), ("value", vhat, L.PART_VALUES),
+                              ("rotated key", rot, L.PART_KEYS)):
+            if not np.isfinite(x).all():
+                e = self.f.reader.entry(L.SECTION_KV, li, part, 0)
+                raise FormatError(f"layer {li}, batch row {row}: a predicted {what} is not finite in binary32 (the "
+                                  "prediction or the rotation overflows: spec section 13.1)", field="predict",
+                                  offset=e.payload_offset)
+
     def _layers(self, pred, layers, progress) -> dict:
         from .. import predict as P
 
@@ -462,25 +476,29 @@ class _PredictedDecoder:
         d = self.direct.layers(range(first, layers[-1] + 1), progress)
         dt = d[first, L.PART_KEYS].dtype
         if self.rope is None:
-            self.rope = pred.tables(h.start_position + a, b - a)
+            with np.errstate(over="ignore", invalid="ignore"):  # tables that overflow: refused with the keys below
+                self.rope = pred.tables(h.start_position + a, b - a)
         cos, sin = self.rope
         threads = getattr(f, "threads", None)
         out = {}
-        for li in range(first, layers[-1] + 1):
-            k, v = d[li, L.PART_KEYS].float().numpy(), d[li, L.PART_VALUES].float().numpy()
-            bsz, hh = k.shape[0], k.shape[1]
-            ko, vo, cur = k.copy(), v.copy(), []
-            for bi in range(bsz):
-                x = prev[bi][0] if li else np.zeros((b - a, 0), np.float32)
-                khat = P.flat(k[bi][:, a:b]) + P.predict(x, *pred.keys[li], threads=threads)
-                xv = khat if li == 0 else np.concatenate([khat, prev[bi][1]], axis=1)
-                vhat = P.flat(v[bi][:, a:b]) + P.predict(xv, *pred.values[li], threads=threads)
-                ko[bi][:, a:b] = P.rotate(P.unflat(khat, hh), cos, sin)
-                vo[bi][:, a:b] = P.unflat(vhat, hh)
-                cur.append((khat, vhat))
-            prev = cur
-            if li in layers:
-                out[li, L.PART_KEYS] = torch.from_numpy(ko).to(dt)
-                out[li, L.PART_VALUES] = torch.from_numpy(vo).to(dt)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, not warned about
+            for li in range(first, layers[-1] + 1):
+                k, v = d[li, L.PART_KEYS].float().numpy(), d[li, L.PART_VALUES].float().numpy()
+                bsz, hh = k.shape[0], k.shape[1]
+                ko, vo, cur = k.copy(), v.copy(), []
+                for bi in range(bsz):
+                    x = prev[bi][0] if li else np.zeros((b - a, 0), np.float32)
+                    khat = P.flat(k[bi][:, a:b]) + P.predict(x, *pred.keys[li], threads=threads)
+                    xv = khat if li == 0 else np.concatenate([khat, prev[bi][1]], axis=1)
+                    vhat = P.flat(v[bi][:, a:b]) + P.predict(xv, *pred.values[li], threads=threads)
+                    rot = P.rotate(P.unflat(khat, hh), cos, sin)
+                    self._check_finite(li, bi, khat, vhat, rot)
+                    ko[bi][:, a:b] = rot
+                    vo[bi][:, a:b] = P.unflat(vhat, hh)
+                    cur.append((khat, vhat))
+                prev = cur
+                if li in layers:
+                    out[li, L.PART_KEYS] = torch.from_numpy(ko).to(dt)
+                    out[li, L.PART_VALUES] = torch.from_numpy(vo).to(dt)
         self.done, self.prev = layers[-1], prev
         return out
