@@ -612,6 +612,9 @@ def _decode_steps(payload, shape: tuple[int, int, int, int], dtype: str, offset:
     if rule > 1:
         raise FormatError(f"unknown Sign_Rule {rule} (0: format 1.1, 1: format 1.2)", field="VQ.Sign_Rule",
                           offset=offset + 3)
+    if rule != (0 if minor < 2 else 1):  # spec section 3, 13 field 4 (revision 1.11.1): the rule of the version
+        raise FormatError(f"Sign_Rule {rule} in a file stamped 1.{minor} (files stamped 1.1 use 0, 1.2 or later 1)",
+                          field="VQ.Sign_Rule", offset=offset + 3)
     if exact > t:
         raise FormatError(f"Exact_Tokens {exact} > {t} tokens in the slice", field="VQ.Exact_Tokens", offset=offset + 4)
     if d & (d - 1) and method in (METHOD_UNIFORM, METHOD_LLOYD):
