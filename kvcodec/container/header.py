@@ -25,6 +25,8 @@ from ..errors import FormatError, LimitExceeded, UnknownId
 from . import layout as L
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: the format minor version of ``layers[].repeat`` (1.1): a file stamped 1.0 with it is invalid (spec section 3)
+REPEAT_MINOR = 1
 #: the format minor version that introduced layer states (``layers[i].state``, ``state`` sections)
 STATE_MINOR = 3
 #: the format minor version that introduced reduced caches (the ``reduce`` object, state kind ``reduced``)
@@ -270,7 +272,8 @@ class Header:
             if any(lay.heads is not None for lay in self.layers):
                 return max(bound, HEADS_MINOR, reduce_minor(self.reduce))
             return max(bound, reduce_minor(self.reduce))
-        return max(blocks, STATE_MINOR if self.has_state else 0)
+        repeat = REPEAT_MINOR if any("repeat" in lay for lay in self.raw["cache"]["layers"]) else 0
+        return max(blocks, repeat, STATE_MINOR if self.has_state else 0)
 
     def output_bytes(self) -> int:
         """What the limit ``max_output_bytes`` bounds (spec section 4): the tensors, the layer states and 4

@@ -202,9 +202,13 @@ class KvzReader:
         typ, flags, layer, part, chunk, plen = ihead[:6]
         if typ != L.SECTION_INDEX:
             raise OffsetError(f"Index_Offset points at a section of type {typ}", field="Index_Offset", offset=fo)
-        if flags != L.FLAG_CRITICAL or layer or part or chunk:
-            raise FormatError("index section header: flags must be 1 and Layer/Part/Chunk 0",
-                              field="Section_Flags", offset=index_offset + 2)
+        if flags != L.FLAG_CRITICAL:  # its reserved bits were checked with its header: Critical is clear
+            raise FormatError("index section header: Section_Flags must be 1 (Critical)", field="Section_Flags",
+                              offset=index_offset + 2)
+        for name, value, at in (("Layer", layer, 4), ("Part", part, 8), ("Chunk", chunk, 12)):
+            if value:
+                raise FormatError(f"index section header: {name} {value} must be 0", field=name,
+                                  offset=index_offset + at)
         if plen != fo - index_offset - L.SECTION_HEADER.size:
             raise OffsetError(f"index payload of {plen} bytes does not end at the footer", field="Payload_Length",
                               offset=index_offset + 16)
