@@ -265,6 +265,9 @@ class ExactTier(Tier):
             if "block_tokens" not in t["procedure"]:
                 v.fail(f"{p}.procedure.block_tokens", "missing: token model 'blocks' needs the block length")
             v.int(t["procedure"], "block_tokens", f"{p}.procedure", 1, blocks.MAX_BLOCK_TOKENS, LimitExceeded)
+        for key in ("numerics", "draft_numerics"):  # (1.2; their value types: revision 1.11.1) spec 11.1, 11.4
+            if key in t["procedure"]:
+                _check_profile(v, t["procedure"][key], f"{p}.procedure.{key}")
         if ntok < 1:
             v.fail("cache.num_tokens", f"tier {tier!r} needs num_tokens >= 1")
         if header.start_position != 0:
@@ -563,6 +566,26 @@ def _measure_block(model, lengths, prefill_s) -> tuple[int | None, dict]:
 
 
 # --- decoding ---------------------------------------------------------------------------------------
+#: ``step_threads`` of a numerics profile: an intra-op thread count the decoder runs its one-token calls on
+MAX_STEP_THREADS = 1024
+
+
+def _check_profile(v, prof, path: str) -> None:
+    """A numerics profile (spec 11.4): an object whose values are strings or integers (not booleans), except
+    ``env``, an object of strings, and ``step_threads``, an integer 1 .. 1024 [FormatError]."""
+    if not isinstance(prof, dict):
+        v.fail(path, "must be an object (the numerics profile, spec 11.4)")
+    for key, val in prof.items():
+        if key == "env":
+            if not (isinstance(val, dict) and all(isinstance(x, str) for x in val.values())):
+                v.fail(f"{path}.env", "must be an object of strings")
+        elif key == "step_threads":
+            if not (isinstance(val, int) and not isinstance(val, bool) and 1 <= val <= MAX_STEP_THREADS):
+                v.fail(f"{path}.step_threads", f"must be an integer 1 .. {MAX_STEP_THREADS}")
+        elif not (isinstance(val, str) or (isinstance(val, int) and not isinstance(val, bool))):
+            v.fail(f"{path}.{key}", "must be a string or an integer")
+
+
 def procedure_differences(recorded: dict, coder_model, procedure_id: str, key: str = "numerics") -> str:
     """What differs between the recorded procedure and this decoder's (for error messages): the numerics
     profile where the file records one (``key``: ``numerics`` or ``draft_numerics``), else (files of format
@@ -633,7 +656,7 @@ class _TokenDecoder:
         """The encoder's thread count for one-token calls (files of format 1.1: torch's, None)."""
         n = self.f.header.tier_info.raw["procedure"].get("numerics", {})
         n = n.get("step_threads") if isinstance(n, dict) else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_STEP_THREADS else None
 
     def _check_numerics(self) -> None:
         """Before any work: can this machine reproduce the float results the file needs (spec 11.4)?"""
