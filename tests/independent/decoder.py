@@ -27,6 +27,8 @@ TrailingData = _mk("TrailingData")
 ChecksumMismatch = _mk("ChecksumMismatch")
 OffsetError = _mk("OffsetError")
 UnknownId = _mk("UnknownId")
+# (§1, §5, §6; revision 1.11.1) a reserved field or flag bit of a section header or of the index is not zero
+ReservedBitSet = _mk("ReservedBitSet")
 # (1.6, §13.1) the file names predictors that were not given (or not the named ones)
 PredictorsRequired = _mk("PredictorsRequired")
 # (§4.1, 1.10 §15) the model named is not the one the file records
@@ -687,7 +689,8 @@ def apply_predict(info, pred, out_k, out_v):
     if Tq <= 0:
         return
     HD, h2 = H * D, D // 2
-    cos, sin = rope_tables(pred, [info["sp"] + t for t in range(a, b1)], pred["scale"])
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked on the values (below)
+        cos, sin = rope_tables(pred, [info["sp"] + t for t in range(a, b1)], pred["scale"])
 
     def mat(words):  # [H, Tq, D] words -> [Tq, H*D] binary32 (heads concatenated, token-major)
         return words_to_f32(words, dt).transpose(1, 0, 2).reshape(Tq, HD)
@@ -710,6 +713,11 @@ def apply_predict(info, pred, out_k, out_v):
                 u2 = kt[:, h * D + h2:(h + 1) * D]
                 rot[:, h * D:h * D + h2] = u1 * cos - u2 * sin
                 rot[:, h * D + h2:(h + 1) * D] = u2 * cos + u1 * sin
+            # (revision 1.11.1) every k~, v~ and rotated key value of steps 2-3 MUST be finite [FormatError,
+            # field predict]: no overflow, so no NaN whose bits would be the CPU's
+            for what, x in (("k~", kt), ("v~", vt), ("rotated key", rot)):
+                if not np.isfinite(x).all():
+                    raise FormatError(f"predict: layer {l} row {bb}: a {what} value is not finite (§13.1)")
             out_k[l][bb, :, a:b1, :] = unmat(rot)
             out_v[l][bb, :, a:b1, :] = unmat(vt)
             kprev, vprev = kt, vt  # the chain carries binary32 (rounding to dtype only at the end, step 4)
@@ -975,6 +983,22 @@ def state_tensors(info):
             for j, t in enumerate(L["state"]["tensors"])]
 
 
+def validate_profile(prof, where):
+    """§11.4 (revision 1.11.1): a numerics profile is an object; every value a string or an integer (not a
+    boolean), except env (an object of strings) and step_threads (an integer 1 .. 1024) [FormatError]."""
+    if not isinstance(prof, dict):
+        raise FormatError(f"{where} is not an object")
+    for k, v in prof.items():
+        if k == "env":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise FormatError(f"{where}.env")
+        elif k == "step_threads":
+            if not (_is_int(v) and 1 <= v <= 1024):
+                raise FormatError(f"{where}.step_threads")
+        elif not (isinstance(v, str) or _is_int(v)):
+            raise FormatError(f"{where}.{k}")
+
+
 def validate_tokens(t, tier, B, N, minor=9):
     keys = ["token_model", "draft", "vocab", "chunk_tokens", "procedure", "schedule", "padding",
             "positions", "pad_token", "tolerance", "max_abs_deviation"]
@@ -1004,8 +1028,8 @@ def validate_tokens(t, tier, B, N, minor=9):
             raise FormatError("tokens.procedure.block_tokens")
         _int(p, "block_tokens", 1, None, "tokens.procedure", limit=1 << 16)
     for k in ("numerics", "draft_numerics"):
-        if k in p and not isinstance(p[k], dict):
-            raise FormatError(f"tokens.procedure.{k}")
+        if k in p:
+            validate_profile(p[k], f"tokens.procedure.{k}")
     sch = t["schedule"]
     if not isinstance(sch, list) or not (1 <= len(sch) <= 1 << 20):
         raise FormatError("tokens.schedule")
@@ -1019,8 +1043,10 @@ def validate_tokens(t, tier, B, N, minor=9):
     pad = t["padding"]
     if not isinstance(pad, list) or len(pad) != B or not all(_is_int(x) and 0 <= x < N for x in pad):
         raise FormatError("tokens.padding")
-    if t["positions"] not in ("mask", "arange"):
+    if not isinstance(t["positions"], str):
         raise FormatError("tokens.positions")
+    if t["positions"] not in ("mask", "arange"):  # registry.md: an unknown name [UnknownId]
+        raise UnknownId(f"tokens.positions {t['positions']!r}")
     _int(t, "pad_token", 0, V - 1, "tokens")
     tol = t["tolerance"]
     if tol is not None and (not _is_num(tol) or tol < 0):
@@ -1045,16 +1071,18 @@ def read_section_header(buf, off):
     return dict(type=t, flags=fl, layer=layer, part=part, res=res, chunk=chunk, plen=plen, pck=pck, off=off)
 
 
-def find_earlier_footer(buf, hck):
+def find_earlier_footer(buf, hck, body0):
+    """§7 (revision 1.11.1): the candidates are the 32-byte spans at offsets f with max(body0, n - 65536) <= f
+    (body0: the end of Header_Checksum), f + 32 < n, ending in End_Magic, whose File_Length is f + 32 and whose
+    Footer_Checksum is valid."""
     n = len(buf)
-    lo = max(0, n - 65536)
-    i = buf.rfind(END_MAGIC, lo, n - 1)
-    while i >= lo and i >= 24:
-        end = i + 8
-        io, fl, fck = struct.unpack_from("<QQQ", buf, end - 32)
-        if fl == end and xxh(struct.pack("<QQQ", io, fl, hck)) == fck:
+    lo = max(body0, n - 65536)
+    for f in range(n - 33, lo - 1, -1):
+        if buf[f + 24:f + 32] != END_MAGIC:
+            continue
+        io, fl, fck = struct.unpack_from("<QQQ", buf, f)
+        if fl == f + 32 and xxh(struct.pack("<QQQ", io, fl, hck)) == fck:
             return True
-        i = buf.rfind(END_MAGIC, lo, i + 7)
     return False
 
 
@@ -1081,23 +1109,30 @@ def parse_container(buf):
     info["minor"] = minor
     info["header"] = hdr
     # footer
+    body0 = 16 + hl + 8
     if buf[n - 8:] != END_MAGIC:
-        if find_earlier_footer(buf, hck):
+        if find_earlier_footer(buf, hck, body0):
             raise TrailingData("bytes after a complete file")
         raise TruncatedFile("no End_Magic")
     io, fl, fck = struct.unpack_from("<QQQ", buf, n - 32)
+    # §7's order: End_Magic, Footer_Checksum, File_Length
+    if xxh(struct.pack("<QQQ", io, fl, hck)) != fck:
+        raise ChecksumMismatch("Footer_Checksum")
     if fl < n:
         raise TrailingData("File_Length smaller than file")
     if fl > n:
         raise TruncatedFile("File_Length larger than file")
-    if xxh(struct.pack("<QQQ", io, fl, hck)) != fck:
-        raise ChecksumMismatch("Footer_Checksum")
-    body0 = 16 + hl + 8
     if io < body0 or io + 40 > n - 32:
         raise OffsetError("Index_Offset")
     ih = read_section_header(buf, io)
-    if ih["type"] != SEC_INDEX or ih["flags"] != 1 or ih["layer"] or ih["part"] or ih["res"] or ih["chunk"]:
-        raise OffsetError("index section header")
+    # §6 (revision 1.11.1): reserved bits and Reserved [ReservedBitSet], the type [OffsetError: the footer points
+    # at another section], Critical clear or Layer / Part / Chunk not 0 [FormatError]
+    if ih["res"] or ih["flags"] & ~1:
+        raise ReservedBitSet("index section header: Reserved or a reserved Section_Flags bit")
+    if ih["type"] != SEC_INDEX:
+        raise OffsetError("Index_Offset: not an index section")
+    if ih["flags"] != 1 or ih["layer"] or ih["part"] or ih["chunk"]:
+        raise FormatError("index section header: Section_Flags must be 1, Layer, Part, Chunk 0")
     if io + 40 + ih["plen"] != n - 32:
         raise OffsetError("index does not end at footer")
     ipay = buf[io + 40:n - 32]
@@ -1109,7 +1144,7 @@ def parse_container(buf):
     if xxh(ipay) != ih["pck"]:
         raise ChecksumMismatch("index Payload_Checksum")
     if ires != 0:
-        raise FormatError("index Reserved")
+        raise ReservedBitSet("index Reserved")
     if cnt > MAX_SECTIONS:
         raise LimitExceeded("sections")
     entries = []
@@ -1117,7 +1152,7 @@ def parse_container(buf):
     for i in range(cnt):
         off, t, part, layer, chunk, res, plen = struct.unpack_from("<QHHIIIQ", ipay, 8 + 32 * i)
         if res != 0:
-            raise FormatError("index entry Reserved")
+            raise ReservedBitSet("index entry Reserved")
         if off != expect:
             raise OffsetError(f"index entry {i} offset")
         if t == SEC_INDEX:
@@ -1136,7 +1171,7 @@ def parse_container(buf):
             if s[k] != e[k]:
                 raise OffsetError(f"section at {e['off']} disagrees with index ({k})")
         if s["res"] != 0 or (s["flags"] & ~1):
-            raise FormatError(f"reserved field of section at {e['off']}")
+            raise ReservedBitSet(f"reserved field of section at {e['off']}")
         payload = buf[e["off"] + 40:e["off"] + 40 + e["plen"]]
         if xxh(payload) != s["pck"]:
             raise ChecksumMismatch(f"Payload_Checksum of section at {e['off']}")
@@ -1659,6 +1694,8 @@ def vq_payload(payload, shape, dtype, W, minor, exact=None):
                 ng_shape = (B, H, Tq, -(-D // G))
             NG = int(np.prod(ng_shape))
             side = f16_to_f32(fcr_payload(rd, (1, 2, NG, 1), 2, end=send)).reshape(2, NG)
+            if not np.isfinite(side).all():  # (revision 1.11.1, §13) every minimum and scale finite
+                raise FormatError("VQ.KIVI.Side: a group minimum or scale is not finite")
             mins = side[0].reshape(ng_shape)
             scales = side[1].reshape(ng_shape)
             s = indices_payload(rd, (B, H, Tq, D), k)
@@ -1687,6 +1724,8 @@ def vq_payload(payload, shape, dtype, W, minor, exact=None):
             if send > len(payload):
                 raise FormatError("Side_Length")
             sc = f16_to_f32(fcr_payload(rd, (B, 1, Tq, 1), 2, end=send))
+            if not np.isfinite(sc).all():  # (revision 1.11.1, §13) every scale finite
+                raise FormatError("VQ.CacheGen.Side: a token scale is not finite")
             s = indices_payload(rd, (B, H, Tq, D), k)
             if (s > 2 * half).any():
                 raise FormatError("CacheGen symbol too large")
@@ -2052,7 +2091,8 @@ def decode_file(buf, regen=None, predictors=None):
                 arr = vq_payload(s["payload"], shape, dt, W, info["minor"], exact)
             (out_k if s["part"] == 0 else out_v)[s["layer"]][:, :, t0:t1, :] = arr
         if pred is not None:
-            apply_predict(info, pred, out_k, out_v)
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an error (§13.1), not a warning
+                apply_predict(info, pred, out_k, out_v)
         info["states"] = states
         return info, tokens, out_k, out_v, notes
     # token tiers
