@@ -10,8 +10,8 @@ bits per token.  Two in-process reference points without entropy coding use
 the same protocol: fp8 e4m3 per tensor (8 bits) and per-token min-max 4-bit
 (4 bits + two fp16 per 64 components = 4.5 bits).
 
-Results: ``OUT/bench_lossy.json``, ``OUT/bench_lossy.md`` and, with
-matplotlib installed (``pip install kvz[bench]``), ``OUT/bench_lossy.png``.
+Results: ``OUT/bench_lossy.json``, ``OUT/bench_lossy.md``, ``OUT/bench_lossy.svg`` (:mod:`kvcodec.lab.plots`) and,
+with matplotlib installed (``pip install kvz[bench]``), ``OUT/bench_lossy.png``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .common import missing_corpus, write_report
+from .plots import lossy_plot
 
 CONFIGS = ([{"quantizer": "uniform", "bits": b} for b in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)]
            + [{"quantizer": "lloyd", "lloyd_bits": b} for b in (2, 3, 4)]
@@ -140,6 +141,7 @@ def run_lossy_bench(args) -> int:
     stem = "bench_lossy" + (f"_{cache_dtype}" if cache_dtype != "fp32" else "")  # one dtype does not overwrite another
     out = write_report(args.out, stem, res, to_markdown(res))
     _plot(res, out / f"{stem}.png")
+    lossy_plot(res, out / f"{stem}.svg")  # without matplotlib too
     return 0
 
 

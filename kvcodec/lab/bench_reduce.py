@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .common import missing_corpus, selected_files, write_report
+from .plots import reduce_plot
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white"]
 OBJECTS = ["door", "box", "gate", "locker", "safe", "cabinet", "drawer", "vault", "trunk", "chest"]
@@ -378,45 +379,6 @@ def _base(method: str) -> str:
     return method.split(",")[0].split("+")[0].split("-")[0]
 
 
-def _svg(summary, keeps, methods, path):
-    """A small line plot of the answer NLL ratio (reduced / full) against keep, one line per method."""
-    w, h, pad = 640, 400, 60
-    pts = {m: [(s["keep"], s["nll_ratio"]) for s in summary if s["method"] == m] for m in methods if m != "full"}
-    ys = [y for p in pts.values() for _, y in p if y == y]
-    if not ys:
-        return
-    y0, y1 = 1.0 if min(ys) >= 1 else min(ys), max(ys) * 1.05
-    xs = sorted(keeps)
-
-    def X(x):
-        return pad + (math.log(x) - math.log(xs[0])) / (math.log(xs[-1]) - math.log(xs[0]) or 1) * (w - 2 * pad)
-
-    def Y(y):
-        return h - pad - (y - y0) / ((y1 - y0) or 1) * (h - 2 * pad)
-
-    colours = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-           'font-size="12">', f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
-           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
-           f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">fraction of entries kept (log scale)</text>',
-           f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">'
-           'answer NLL, reduced / full cache</text>']
-    for x in xs:
-        out.append(f'<text x="{X(x):.1f}" y="{h - pad + 15}" text-anchor="middle">{x:g}</text>')
-    for i in range(5):
-        y = y0 + (y1 - y0) * i / 4
-        out.append(f'<text x="{pad - 5}" y="{Y(y) + 4:.1f}" text-anchor="end">{y:.2f}</text>')
-    for j, (m, p) in enumerate(pts.items()):
-        c = colours[j % len(colours)]
-        p = sorted(p)
-        out.append('<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>'
-                   % (c, " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in p)))
-        out.append(f'<text x="{w - pad + 5}" y="{pad + 15 * j}" fill="{c}">{m}</text>')
-    out.append("</svg>")
-    path.write_text("\n".join(out))
-
-
 def to_markdown(res) -> str:
     lines = ["# Reduce tier (`kvz bench --reduce`)", "",
              f"Model {res['model']}; {res['documents']} documents of {res['context']} tokens "
@@ -609,5 +571,5 @@ def _report(args, keeps, methods, rows, settings, seconds, docs, model, tok, sou
     if getattr(args, "sizes", False):
         res["sizes"] = sizes(model, tok, docs[0], keeps)
     out = write_report(args.out, "bench_reduce", res, to_markdown(res))
-    _svg(summary, keeps, methods, Path(out) / "bench_reduce.svg")
+    reduce_plot(res, Path(out) / "bench_reduce.svg")
     return 0

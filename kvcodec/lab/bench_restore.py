@@ -30,7 +30,7 @@ times, each row reports the restored cache's megabytes per second (its raw bytes
 ``memcpy`` row: copying those raw bytes once with NumPy, the ceiling of any decoder; and, for each file, the
 storage speeds below which its restore beats reading the raw file and above which it beats recomputing, had its
 bytes come from storage instead of the page cache (:func:`storage_speeds`: a model of the measured times).
-Results: ``OUT/bench_restore.json`` and ``OUT/bench_restore.md``.
+Results: ``OUT/bench_restore.json``, ``OUT/bench_restore.md`` and ``OUT/bench_restore.svg`` (:mod:`kvcodec.lab.plots`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 import zstandard
 
 from .common import interleaved_medians, median_time, missing_corpus, touch_fresh_memory, write_report
+from .plots import restore_plot
 
 DEFAULT_GENRES = ["prose_en_austen_pride_and_prejudice.txt"]
 
@@ -363,5 +364,6 @@ def run_restore_bench(args) -> int:
         one = {r["method"]: r for r in rows if r["threads"] == 1}
         print(f"{g} {dname}: " + ", ".join(f"{k} {1e3 * v['restore_s']:.0f} ms" for k, v in one.items())
               + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
-    write_report(args.out, "bench_restore", results, to_markdown(results))
+    out = write_report(args.out, "bench_restore", results, to_markdown(results))
+    restore_plot(results, out / "bench_restore.svg")
     return 0
