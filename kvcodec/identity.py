@@ -19,11 +19,12 @@ from pathlib import Path
 
 from .container import layout as L
 from .errors import ModelMismatch
-from .models import model_fingerprint, tokenizer_fingerprint
+from .models import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 
 __all__ = ["split_model", "vocab_size", "fingerprint", "model_record", "check_model", "file_digest"]
 
 _MODEL_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WEIGHTS_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _TOKENIZER_FP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -57,12 +58,18 @@ def fingerprint(model) -> str:
     return _memo(_MODEL_FP, model, sum(p._version for p in model.parameters()), model_fingerprint)
 
 
+def weights(model) -> str:
+    """:func:`kvcodec.models.weights_fingerprint`, memoised per model object and weights version."""
+    model, _ = split_model(model)
+    return _memo(_WEIGHTS_FP, model, sum(p._version for p in model.parameters()), weights_fingerprint)
+
+
 def model_record(model) -> dict | None:
     """The header's ``model`` object for ``model`` (None for None)."""
     if model is None:
         return None
     model, tok = split_model(model)
-    rec = {"fingerprint": fingerprint(model)}
+    rec = {"fingerprint": fingerprint(model), "weights": weights(model)}
     if tok is not None:
         rec["tokenizer"] = _memo(_TOKENIZER_FP, tok, len(tok), tokenizer_fingerprint)
     arch = getattr(getattr(model, "config", None), "model_type", None)
@@ -79,7 +86,13 @@ def check_model(recorded: dict | None, model, what: str = "model") -> None:
     if recorded is None:
         return
     rec = model_record(model)
-    if rec["fingerprint"] != recorded["fingerprint"]:
+    if "weights" in recorded:  # (1.12) what any implementation computes; the configuration's serialisation that
+        # `fingerprint` hashes depends on the library that loaded the model, so it is not compared then
+        if rec["weights"] != recorded["weights"]:
+            raise ModelMismatch(f"file was made with {what} weights {recorded['weights'][:16]}…, the {what} given "
+                                f"has {rec['weights'][:16]}… (another model, another dtype or modified weights)",
+                                field=f"Header.{what}.weights", offset=L.PREAMBLE.size)
+    elif rec["fingerprint"] != recorded["fingerprint"]:
         raise ModelMismatch(f"file was made with {what} {recorded['fingerprint'][:16]}…, "
                             f"the {what} given is {rec['fingerprint'][:16]}… (another model, another dtype or "
                             "modified weights)", field=f"Header.{what}.fingerprint", offset=L.PREAMBLE.size)

@@ -186,6 +186,49 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+#: safetensors' names of the dtypes a weights fingerprint covers (spec section 4.1)
+WEIGHT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                 "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                 "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def tensor_digest(t) -> bytes:
+    """SHA-256 of one tensor as a weights fingerprint hashes it (spec section 4.1): ``dtype|d0,d1,...`` in ASCII
+    (safetensors' dtype name), one zero byte, then the elements in C order, little-endian."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    name = WEIGHT_DTYPES.get(str(t.dtype).removeprefix("torch."))
+    if name is None:
+        raise ValueError(f"a weights fingerprint does not cover dtype {t.dtype}")
+    h = hashlib.sha256(f"{name}|{','.join(str(int(d)) for d in t.shape)}\0".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def weights_fingerprint(model) -> str:
+    """Hex SHA-256 identity of a model's computation that any implementation can compute from its ``config.json``
+    and its weights as it runs them (format 1.12, ``model.weights``; spec section 4.1): the architecture name
+    (``model_type``), then the digests of its distinct tensors - parameters and persistent buffers, each once
+    however many names share it (tied embeddings) - sorted.  Independent of transformers' configuration
+    defaults, of names and of the checkpoint's layout; another dtype is another model."""
+    import torch
+
+    if isinstance(model, tuple):
+        model = model[0]
+    cfg = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", None)
+    if not isinstance(arch, str) or not arch:
+        raise ValueError("a weights fingerprint needs the model's model_type")
+    with torch.no_grad():
+        digests = sorted({tensor_digest(t) for t in model.state_dict().values()})
+    h = hashlib.sha256(b"kvcodec-model-weights-v2\0" + arch.encode() + b"\0")
+    for d in digests:
+        h.update(d)
+    return h.hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hex SHA-256 of a tokenizer's vocabulary (token -> id), the identity of its ids."""
     h = hashlib.sha256(b"kvcodec-tokenizer-fingerprint-v1\0")

@@ -217,3 +217,24 @@ def test_independent_engine_file_recompute():
     K.decode_file(g)
     with pytest.raises(K.UnknownId):
         K.rebuild_engine_file(g, regenerate)
+
+
+def test_independent_decoder_checks_model_weights_of_a_1_12_file():
+    """(1.12, spec 4.1) A token-tier file made now carries model.weights and is stamped 1.12; the independent
+    decoder reads its header and computes the same weights from the shipped model's files (config.json and
+    safetensors) - no transformers - so it can refuse another model; a 1.11 stamp with weights is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import kvcodec
+
+    d = VECTORS / "models" / "tiny-llama"
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    data = kvcodec.encode(kvcodec.models.prefill(m, ids), m, tokens=ids, token_model="static")
+    K.parse_container(data)  # the container and header as the spec reads them
+    assert struct.unpack_from("<H", data, 10)[0] == 12
+    head = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
+    assert head["model"]["weights"] == K.weights_fingerprint(d)
+    with pytest.raises(K.FormatError):
+        K.validate_header(head, 11)

@@ -273,6 +273,10 @@ def test_reencode_token_tier_vector(case):
         pb = [(e.section_type, e.layer, e.part, e.chunk, b.read_payload(e)) for e in b.sections]
         ha, hb = dict(a.header.raw), dict(b.header.raw)
     assert pa == pb
+    # (1.12) a file made now also carries model.weights, computed from the shipped model's files (spec 4.1)
+    from .independent.decoder import weights_fingerprint
+
+    assert "weights" not in ha["model"] and hb["model"].pop("weights") == weights_fingerprint(VECTORS / meta["model"])
     for h in (ha, hb):
         h["tokens"] = {k: v for k, v in h["tokens"].items() if k != "procedure"}
     assert ha == hb

@@ -98,6 +98,9 @@ ENGINE_MINOR = 10
 #: the format minor version that introduced bounded reduced caches (``reduce.bound``, the ``scores`` state tensor:
 #: spec section 14)
 BOUND_MINOR = 11
+#: the format minor version that introduced ``model.weights``, the fingerprint any implementation computes from a
+#: model's tensors (spec section 4.1)
+WEIGHTS_MINOR = 12
 #: most pieces an ``engine_file`` may list (spec section 15)
 MAX_ENGINE_PIECES = 1 << 20
 
@@ -262,6 +265,11 @@ class Header:
         return max(t.min_minor if t.read_minor is None else t.read_minor, self._feature_minor())
 
     def _feature_minor(self) -> int:
+        draft = (self.raw.get("tokens") or {}).get("draft")
+        weights = WEIGHTS_MINOR if any(isinstance(m, dict) and "weights" in m for m in (self.model, draft)) else 0
+        return max(weights, self._structure_minor())
+
+    def _structure_minor(self) -> int:
         blocks = BLOCKS_MINOR if getattr(getattr(self, "tier_info", None), "token_model", None) == "blocks" else 0
         if self.engine is not None:
             return ENGINE_MINOR
@@ -503,8 +511,8 @@ def parse(data: bytes, *, offset: int, limits: dict | None = None) -> Header:
         layers += [LayerInfo(heads, kd, vd, seq, sw, cum, state)] * repeat
     model = obj["model"]
     if model is not None:
-        v.obj(model, "model", {"fingerprint"}, {"name", "architecture", "tokenizer"})
-        for key in ("fingerprint", "tokenizer"):
+        v.obj(model, "model", {"fingerprint"}, {"name", "architecture", "tokenizer", "weights"})
+        for key in ("fingerprint", "tokenizer", "weights"):
             if key in model and not is_hex64(v.str(model, key, "model")):
                 v.fail(f"model.{key}", "must be 64 lowercase hex digits")
     if reduce is not None and not any(lay.state is not None and lay.state.kind == "reduced" for lay in layers):

@@ -18,13 +18,14 @@ MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
 
 FORMAT_VERSION_MAJOR = 1
-FORMAT_VERSION_MINOR = 11  # the highest minor version this code reads and writes
+FORMAT_VERSION_MINOR = 12  # the highest minor version this code reads and writes
 # A writer stamps the lowest minor version that can express the file - each tier's ``min_minor`` (0 for the
 # lossless tier, so 1.0 readers keep reading lossless files; 1 for the token tiers, 2 for the lossy tier), 3
 # when a layer carries recurrent / conv state, 4 for a reduced cache (a ``reduce`` object), 5 for the lossy
 # tier's quantizer ``weighted`` (``vq_rans`` Method 5), 6 for predicted slices (``predict``), 7 for a cache
 # reduced by ``tova`` or ``kvzip``, 8 for a reduced layer whose heads hold different numbers of entries
-# (``parts.heads``).
+# (``parts.heads``), 9 for token model ``blocks``, 10 for engine files, 11 for bounded reduced caches, 12 for a
+# ``model.weights`` fingerprint.
 
 PREAMBLE = struct.Struct("<8sHHI")  # Magic, Version_Major, Version_Minor, Header_Length
 HEADER_CHECKSUM = struct.Struct("<Q")

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from .. import registry
 from . import layout as L
-from .header import BLOCKS_MINOR, BOUND_MINOR, ENGINE_MINOR, HEADS_MINOR, PREDICT_MINOR, STATE_MINOR, dumps, reduce_minor
+from .header import (
+    BLOCKS_MINOR,
+    BOUND_MINOR,
+    ENGINE_MINOR,
+    HEADS_MINOR,
+    PREDICT_MINOR,
+    STATE_MINOR,
+    WEIGHTS_MINOR,
+    dumps,
+    reduce_minor,
+)
 
 
 class KvzWriter:
@@ -57,6 +67,8 @@ class KvzWriter:
             minor = max(minor, BLOCKS_MINOR)  # (1.9)
         if "engine_file" in header:
             minor = max(minor, ENGINE_MINOR)  # (1.10)
+        if "weights" in (header.get("model") or {}) or "weights" in ((header.get("tokens") or {}).get("draft") or {}):
+            minor = max(minor, WEIGHTS_MINOR)  # (1.12) the model's weights fingerprint
         pre = L.PREAMBLE.pack(L.MAGIC, L.FORMAT_VERSION_MAJOR, minor, len(body))
         self._header_checksum = L.xxh3(pre + body)
         self._write(pre + body + L.HEADER_CHECKSUM.pack(self._header_checksum))

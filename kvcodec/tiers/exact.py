@@ -251,9 +251,10 @@ class ExactTier(Tier):
         if (draft is None) != (tm != "draft"):
             v.fail(f"{p}.draft", "must be an object exactly when token_model is 'draft'")
         if draft is not None:
-            v.obj(draft, f"{p}.draft", {"fingerprint"}, {"name", "architecture", "tokenizer"})
-            if not is_hex64(v.str(draft, "fingerprint", f"{p}.draft")):
-                v.fail(f"{p}.draft.fingerprint", "must be 64 lowercase hex digits")
+            v.obj(draft, f"{p}.draft", {"fingerprint"}, {"name", "architecture", "tokenizer", "weights"})
+            for key in ("fingerprint", "tokenizer", "weights"):  # (1.12) weights
+                if key in draft and not is_hex64(v.str(draft, key, f"{p}.draft")):
+                    v.fail(f"{p}.draft.{key}", "must be 64 lowercase hex digits")
         vocab = v.int(t, "vocab", p, 2, MAX_VOCAB)  # spec 11.2.1: every symbol keeps a frequency >= 1 of 2**24
         chunk = v.int(t, "chunk_tokens", p, 1, L.MAX_CHUNK_TOKENS, LimitExceeded)
         if not isinstance(t["procedure"], dict) or "id" not in t["procedure"]:

@@ -41,7 +41,8 @@ def xxh(b):
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"\x89KVZEND\n"
-IMPL_MINOR = 11  # (1.10) engine files (§15); (1.11) reduce.bound and the scores state tensor (§14.1, §14.2)
+IMPL_MINOR = 12  # (1.10) engine files (§15); (1.11) reduce.bound and the scores state tensor (§14.1, §14.2);
+# (1.12) model.weights (§4.1)
 HEADER_LIMIT = 16 << 20
 OUTPUT_LIMIT = 64 << 30
 MAX_SECTIONS = 1 << 22
@@ -195,12 +196,15 @@ def _int(obj, k, lo, hi=None, where="", limit=None):
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _model_obj(m, where):
-    _keys(m, ["fingerprint"], ["tokenizer", "name", "architecture"], where)
+def _model_obj(m, where, minor=IMPL_MINOR):
+    _keys(m, ["fingerprint"], ["tokenizer", "name", "architecture", "weights"], where)
     if not isinstance(m["fingerprint"], str) or not HEX64.match(m["fingerprint"]):
         raise FormatError(f"{where}.fingerprint")
-    if "tokenizer" in m and (not isinstance(m["tokenizer"], str) or not HEX64.match(m["tokenizer"])):
-        raise FormatError(f"{where}.tokenizer")
+    for k in ("tokenizer", "weights"):
+        if k in m and (not isinstance(m[k], str) or not HEX64.match(m[k])):
+            raise FormatError(f"{where}.{k}")
+    if "weights" in m and minor < 12:  # §3: a model object with weights is stamped 1.12 or later
+        raise FormatError(f"{where}.weights in a file stamped 1.{minor} (needs 1.12)")
     for k in ("name", "architecture"):
         if k in m and not isinstance(m[k], str):
             raise FormatError(f"{where}.{k}")
@@ -319,7 +323,7 @@ def validate_header(h, minor):
         raise LimitExceeded("too many sections")
     model = h["model"]
     if model is not None:
-        _model_obj(model, "model")
+        _model_obj(model, "model", minor)
     token_tier = tier in ("exact", "tokens")
     if token_tier:
         if model is None:
@@ -1013,7 +1017,7 @@ def validate_tokens(t, tier, B, N, minor=9):
     if (t["draft"] is not None) != (tm == "draft"):
         raise FormatError("tokens.draft")
     if t["draft"] is not None:
-        _model_obj(t["draft"], "tokens.draft")
+        _model_obj(t["draft"], "tokens.draft", minor)
     V = _int(t, "vocab", 2, (1 << 24) - 2, "tokens")
     _int(t, "chunk_tokens", 1, 1 << 24, "tokens")
     p = t["procedure"]
@@ -2223,3 +2227,29 @@ def rebuild_engine_file(buf, regenerate=None, model_file_sha256=None, allow_null
     if info["tier"] == "lossless" and hashlib.sha256(res).hexdigest() != eng["sha256"]:
         raise ChecksumMismatch("engine_file.sha256: the rebuilt file's SHA-256 differs")
     return res
+
+
+def weights_fingerprint(model_dir) -> str:
+    """§4.1 `model.weights` (1.12) of a model directory: its config.json's `model_type` and the distinct tensors of
+    its `*.safetensors` files (each digest once, sorted). A caller compares it with a file's `model.weights`
+    [ModelMismatch] before regenerating a cache with that model."""
+    import hashlib
+    import json as _json
+    from pathlib import Path
+
+    d = Path(model_dir)
+    arch = _json.loads((d / "config.json").read_text(encoding="utf-8"))["model_type"]
+    digests = set()
+    for f in sorted(d.glob("*.safetensors")):
+        data = f.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        for name, t in _json.loads(data[8:8 + n]).items():
+            if name == "__metadata__":
+                continue
+            a, b = t["data_offsets"]
+            head = f"{t['dtype']}|{','.join(str(x) for x in t['shape'])}".encode("ascii") + b"\x00"
+            digests.add(hashlib.sha256(head + data[8 + n + a:8 + n + b]).digest())
+    h = hashlib.sha256(b"kvcodec-model-weights-v2\x00" + arch.encode("utf-8") + b"\x00")
+    for dg in sorted(digests):
+        h.update(dg)
+    return h.hexdigest()
