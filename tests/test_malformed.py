@@ -238,3 +238,28 @@ def test_predicted_overflow_is_found_in_the_layer_where_it_happens():
         assert bool(v0.isfinite().all()) and float(v0.abs().max()) > 1e38  # finite, near binary32's largest
         with pytest.raises(kvcodec.FormatError, match="layer 1"):
             f.layer(1)
+
+
+def test_chunk_tokens_above_its_range_and_another_procedure_id():
+    """Spec revision 1.12.0 (what revision 1.11.1 left open): cache.chunk_tokens and tokens.chunk_tokens above 2^24
+    are LimitExceeded, a tokens.procedure.id that is not its token model's is UnknownId - the reference decoder
+    and the independent one alike."""
+    from fuzz import header_of, with_header
+
+    cases = []
+    base = (ROOT / "spec" / "vectors" / "exact_static_prefill.kvz").read_bytes()
+    h = header_of(base)
+    h["cache"]["chunk_tokens"] = (1 << 24) + 1
+    cases.append((with_header(base, h), kvcodec.LimitExceeded, "LimitExceeded"))
+    h = header_of(base)
+    h["tokens"]["chunk_tokens"] = (1 << 24) + 1
+    cases.append((with_header(base, h), kvcodec.LimitExceeded, "LimitExceeded"))
+    h = header_of(base)
+    h["tokens"]["procedure"]["id"] = "lm-schedule-v1"  # the lm model's, in a static file
+    cases.append((with_header(base, h), kvcodec.UnknownId, "UnknownId"))
+    for data, cls, name in cases:
+        with pytest.raises(cls):
+            kvcodec.inspect(data)
+        with pytest.raises(Exception) as err:
+            K.decode_file(data)
+        assert type(err.value).__name__ == name

@@ -255,7 +255,7 @@ def validate_header(h, minor):
     if cache["dtype"] not in ITEMSIZE:
         raise UnknownId(f"dtype {cache['dtype']}")
     B = _int(cache, "batch", 1, where="cache", limit=65536)
-    C = _int(cache, "chunk_tokens", 1, 1 << 24, "cache")
+    C = _int(cache, "chunk_tokens", 1, None, "cache", limit=1 << 24)  # §4: above 2^24 LimitExceeded
     sp = _int(cache, "start_position", 0, where="cache", limit=1 << 31)
     nt = _int(cache, "num_tokens", 0, where="cache", limit=1 << 31)
     if not isinstance(cache["layers"], list) or len(cache["layers"]) < 1:
@@ -1019,14 +1019,14 @@ def validate_tokens(t, tier, B, N, minor=9):
     if t["draft"] is not None:
         _model_obj(t["draft"], "tokens.draft", minor)
     V = _int(t, "vocab", 2, (1 << 24) - 2, "tokens")
-    _int(t, "chunk_tokens", 1, 1 << 24, "tokens")
+    _int(t, "chunk_tokens", 1, None, "tokens", limit=1 << 24)
     p = t["procedure"]
     if not isinstance(p, dict) or "id" not in p or not isinstance(p["id"], str):
         raise FormatError("tokens.procedure")
     want = {"lm": "lm-schedule-v1", "draft": "lm-incremental-v1", "static": "static-wb-o2-v1",
             "blocks": "lm-blocks-v1"}[tm]
     if p["id"] != want:
-        raise FormatError("tokens.procedure.id")
+        raise UnknownId("tokens.procedure.id")  # §11.1 (revision 1.12.0)
     if tm == "blocks":
         if "block_tokens" not in p:
             raise FormatError("tokens.procedure.block_tokens")
