@@ -50,7 +50,10 @@ class KvzFile:
     (:class:`~kvcodec.errors.ModelMismatch`); files of the token tiers need
     the model to decode.
 
-    >>> # with kvcodec.open_kvz("cache.kvz") as f: k, v = f.layer(3)
+    ::
+
+        with kvcodec.open_kvz("cache.kvz") as f:
+            k, v = f.layer(3)
     """
 
     def __init__(self, source, model=None, *, draft=None, limits: dict | None = None, threads: int | None = None,

@@ -48,9 +48,11 @@ class Store(Collector):
     any fsspec URL (``storage_options`` go to fsspec; the AWS environment variables work as for any fsspec
     user).
 
-    >>> # store = kvcodec.Store("s3://bucket/memory", model)
-    >>> # n, cache = store.match(ids)        # the longest stored prefix of ids, and its cache
-    >>> # key = store.put(cache, tokens=ids) # after running the model on ids[n:]
+    ::
+
+        store = kvcodec.Store("s3://bucket/memory", model)
+        n, cache = store.match(ids)          # the longest stored prefix of ids, and its cache
+        key = store.put(cache, tokens=ids)   # after running the model on ids[n:]
 
     ``tier`` (``"lossless"`` or ``"lossy"``) and ``**tier_options`` are how chunks are coded (as
     :func:`kvcodec.encode`); they are part of the namespace.  ``granularity`` (default 16, at most 16): the
