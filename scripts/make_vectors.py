@@ -19,8 +19,9 @@ Beside them, as tensors (safetensors):
   to these tensors - and the parts that need the model's exact numbers only
   where this machine regenerates these tensors bit for bit.
 
-    python scripts/make_vectors.py          # rewrite all vectors
-    python scripts/make_vectors.py --check  # exit 1 if any vector would change
+    python scripts/make_vectors.py               # rewrite all vectors
+    python scripts/make_vectors.py --check       # exit 1 if any vector would change
+    python scripts/make_vectors.py --only A B    # write only the vectors A and B (a new vector, on purpose)
 """
 
 from __future__ import annotations
@@ -173,29 +174,31 @@ def spread_cache(rng, dtype, n=24, kept=(5, 11, 8)):
 
 
 def heads_cache(rng, dtype, n=20, appended=4, counts=(((7, 3, 0), (5, 7, 2)), ((1, 4, 4), (4, 0, 3)))):
-    """(1.8) a cache reduced by method ``kvzip`` whose heads keep different numbers of entries: two batch rows
-    and two full-attention layers of 3 heads x 8 over ``n`` tokens, head (b, h) of layer l holding
+    """(1.8) a cache reduced by method ``kvzip`` whose heads keep different numbers of entries: batch rows
+    and full-attention layers of heads x 8 over ``n`` tokens (as many as ``counts`` has: by default two rows, two
+    layers, 3 heads), head (b, h) of layer l holding
     ``counts[l][b][h]`` of them in ``fixed`` (in token order; the layer's fixed part as long as its longest head,
     the others' absent places zero with log-weight -inf), then ``appended`` tokens raw (2 sinks, 2 buffer)."""
     from kvcodec.reduction.cache import Plan, ReducedCache, ReducedLayer
 
     plan = Plan(k=8, block=8, sinks=2, method=None, seed=0, window=0, form="dot")
     layers = []
+    nb, nh = len(counts[0]), len(counts[0][0])  # batch rows and heads (2 and 3 unless counts says otherwise)
     for i, rows in enumerate(counts):
         c = torch.tensor(rows)
         width = int(c.max())
-        keys, values = structured(rng, (2, 3, n, 8), dtype), structured(rng, (2, 3, n, 8), dtype)
-        idx = torch.zeros(2, 3, width, dtype=torch.long)
-        for b in range(2):
-            for h in range(3):
+        keys, values = structured(rng, (nb, nh, n, 8), dtype), structured(rng, (nb, nh, n, 8), dtype)
+        idx = torch.zeros(nb, nh, width, dtype=torch.long)
+        for b in range(nb):
+            for h in range(nh):
                 kept = np.sort(rng.choice(n, int(c[b, h]), replace=False))
                 idx[b, h, :len(kept)] = torch.from_numpy(kept)
         present = torch.arange(width)[None, None, :] < c[..., None]
         gk = keys.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
         gv = values.gather(2, idx[..., None].expand(-1, -1, -1, 8)).masked_fill(~present[..., None], 0)
         layer = ReducedLayer(plan, i, 8 ** -0.5)
-        layer.set_fixed(gk, gv, n, torch.zeros(2, 3, width).masked_fill(~present, float("-inf")))
-        layer.update(structured(rng, (2, 3, appended, 8), dtype), structured(rng, (2, 3, appended, 8), dtype))
+        layer.set_fixed(gk, gv, n, torch.zeros(nb, nh, width).masked_fill(~present, float("-inf")))
+        layer.update(structured(rng, (nb, nh, appended, 8), dtype), structured(rng, (nb, nh, appended, 8), dtype))
         layers.append(layer)
     return kvcodec.to_canonical(ReducedCache(None, plan, layers=layers, method="kvzip"))
 
@@ -373,6 +376,232 @@ def token_cases():
     yield "exact_state", mamba, kv, {"token_model": "static", "tokens": ids.tolist()}
 
 
+# --- issue 51, item 2: vectors that pin rules no earlier vector pinned (spec/appendix_a_new_rows.md) -----------
+# Each of these is written on purpose (``--only NAME``) and never changes the earlier vectors' inputs: every case
+# has its own generator.  scripts/studies/vector_rules.py decodes each with its rule broken and shows that the
+# recorded hashes (or token ids) then differ.
+
+VOCAB_DIR = OUT / "models" / "tiny-llama-v49152"
+DRAFT_DIR = OUT / "models" / "tiny-llama-draft"
+#: the start position of ``lossy_predicted_far``: its 16 positions 84442 .. 84457 hold two (84444 and 84457) whose
+#: binary32 cos / sin by the recurrence of spec 13.1 differ from a direct binary64 cos(p * theta), theta =
+#: atan2(sin_theta, cos_theta) (and three, 84446 too, for the theta the predictors were made from); scanning up
+#: from position 0, the first 16-position window with two (scripts/studies/vector_rules.py)
+PREDICTED_FAR_START = 84442
+
+
+def vocab_model():
+    """A Llama with a real vocabulary (49152, SmolLM2's) and almost nothing else (hidden size 2, one layer, one
+    key-value head of dimension 2, tied embeddings): 394 KB of float32 weights.  At V = 64 the uniform
+    distribution 1/V and every sum of it are exact; at 49152 they are not (spec 11.2, 11.2.1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (VOCAB_DIR / "model.safetensors").is_file():
+        torch.manual_seed(49152)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=2, intermediate_size=4, num_hidden_layers=1,
+                          num_attention_heads=1, num_key_value_heads=1, head_dim=2, max_position_embeddings=128,
+                          tie_word_embeddings=True)
+        LlamaForCausalLM(cfg).save_pretrained(VOCAB_DIR)
+    return LlamaForCausalLM.from_pretrained(VOCAB_DIR, dtype=torch.float32).eval()
+
+
+def draft_model():
+    """A draft model for ``exact_draft_padded``: another tiny Llama with the tiny Llama's vocabulary (64), one
+    layer, other weights; its distributions differ from the model's, so a decoder that codes with the model
+    instead of the draft fails."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (DRAFT_DIR / "model.safetensors").is_file():
+        torch.manual_seed(20261201)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+        LlamaForCausalLM(cfg).save_pretrained(DRAFT_DIR)
+    return LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
+
+
+def order2_tokens(rng, n: int, symbols=(3, 17, 42, 9, 58)) -> list[int]:
+    """``n`` token ids of a random order-2 Markov chain over a few ``symbols``: pairs of tokens recur with
+    different followers, so the static model's order-2 contexts (spec 11.2, ``static-wb-o2-v1``) have counts
+    and apply after the order-1 ones at most positions."""
+    nxt = {(a, b): rng.permutation(symbols)[:2] for a in symbols for b in symbols}
+    out = [int(x) for x in rng.choice(symbols, 2)]
+    while len(out) < n:
+        cand = nxt[(out[-2], out[-1])]
+        out.append(int(cand[0] if rng.random() < 0.7 else rng.choice(symbols)))
+    return out
+
+
+def pinning_token_cases():
+    """Token-tier cases of issue 51 item 2: (name, model, cache, encode options, extra); ``extra`` may hold
+    ``draft`` (the draft model) and ``mode0`` (the (layer, part) slices whose residual is written in Mode 0)."""
+    model = tiny_model()
+    rng = np.random.default_rng(512)
+    # tier tokens with a tolerance that zeroes residuals; static model with order-2 contexts; a Mode 0 residual.
+    # Layer 0's keys are moved by 1e-6 (within the tolerance: zeroed, the reconstruction keeps the regeneration)
+    # and at a few places by 0.05 (kept); layer 1's values by 1e-6 only, so their residual is all zero: the
+    # reference encoder omits such a section, this case writes it in Mode 0 on purpose (spec 12)
+    ids = torch.tensor([order2_tokens(rng, 24)])
+    kv = kvcodec.to_canonical(run_schedule(model, ids, [24]))
+    small = torch.from_numpy(rng.choice([-1e-6, 1e-6], size=tuple(kv.keys[0].shape)).astype(np.float32))
+    big = torch.from_numpy((rng.random(tuple(kv.keys[0].shape)) < 0.1) * rng.normal(0, 0.05, tuple(kv.keys[0].shape)))
+    kv.keys[0] = kv.keys[0] + small + big.float()
+    kv.values[1] = kv.values[1] + torch.from_numpy(rng.choice([-1e-6, 1e-6], size=tuple(kv.values[1].shape))).float()
+    yield "tokens_tolerance_zeroed", model, kv, {"token_model": "static", "tier": "tokens", "tolerance": 1e-4,
+                                                  "schedule": [[24, 1]]}, {"mode0": [(1, 1)]}
+    # static model, tier exact: order-2 contexts, and a token whose frequency depends on the order-0 term's
+    # rounding: the order-0 term (c0 + d0/V) / (n0 + d0), as spec 11.2 writes it, and (1/V) * (d0 / (n0 + d0)) +
+    # c0 / (n0 + d0), equal in exact arithmetic, round differently at this sequence's position 19, and of the 24-bit
+    # cumulative frequencies there C[48] moves (3 of the first 3000 generators give such a position, none of the
+    # first 30000 codes a token there whose interval moves: so token 19 is set to 48, an unseen token); the 20
+    # tokens after it let the one-unit shift of the coder's interval reach a later token's boundary
+    ids = order2_tokens(np.random.default_rng(463), 40)
+    ids[19] = 48
+    ids = torch.tensor([ids])
+    yield "exact_static_order2", model, run_schedule(model, ids, [40]), {"token_model": "static"}, {}
+    # token model blocks at a real vocabulary (49152), blocks of 2: the first token of every block is coded with
+    # the uniform distribution 1.0/V (portable: no model call), the second with the model's softmax
+    vm = vocab_model()
+    ids = torch.from_numpy(rng.integers(0, 49152, size=(1, 40)))
+    yield "exact_blocks_v49152", vm, run_schedule(vm, ids, [40]), {"token_model": "blocks", "block_tokens": 2,
+                                                                    "schedule": [[40, 1]]}, {}
+    # token model draft: two rows, the second left-padded by 3, each coded alone by the draft model one token
+    # per call (lm-incremental-v1), the cache filled by a prefill and single steps
+    ids = torch.from_numpy(rng.integers(1, 64, size=(2, 14)))
+    ids[1, :3] = 0
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :3] = 0
+    cache = run_schedule(model, ids, [10] + [1] * 4, padding=[0, 3])
+    yield "exact_draft_padded", model, cache, {"token_model": "draft", "schedule": [[10, 1], [1, 4]],
+                                               "attention_mask": mask.tolist()}, {"draft": draft_model()}
+
+
+def kivi_rounding_cache(rng):
+    """float16 keys and values [1, 1, 9, 8] in which one KIVI group of each axis is {2^-24, 1, 2, 3.0078125}: its
+    minimum 2^-24, its scale float16(3.0078125 / 3) = 1027/1024 and its top index 3, so min + 3 * scale is
+    3.0087890625 + 2^-24, which binary32 rounds to 3.0087890625, a float16 tie that rounds to even, 3.0078125;
+    one rounding of the exact value to float16 gives 3.009765625 (spec 13, Method 3: binary32, then dtype)."""
+    k = structured(rng, (1, 1, 9, 8), torch.float16)
+    v = structured(rng, (1, 1, 9, 8), torch.float16)
+    crafted = torch.tensor([2.0 ** -24, 1.0, 2.0, 3.0078125], dtype=torch.float16)
+    k[0, 0, 1:5, 0] = crafted  # keys: axis 0, channel 0 over the first 4 quantized tokens (token 0 is the head)
+    v[0, 0, 1, 0:4] = crafted  # values: axis 1, token 1 over channels 0 .. 3
+    return kvcodec.KVCache([k], [v])
+
+
+def predicted_far_case(rng, start=PREDICTED_FAR_START):
+    """(1.6) a predicted file at positions ``start`` .. ``start`` + 15: one float32 layer of 2 heads x 8 (angles
+    100^(-2i/8), predictors' scale 0.875), the first token exact.  Head 1's keys lie in the first half of each
+    rotary pair (the second half 0 before RoPE, and decoded as exactly 0), so its rotated keys are u * cos and
+    u * sin alone: a cos or sin that differs by one unit in binary32 changes them (where both halves hold
+    values, as in head 0, a pair's cos or sin differs only near its zero, where that term vanishes in the sum).
+    (KVCache, options)."""
+    from kvcodec import predict as P
+
+    h, t, d = 2, 16, 8
+    theta = 1.0 / (100.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = P.rope_tables(np.cos(theta), np.sin(theta), 0.875, start, t)
+    pre = rng.normal(size=(h, t, d)).astype(np.float32)
+    v = (pre * 0.5 + rng.normal(size=(h, t, d)) * 0.1).astype(np.float32)
+    pre[1, :, d // 2:] = 0  # head 1's second halves zero: its rotated keys are u cos and u sin, one product each
+    kv = kvcodec.KVCache([torch.from_numpy(P.rotate(pre, cos, sin))[None]], [torch.from_numpy(v)[None]],
+                         start_position=start)
+    f16 = np.float16
+    kbias = (rng.normal(size=h * d) * 0.1).astype(f16)
+    kbias[d + d // 2:] = 0  # (with a zero prediction there, k~ is exactly 0)
+    pred = P.Predictors(
+        [(np.zeros((0, h * d), f16), kbias)],
+        [((rng.normal(size=(h * d, h * d)) * 0.05).astype(f16), (rng.normal(size=h * d) * 0.01).astype(f16))],
+        np.cos(theta), np.sin(theta), 0.875, {"note": "random predictors of the golden vector lossy_predicted_far"})
+    profile = kvcodec.Profile([rng.uniform(0.2, 3.0, (h, d)).astype(np.float32)], model=None, tokens=0)
+    return kv, {"tier": "lossy", "quantizer": "weighted", "step": 0.3, "key_ratio": 0.15, "profile": profile,
+                "predictors": pred, "window": 0}
+
+
+def pinning_cases():
+    """Lossless and lossy cases of issue 51 item 2: (name, cache, options)."""
+    rng = np.random.default_rng(5151)
+    # (1.8) a per-head layer whose payloads are coded (Mode 1): one batch row, 2 heads x 8 over 100 tokens,
+    # holding 90 and 20 of them, then 4 appended: head 0's 94 entries in Mode 1, head 1's 24 raw (Mode 0)
+    yield "lossless_heads_coded", heads_cache(np.random.default_rng(13), torch.bfloat16, n=100,
+                                              counts=(((90, 20),),)), {}
+    # Mode 2 (the first token exact) with Method 2 (Lloyd-Max), float32
+    kv = [(structured(rng, (1, 2, 6, 8), torch.float32), structured(rng, (1, 2, 6, 8), torch.float32))]
+    yield "lossy_lloyd_head", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "lloyd", "lloyd_bits": 2}
+    # Mode 2 with Method 3 (KIVI, 2 bits, groups of 4), float16 with a group whose value needs binary32 first
+    yield "lossy_kivi_rounding", kivi_rounding_cache(rng), {"tier": "lossy", "quantizer": "kivi", "kivi_bits": 2,
+                                                            "group": 4}
+    # Mode 2 with Method 4 (CacheGen) and odd Bins: keys 7 bins (half 3), values 5 (half 2)
+    kv = [(structured(rng, (1, 2, 7, 6), torch.bfloat16), structured(rng, (1, 2, 7, 6), torch.bfloat16))]
+    yield "lossy_cachegen_odd", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "quantizer": "cachegen", "cachegen_bins": [7, 5], "cachegen_key_fine": 1.0,
+         "cachegen_value_fine": 0.0}
+    # Sign_Rule 0, a file stamped 1.1 (Method 1, no exact token): written by sign_rule_0 below
+    kv = [(structured(rng, (1, 1, 6, 8), torch.float32), structured(rng, (1, 1, 6, 8), torch.float32))]
+    yield "lossy_sign_rule0", kvcodec.KVCache([k for k, _ in kv], [v for _, v in kv]), \
+        {"tier": "lossy", "step": 0.25, "sink": 0}
+    # (1.6) predicted slices far from position 0, where the recurrence of spec 13.1 and a direct cos(p theta) differ
+    yield ("lossy_predicted_far", *predicted_far_case(rng))
+
+
+#: cases written with Sign_Rule 0 and stamped 1.1 (``sign_rule_0``); their JSON says so (``sign_rule``: 0)
+SIGN_RULE_0 = ("lossy_sign_rule0",)
+
+
+def sign_rule_0(encode):
+    """``encode()`` (a call of ``kvcodec.encode`` for tier lossy) as a format 1.1 writer made it: the rotation's
+    signs by Sign_Rule 0 (NumPy's PCG64, spec 13) in every payload, the file stamped 1.1 (Version_Minor 1, the
+    header checksum and the footer's checksum resealed).  Tests call it to re-encode ``lossy_sign_rule0``."""
+    import struct
+
+    from kvcodec.codecs import hadamard, vq_rans
+    from kvcodec.container import layout as L
+
+    saved = vq_rans.SIGN_RULE, vq_rans.signs
+    vq_rans.SIGN_RULE = 0
+    vq_rans.signs = lambda seed, d, rule=0: hadamard.signs(seed, d, rule)
+    try:
+        data = bytearray(encode())
+    finally:
+        vq_rans.SIGN_RULE, vq_rans.signs = saved
+    struct.pack_into("<H", data, 10, 1)
+    hend = 16 + struct.unpack_from("<I", data, 12)[0]
+    hsum = L.xxh3(bytes(data[:hend]))
+    struct.pack_into("<Q", data, hend, hsum)
+    index_offset, file_length = struct.unpack_from("<QQ", data, len(data) - 32)
+    struct.pack_into("<Q", data, len(data) - 16, L.footer_checksum(index_offset, file_length, hsum))
+    return bytes(data)
+
+
+def mode0_residuals(slices):
+    """A context in which the reference encoder writes the residual of each (layer, part) of ``slices`` whose
+    residual is all zero as a Mode 0 section (spec 12: "a writer omits the section instead"), on purpose."""
+    import contextlib
+
+    from kvcodec.codecs.int_residual_rans import IntResidualRans
+
+    @contextlib.contextmanager
+    def ctx():
+        real = IntResidualRans.encode
+
+        def encode(self, t, where, prediction=None):
+            out = real(self, t, where, prediction)
+            return bytes([0]) if out is None and (where.layer, where.part) in slices else out
+
+        IntResidualRans.encode = encode
+        try:
+            yield
+        finally:
+            IntResidualRans.encode = real
+
+    return ctx()
+
+
+def model_dir(model) -> str:
+    """The shipped model's directory relative to spec/vectors (``model`` in a token-tier JSON)."""
+    return Path(model.config._name_or_path).resolve().relative_to(OUT.resolve()).as_posix()
+
+
 def states_meta(kv) -> dict:
     """``states_sha256`` (files with layer states only): per layer null, or the SHA-256 of each state tensor's
     bytes in state order."""
@@ -438,34 +667,50 @@ def build():
         "keys_sha256": [sha(t) for t in keys], "values_sha256": [sha(t) for t in values],
         "engine_file_sha256": hashlib.sha256(state).hexdigest(), "tokens": None, "start_position": 0,
     }, {"engine.bin": state}
-    for name, model, cache, opts in token_cases():
+    for name, model, cache, opts, extra in [(*c, {}) for c in token_cases()] + list(pinning_token_cases()):
         kv = kvcodec.to_canonical(cache)
         enc = dict(opts)
         for key in ("attention_mask", "tokens"):
             if key in enc:
                 enc[key] = torch.tensor(enc[key])
-        data = kvcodec.encode(cache, model, info=INFO, **enc)
-        with kvcodec.open_kvz(data, model) as f:
+        draft = extra.get("draft")
+        if draft is not None:
+            enc["draft"] = draft
+        with mode0_residuals(set(extra.get("mode0", ()))):
+            data = kvcodec.encode(cache, model, info=INFO, **enc)
+        with kvcodec.open_kvz(data, model, draft=draft) as f:
             regen = f.regenerated()
-        back = kvcodec.decode(data, model, output="kvcache")
+            # what a decoder produces from the recorded regeneration: the input (tier exact), or with a tolerance
+            # the reconstruction the encoder computed (spec 5.4), which may differ from the input
+            out = f.to_kvcache(regenerated=regen)
+        back = kvcodec.decode(data, model, draft=draft, output="kvcache")
         meta = {
             "options": opts,
-            "model": "models/tiny-mamba" if model.config.model_type == "mamba" else "models/tiny-llama",
+            "model": model_dir(model),
             "dtype": kv.dtype_name,
             "file_sha256": hashlib.sha256(data).hexdigest(),
-            "keys_sha256": [sha(t) for t in kv.keys],
-            "values_sha256": [sha(t) for t in kv.values],
+            "keys_sha256": [sha(t) for t in out.keys],
+            "values_sha256": [sha(t) for t in out.values],
             "tokens": back.tokens.tolist(),
             "start_position": 0,
             **states_meta(kv),
         }
+        if not out.equal(kv):  # a tolerance zeroed residuals: the input's hashes beside the reconstruction's
+            meta.update(input_keys_sha256=[sha(t) for t in kv.keys], input_values_sha256=[sha(t) for t in kv.values])
+        if draft is not None:
+            meta["draft_model"] = model_dir(draft)
+        if extra.get("mode0"):  # written on purpose (spec 12: the reference encoder omits such a section)
+            meta["mode0_residuals"] = [list(x) for x in extra["mode0"]]
         yield name, data, meta, {"regen.safetensors": _safetensors(regen)}
-    for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})] + list(lossy_cases()):
+    for name, kv, opts in list(cases()) + [("fp16_tiny", tiny(), {})] + list(lossy_cases()) + list(pinning_cases()):
         if opts.get("tier", "lossless") == "lossless":
             # the lossless vectors were made when the tier's default Scale_Bits was 12 (now 10): pinned, so the
             # files stay byte for byte what they were (Scale_Bits is in each payload; any value 8..15 decodes)
             opts = {"scale_bits": 12, **opts}
-        data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
+        if name in SIGN_RULE_0:
+            data = sign_rule_0(lambda kv=kv, opts=opts: kvcodec.encode(kv, info=INFO, threads=1, **opts))
+        else:
+            data = kvcodec.encode(kv, info=INFO, threads=1, **opts)
         if opts.get("tier") == "lossy":
             pred = opts.get("predictors")
             out = kvcodec.decode(data, output="kvcache", predictors=pred)
@@ -480,6 +725,8 @@ def build():
                     "keys_sha256": [sha(t) for t in out.keys], "values_sha256": [sha(t) for t in out.values],
                     "input_keys_sha256": [sha(t) for t in kv.keys], "input_values_sha256": [sha(t) for t in kv.values],
                     "tokens": None, "start_position": kv.start_position, **states_meta(kv)}
+            if name in SIGN_RULE_0:
+                meta["sign_rule"] = 0
             yield name, data, meta, extra
             continue
         meta = {

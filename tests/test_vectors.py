@@ -21,11 +21,13 @@ from .common import check_vector, vector_predictors
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 LOSSLESS = ["bf16_basic", "fp32_chunked_tokens", "fp16_special_raw", "bf16_sliding_window", "fp16_tiny",
             "fp16_tables_k6", "fp32_tables_q1", "lossless_state", "lossless_reduced", "lossless_selected",
-            "lossless_spread", "lossless_heads", "lossless_bounded"]
+            "lossless_spread", "lossless_heads", "lossless_bounded", "lossless_heads_coded"]
 TOKEN_TIERS = ["exact_static_prefill", "exact_lm_steps", "exact_lm_residual", "exact_lm_noise",
-               "tokens_tolerance_padded", "exact_state", "exact_blocks_padded"]
+               "tokens_tolerance_padded", "exact_state", "exact_blocks_padded", "exact_static_order2",
+               "tokens_tolerance_zeroed", "exact_blocks_v49152", "exact_draft_padded"]
 LOSSY = ["lossy_uniform_window", "lossy_kivi", "lossy_lloyd", "lossy_cachegen", "lossy_reduced", "lossy_weighted",
-         "lossy_predicted", "lossy_heads"]
+         "lossy_predicted", "lossy_heads", "lossy_lloyd_head", "lossy_kivi_rounding", "lossy_cachegen_odd",
+         "lossy_sign_rule0", "lossy_predicted_far"]
 ENGINE = ["engine_llama_seq"]
 CASES = LOSSLESS + TOKEN_TIERS + LOSSY + ENGINE
 
@@ -104,12 +106,21 @@ def test_spec_byte_walkthrough_matches_the_vector():
     assert checked >= 8
 
 
-def _vector_model(case="exact_static_prefill"):
-    """The shipped tiny model a token-tier vector names (``model`` in its JSON)."""
+def _vector_model(case="exact_static_prefill", key="model"):
+    """The shipped tiny model a token-tier vector names (``model`` in its JSON; ``draft_model``: its draft)."""
     from transformers import AutoModelForCausalLM
 
     meta, _ = _load(case)
-    return AutoModelForCausalLM.from_pretrained(VECTORS / meta["model"], dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(VECTORS / meta[key], dtype=torch.float32).eval()
+
+
+def _vector_draft(case):
+    """The draft model of a vector coded with token model ``draft`` (``draft_model`` in its JSON), else None."""
+    return _vector_model(case, "draft_model") if "draft_model" in _load(case)[0] else None
+
+
+def _token_model(case) -> str:
+    return _load(case)[0]["options"]["token_model"]
 
 
 def _encode_options(meta):
@@ -183,13 +194,20 @@ def _require_numerics(case):
 MATCHED = "try"
 
 
+#: the format version each token-tier vector is stamped with: the oldest one its features allow (1.1; 1.3 for
+#: layer states, 1.9 for token model blocks), (1.12) every token-tier file written since model.weights existed
+TOKEN_TIER_MINOR = {"exact_state": 3, "exact_blocks_padded": 9, "exact_static_order2": 12,
+                    "tokens_tolerance_zeroed": 12, "exact_blocks_v49152": 12, "exact_draft_padded": 12}
+
+
 @pytest.mark.parametrize("case", TOKEN_TIERS)
 def test_token_tier_vector_container(case):
     """Portable: the file, its header and every checksum, read without a model; decoding asks for one."""
     meta, data = _load(case)
     assert hashlib.sha256(data).hexdigest() == meta["file_sha256"]
-    want = 3 if "state" in case else 9 if "blocks" in case else 1  # 1.3 / 1.9 / 1.1
+    want = TOKEN_TIER_MINOR.get(case, 1)
     assert data[8:12] == bytes([1, 0, want, 0])
+    assert ("weights" in KvzReader(data).header.raw["model"]) == (want >= 12)  # (1.12) spec 4.1
     info = kvcodec.inspect(data, verify_checksums=True)
     assert info["tier"] == meta["options"].get("tier", "exact")
     assert info["token_channel"]["token_model"] == meta["options"]["token_model"]
@@ -197,7 +215,7 @@ def test_token_tier_vector_container(case):
         kvcodec.decode(data)  # the model is required
 
 
-@pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if "static" in c or c == "tokens_tolerance_padded"])
+@pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if _token_model(c) == "static"])
 def test_token_tier_vector_static_stream(case):
     """Portable: the static coder is integer arithmetic, so its streams decode to the same ids anywhere."""
     from kvcodec.tokens.rangecoder import unpack_stream
@@ -214,19 +232,53 @@ def test_token_tier_vector_static_stream(case):
             assert StaticTokenCoder(t.vocab, t.checksum_tokens).decode(stream).tolist() == expected[t.padding[row]:]
 
 
+@pytest.mark.parametrize("case", [c for c in TOKEN_TIERS if _token_model(c) == "blocks"])
+def test_token_tier_vector_uniform_tokens(case):
+    """Portable: token model ``blocks`` codes the first token of every block with the uniform distribution
+    ``1.0 / V`` (spec 11.2), which needs no model, and a row's stream holds its blocks' first tokens first: they
+    decode to the same ids anywhere (``exact_blocks_v49152``: at V = 49152, where ``1.0 / V`` and its running sum
+    are inexact, so another sum order or another uniform vector decodes other ids, issue 51)."""
+    import numpy as np
+
+    from kvcodec.tokens.rangecoder import categorical, decode_symbol, unpack_stream
+
+    meta, data = _load(case)
+    cs, family = categorical()
+    with KvzReader(data) as r:
+        t = r.header.tier_info
+        block = t.raw["procedure"]["block_tokens"]
+        uniform = np.full(t.vocab, 1.0 / t.vocab)
+        for row, expected in enumerate(meta["tokens"]):
+            e = r.entry(L.SECTION_TOKEN_STREAM, 0, 0, row)
+            stream = unpack_stream(r.read_payload(e), expect_tokens=len(expected) - t.padding[row],
+                                   chunk=t.checksum_tokens, offset=e.payload_offset)
+            coded = expected[t.padding[row]:]
+            firsts = coded[::block]
+            dec = cs.queue.RangeDecoder(np.ascontiguousarray(stream.words, dtype=np.uint32))
+            assert [decode_symbol(dec, family, uniform, f"token {i}") for i in range(len(firsts))] == firsts
+
+
 @pytest.mark.parametrize("case", TOKEN_TIERS)
 def test_token_tier_vector_residuals(case):
-    """Portable: the residual channel applied to the recorded regenerated tensors gives the input cache (exact
-    tier: its hashes; every tier: the per-slice tensor checksums the decoder checks)."""
+    """Portable: the residual channel applied to the recorded regenerated tensors gives what a decoder produces
+    (its hashes: the input cache in tier exact; with a tolerance the reconstruction the encoder computed, which
+    differs from the input where the tolerance zeroed residuals; and every slice's tensor checksum, which the
+    decoder checks)."""
     meta, data = _load(case)
     regen = _tensors(VECTORS / f"{case}.regen.safetensors", data)
     with kvcodec.open_kvz(data) as f:
         kv = f.to_kvcache(regenerated=regen)
-    if meta["options"].get("tier", "exact") == "exact":
-        assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
-        assert [sha(t) for t in kv.values] == meta["values_sha256"]
-    if "residual" in case or "state" in case:  # on purpose: the residual / state section does real work here
-        assert not kv.equal(regen)
+    assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
+    assert [sha(t) for t in kv.values] == meta["values_sha256"]
+    if "input_keys_sha256" in meta:  # (issue 51) the tolerance zeroed residuals: the input is not reproduced
+        assert meta["options"]["tier"] == "tokens" and meta["options"]["tolerance"] > 0
+        assert (meta["input_keys_sha256"], meta["input_values_sha256"]) != (meta["keys_sha256"], meta["values_sha256"])
+    for layer, part in meta.get("mode0_residuals", ()):  # written in Mode 0 on purpose: the regeneration stays
+        with KvzReader(data) as r:
+            assert r.read_payload(r.entry(L.SECTION_RESIDUAL, layer, part, 0)) == b"\x00"
+        assert (kv.keys if part == 0 else kv.values)[layer].equal((regen.keys if part == 0 else regen.values)[layer])
+    if "residual" in case or "state" in case or "zeroed" in case:  # on purpose: the residual / state section does
+        assert not kv.equal(regen)  # real work here
     if "states_sha256" in meta:
         assert [None if st is None else [sha(t) for _, _, t in st.tensors()] for st in kv.states] \
             == meta["states_sha256"]
@@ -249,11 +301,14 @@ def test_decode_token_tier_vector(case):
 
 def _decode_token_tier_vector(case, meta, data):
     _require_numerics(case)
-    if meta["options"].get("tier", "exact") == "exact":
+    draft = _vector_draft(case)
+    if meta["options"].get("tier", "exact") == "exact" and draft is None:
         check_vector(case, _vector_model(case), numerics=MATCHED)
-    else:  # within the tolerance: the decoder checks every slice against its tensor checksum
-        kv = kvcodec.decode(data, _vector_model(case), output="kvcache", numerics=MATCHED)
+    else:  # within a tolerance, the reconstruction (the decoder checks every slice against its tensor checksum)
+        kv = kvcodec.decode(data, _vector_model(case), draft=draft, output="kvcache", numerics=MATCHED)
         assert kv.tokens.tolist() == meta["tokens"]
+        assert [sha(t) for t in kv.keys] == meta["keys_sha256"]
+        assert [sha(t) for t in kv.values] == meta["values_sha256"]
 
 
 @pytest.mark.numerics
@@ -264,19 +319,34 @@ def test_reencode_token_tier_vector(case):
     is the reconstruction within the tolerance; re-encoding it stores the same residual sections."""
     _require_numerics(case)
     meta, data = _load(case)
-    model = _vector_model(case)
-    kv = kvcodec.decode(data, model, output="kvcache", numerics=MATCHED)
-    info = KvzReader(data).header.raw["info"]
-    again = kvcodec.encode(kv, model, info=info, tokens=kv.tokens, **_encode_options(meta))
+    model, draft = _vector_model(case), _vector_draft(case)
+    threads = torch.get_num_threads()
+    if meta["options"]["token_model"] == "blocks":  # its batched calls ran on the recorded thread count (§11.2)
+        torch.set_num_threads(KvzReader(data).header.tier_info.raw["procedure"]["numerics"]["threads"])
+    try:
+        kv = kvcodec.decode(data, model, draft=draft, output="kvcache", numerics=MATCHED)
+        info = KvzReader(data).header.raw["info"]
+        extra = {} if draft is None else {"draft": draft}
+        again = kvcodec.encode(kv, model, info=info, tokens=kv.tokens, **_encode_options(meta), **extra)
+    finally:
+        torch.set_num_threads(threads)
+    mode0 = {(L.SECTION_RESIDUAL, layer, part) for layer, part in meta.get("mode0_residuals", ())}
     with KvzReader(data) as a, KvzReader(again) as b:
-        pa = [(e.section_type, e.layer, e.part, e.chunk, a.read_payload(e)) for e in a.sections]
+        # a residual written in Mode 0 on purpose (issue 51): the reference encoder omits such a section (spec 12)
+        pa = [(e.section_type, e.layer, e.part, e.chunk, a.read_payload(e)) for e in a.sections
+              if (e.section_type, e.layer, e.part) not in mode0]
         pb = [(e.section_type, e.layer, e.part, e.chunk, b.read_payload(e)) for e in b.sections]
         ha, hb = dict(a.header.raw), dict(b.header.raw)
     assert pa == pb
-    # (1.12) a file made now also carries model.weights, computed from the shipped model's files (spec 4.1)
+    # (1.12) a file made now also carries model.weights (and the draft's), computed from the shipped model's files
+    # (spec 4.1); vectors made before 1.12 do not
     from .independent.decoder import weights_fingerprint
 
-    assert "weights" not in ha["model"] and hb["model"].pop("weights") == weights_fingerprint(VECTORS / meta["model"])
+    assert hb["model"].pop("weights") == weights_fingerprint(VECTORS / meta["model"])
+    assert ha["model"].pop("weights", None) in (None, weights_fingerprint(VECTORS / meta["model"]))
+    if draft is not None:
+        assert hb["tokens"]["draft"]["weights"] == ha["tokens"]["draft"]["weights"] \
+            == weights_fingerprint(VECTORS / meta["draft_model"])
     for h in (ha, hb):
         h["tokens"] = {k: v for k, v in h["tokens"].items() if k != "procedure"}
     assert ha == hb
@@ -312,8 +382,47 @@ def test_reencode_lossy_vector_from_its_inputs(case):
 
             opts["predictors"] = vector_predictors(case)
             assert predict.identity(predict.to_bytes(opts["predictors"])) == meta["options"]["predictors"]
-        data = kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **opts)
+
+        def encode():
+            return kvcodec.encode(kv, info={"kvcodec_version": "golden-vector"}, threads=1, **opts)
+
+        if meta.get("sign_rule") == 0:  # (issue 51) Sign_Rule 0, stamped 1.1, as make_vectors.py writes it
+            data = _make_vectors().sign_rule_0(encode)
+        else:
+            data = encode()
     assert data == expected
+
+
+def _make_vectors():
+    """scripts/make_vectors.py as a module (its ``sign_rule_0``: how a format 1.1 writer wrote ``vq_rans``)."""
+    import sys
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import make_vectors
+
+    return make_vectors
+
+
+def test_sign_rule0_vector_is_a_format_1_1_file():
+    """(issue 51) ``lossy_sign_rule0`` pins Sign_Rule 0 (spec 13): stamped 1.1, every payload's Sign_Rule 0, and
+    its reconstruction uses NumPy's PCG64 signs: decoded with rule 1's signs instead, its hashes differ."""
+    from kvcodec.codecs import hadamard
+
+    meta, data = _load("lossy_sign_rule0")
+    assert meta["sign_rule"] == 0 and KvzReader(data).version == (1, 1)
+    with KvzReader(data) as r:
+        assert {r.read_payload(e)[3] for e in r.sections if e.section_type == L.SECTION_KV} == {0}
+    real = hadamard._compute_signs
+    hadamard._signs.cache_clear()
+    try:
+        hadamard._compute_signs = lambda seed, d, rule: real(seed, d, 1)
+        kv = kvcodec.decode(data, output="kvcache")
+    finally:
+        hadamard._compute_signs = real
+        hadamard._signs.cache_clear()
+    assert [sha(t) for t in kv.keys] != meta["keys_sha256"]
 
 
 def _index_scale_bits(data, monkeypatch) -> set:
