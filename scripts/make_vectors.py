@@ -376,7 +376,7 @@ def token_cases():
     yield "exact_state", mamba, kv, {"token_model": "static", "tokens": ids.tolist()}
 
 
-# --- issue 51, item 2: vectors that pin rules no earlier vector pinned (spec/appendix_a_new_rows.md) -----------
+# --- issue 51, item 2: vectors that pin rules no earlier vector pinned (spec/kvz.md, Appendix A) -----------
 # Each of these is written on purpose (``--only NAME``) and never changes the earlier vectors' inputs: every case
 # has its own generator.  scripts/studies/vector_rules.py decodes each with its rule broken and shows that the
 # recorded hashes (or token ids) then differ.

@@ -1813,7 +1813,7 @@ class RangeDecoder:
         return t
 
 
-STATIC_VARIANT = "a"
+STATIC_VARIANT = "c"  # §11.2: the order-0 term as written; exact_static_order2 pins it
 
 
 def wb_level(lower, counts, n, d, V):
