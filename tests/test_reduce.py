@@ -1447,6 +1447,13 @@ def test_store_keeps_a_reduced_cache_beside_its_session(tmp_path, capsys):
     assert key not in store and store.reductions() == sorted([rkey, other])
     back = store.get(rkey, m)
     assert isinstance(back, ReducedCache)
+    other_model = _model("llama")
+    with torch.no_grad():
+        other_model.model.norm.weight.mul_(1.5)
+    with pytest.raises(kvcodec.ModelMismatch):  # as a session's get: another model is refused
+        store.get(rkey, other_model)
+    (tmp_path / "s" / "ns" / ns / "reduced" / s[:2] / s / "junk.txt").write_bytes(b"x")  # not an object: not counted
+    assert store.stats()["reduced"] == 2
     assert torch.equal(run(back), want)  # and the 40 tokens compacted alike
     longer = torch.cat([ids, nxt, nxt2], 1)
     with pytest.raises(kvcodec.ConfigError, match="has seen 123"):

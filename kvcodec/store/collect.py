@@ -45,6 +45,7 @@ from .keys import (
     entry_levels,
     entry_name,
     is_hex64,
+    is_reduced_rel,
     is_temp,
     numerics_path,
     parse_entry_name,
@@ -54,7 +55,6 @@ from .keys import (
 )
 from .lease import Lease, prune_records, write_record
 from .objects import IDS_MAGIC, LM_HEAD, LM_MAGIC, MAX_BASE_DEPTH, SMALL_LIMIT
-from .reduced import is_reduced_rel
 from .write import WritePath
 
 BATCH = 256

@@ -141,6 +141,17 @@ def split_reduced_key(key) -> tuple[str, str, str] | None:
     return None
 
 
+def is_reduced_name(name: str, kind: str = "file") -> bool:
+    """Whether ``name`` is a reduced object's file name, ``<r>.kvz`` with ``r`` 16 lowercase hex digits."""
+    return kind == "file" and name.endswith(".kvz") and _HEX16.match(name[:-4]) is not None
+
+
+def is_reduced_rel(parts: list[str], name: str) -> bool:
+    """Whether ``parts`` (a path below ``ns/<N>/``, split) name a reduced object (spec §1)."""
+    return (len(parts) == 4 and parts[0] == "reduced" and is_hex64(parts[2]) and parts[1] == parts[2][:2]
+            and is_reduced_name(name))
+
+
 def numerics_path(ns: str, pid: bytes) -> str:
     return f"ns/{ns}/numerics/{pid.hex()}.json"
 

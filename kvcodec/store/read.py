@@ -37,6 +37,7 @@ from .keys import (
     entry_levels,
     is_hex64,
     numerics_path,
+    is_reduced_rel,
     parse_entry_name,
     reduced_path,
     session_path,
@@ -826,7 +827,7 @@ class ReadPath(Objects):
                  "reduced": 0, "reduced_bytes": 0}
             for sub, kind in (("chunks", "chunks"), ("entries", "entries"), ("sessions", "sessions"),
                               ("reduced", "reduced")):
-                for _rel, item in self.backend.walk(f"ns/{ns}/{sub}"):
+                for rel, item in self.backend.walk(f"ns/{ns}/{sub}"):
                     if item.kind != "file" or item.name.startswith("."):
                         continue
                     if kind == "chunks":
@@ -835,6 +836,8 @@ class ReadPath(Objects):
                     elif kind == "entries":
                         d["entries"] += 1
                     elif kind == "reduced":
+                        if not is_reduced_rel(rel.split("/")[2:], item.name):
+                            continue  # not a reduced object's name (spec §1): not counted
                         d["reduced"] += 1
                         d["reduced_bytes"] += item.size
                     else:

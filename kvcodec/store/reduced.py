@@ -15,8 +15,17 @@ from __future__ import annotations
 import io
 
 from ..cache import KVCache
-from ..errors import ConfigError, FormatError, UnknownId, UnsupportedCache, UnsupportedVersion
-from .keys import VERSION, chain_key, is_hex64, reduced_path, reduction_id, split_reduced_key, token_ids
+from ..errors import ConfigError, FormatError, KvzError, UnknownId, UnsupportedCache, UnsupportedVersion
+from .keys import (
+    VERSION,
+    chain_key,
+    is_hex64,
+    is_reduced_name,
+    reduced_path,
+    reduction_id,
+    split_reduced_key,
+    token_ids,
+)
 from .read import ReadPath
 
 #: the ``info`` keys a reduced object's header carries (spec §6.1)
@@ -63,11 +72,15 @@ class ReducedObjects(ReadPath):
                 self._attach_predictors(ns, f)
                 h = f.header
                 info = h.raw.get("info")
-                if h.reduce is None or not isinstance(info, dict) or info.get("kvcodec_store") != VERSION \
+                if h.reduce is None or not isinstance(info, dict) or type(info.get("kvcodec_store")) is not int \
+                        or info.get("kvcodec_store") != VERSION \
                         or info.get("reduced_of") != session or reduction_id(h.reduce) != r:
                     raise FormatError(f"reduced object {session[:16]}…/{r} is not the reduced cache its name "
                                       "says (its header's reduce object and info.reduced_of name another)",
                                       field="Header.info")
+                if h.batch != 1:
+                    raise FormatError(f"reduced object {session[:16]}…/{r} holds batch {h.batch}: a store keeps one "
+                                      "cache per object", field="Header.cache.batch")
                 kv = f.to_kvcache()
                 if type(info.get("tokens")) is not int or max(kv.cumulative_length) != info["tokens"] \
                         or kv.start_position != 0:
@@ -75,7 +88,11 @@ class ReducedObjects(ReadPath):
                                       f"{info.get('tokens')!r} is not the {max(kv.cumulative_length)} tokens its "
                                       "layers have seen", field="Header.info.tokens")
                 return kv
-        self.record(ns)  # the namespace is checked against its id first
+        record = self.record(ns)  # the namespace is checked against its id first
+        if model is not None and isinstance(record.get("model"), dict) and "fingerprint" in record["model"]:
+            from ..identity import check_model
+
+            check_model(record["model"], model)  # as a session's get does: another model is refused
         try:
             kv = self._read_file(path, decode)
         except (UnsupportedVersion, UnknownId):
@@ -89,19 +106,27 @@ class ReducedObjects(ReadPath):
             return kv
         return kv.to_dynamic_cache(model=model[0] if isinstance(model, tuple) else model)  # a ReducedCache
 
-    def reductions(self, tokens=None, model=None) -> list[str]:
+    def reductions(self, tokens=None) -> list[str]:
         """The keys ``<N>:<s>:<r>`` of the stored reduced caches: every one, or (``tokens``) those of exactly
-        that token sequence in this store's namespace for ``model`` (default: the store's)."""
+        that token sequence, in every namespace of the store (any model, dtype or tier: each key names its
+        namespace, and :meth:`get` with a model refuses another one)."""
         if tokens is not None:
-            ns = self.namespace(self.model if model is None else model)
-            s = chain_key(bytes.fromhex(ns), bytes(32), token_ids(tokens), self.record(ns)["chunk_tokens"]).hex()
-            return sorted(f"{ns}:{s}:{it.name[:-4]}" for it in self.backend.listdir(f"ns/{ns}/reduced/{s[:2]}/{s}")
-                          or [] if _is_reduced_name(it))
+            ids, out = token_ids(tokens), []
+            for ns in self.namespaces():
+                try:
+                    size = self.record(ns)["chunk_tokens"]
+                except (KeyError, KvzError):
+                    continue  # an unreadable namespace record: nothing in it is listed
+                s = chain_key(bytes.fromhex(ns), bytes(32), ids, size).hex()
+                out += [f"{ns}:{s}:{it.name[:-4]}" for it in self.backend.listdir(f"ns/{ns}/reduced/{s[:2]}/{s}")
+                        or [] if is_reduced_name(it.name, it.kind)]
+            return sorted(out)
         out = []
         for ns in self.namespaces():
             for rel, it in self.backend.walk(f"ns/{ns}/reduced"):
                 parts = rel.split("/")
-                if len(parts) == 6 and is_hex64(parts[4]) and parts[3] == parts[4][:2] and _is_reduced_name(it):
+                if len(parts) == 6 and is_hex64(parts[4]) and parts[3] == parts[4][:2] \
+                        and is_reduced_name(it.name, it.kind):
                     out.append(f"{ns}:{parts[4]}:{it.name[:-4]}")
         return sorted(out)
 
@@ -111,16 +136,4 @@ class ReducedObjects(ReadPath):
             raise KeyError(key)
 
 
-def _is_reduced_name(it) -> bool:
-    name = it.name
-    return it.kind == "file" and name.endswith(".kvz") and split_reduced_key(f"{'0' * 64}:{'0' * 64}:{name[:-4]}") \
-        is not None
-
-
-def is_reduced_rel(parts: list[str], name: str) -> bool:
-    """Whether ``parts`` (a path below ``ns/<N>/``, split) name a reduced object (spec §1)."""
-    return (len(parts) == 4 and parts[0] == "reduced" and is_hex64(parts[2]) and parts[1] == parts[2][:2]
-            and name.endswith(".kvz") and split_reduced_key(f"{'0' * 64}:{parts[2]}:{name[:-4]}") is not None)
-
-
-__all__ = ["INFO_KEYS", "ReducedObjects", "is_reduced_rel"]
+__all__ = ["INFO_KEYS", "ReducedObjects"]
