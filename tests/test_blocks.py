@@ -29,7 +29,7 @@ def test_blocks_round_trip_bit_identical(kind, block):
     ids = torch.randint(1, VOCAB, (2, 19))
     rec, out = recorded_generate(model, ids, 5)
     data = kvcodec.encode(rec, model, token_model="blocks", block_tokens=block, tokens=out[:, :-1])
-    assert data[8:12] == bytes([1, 0, 9, 0])  # stamped 1.9
+    assert data[8:12] == bytes([1, 0, 12, 0])  # stamped 1.12: blocks (1.9) and model.weights (1.12)
     info = kvcodec.inspect(data)["token_channel"]
     assert info["token_model"] == "blocks" and info["procedure"]["block_tokens"] == block
     back = kvcodec.decode(data, model, output="kvcache")
@@ -91,6 +91,9 @@ def test_hostile_blocks_headers_are_refused_by_name(edit, error, field):
 
 def test_a_blocks_file_stamped_before_1_9_is_refused():
     _model, _rec, data = _blocks_file()
+    h = header_of(data)
+    del h["model"]["weights"]  # (1.12) without it, blocks alone decide the version
+    data = with_header(data, h)
     old = reseal(data[:10] + bytes([8, 0]) + data[12:])
     check_rejects(kvcodec.FormatError, old, fn=kvcodec.inspect, match="1.9")
 
