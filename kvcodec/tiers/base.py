@@ -115,6 +115,9 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                  predict: dict | None = None) -> dict:
     """The header object every tier writes; ``extra`` is the tier's own ``(header_key, object)``.  Files with
     such an object (format 1.1) write runs of identical layers once, with ``repeat``."""
+    rec = model_record(model)
+    if rec is not None and extra is None:  # the direct tiers decode without the model: their files keep the
+        rec.pop("weights", None)  # fingerprint they always had, not a 1.12 key older decoders refuse
     h = {
         "format": "kvz",
         "tier": tier_id,
@@ -133,7 +136,7 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                 for i, (k, v) in enumerate(zip(kv.keys, kv.values))
             ],
         },
-        "model": model_record(model),
+        "model": rec,
         "info": {"kvcodec_version": __version__} if info is None else info,
     }
     if predict is not None:  # (1.6) the slices are residuals of a prediction (spec section 13.1)
