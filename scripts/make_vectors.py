@@ -307,16 +307,21 @@ MODEL_DIR = OUT / "models" / "tiny-llama"
 MAMBA_DIR = OUT / "models" / "tiny-mamba"
 
 
-def tiny_model():
-    """The tiny Llama the token-tier vectors need at decode (written once; an input, like the tensors)."""
+def _llama(path, seed: int, **config):
+    """A tiny Llama written once to ``path`` from ``seed`` and ``config`` (an input, like the tensors), loaded in
+    float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not (MODEL_DIR / "model.safetensors").is_file():
-        torch.manual_seed(20261129)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-        LlamaForCausalLM(cfg).save_pretrained(MODEL_DIR)
-    return LlamaForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    if not (path / "model.safetensors").is_file():
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(max_position_embeddings=128, **config)).save_pretrained(path)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tiny_model():
+    """The tiny Llama the token-tier vectors need at decode."""
+    return _llama(MODEL_DIR, 20261129, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1)
 
 
 def tiny_mamba():
@@ -394,29 +399,16 @@ def vocab_model():
     """A Llama with a real vocabulary (49152, SmolLM2's) and almost nothing else (hidden size 2, one layer, one
     key-value head of dimension 2, tied embeddings): 394 KB of float32 weights.  At V = 64 the uniform
     distribution 1/V and every sum of it are exact; at 49152 they are not (spec 11.2, 11.2.1)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if not (VOCAB_DIR / "model.safetensors").is_file():
-        torch.manual_seed(49152)
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=2, intermediate_size=4, num_hidden_layers=1,
-                          num_attention_heads=1, num_key_value_heads=1, head_dim=2, max_position_embeddings=128,
-                          tie_word_embeddings=True)
-        LlamaForCausalLM(cfg).save_pretrained(VOCAB_DIR)
-    return LlamaForCausalLM.from_pretrained(VOCAB_DIR, dtype=torch.float32).eval()
+    return _llama(VOCAB_DIR, 49152, vocab_size=49152, hidden_size=2, intermediate_size=4, num_hidden_layers=1,
+                  num_attention_heads=1, num_key_value_heads=1, head_dim=2, tie_word_embeddings=True)
 
 
 def draft_model():
     """A draft model for ``exact_draft_padded``: another tiny Llama with the tiny Llama's vocabulary (64), one
     layer, other weights; its distributions differ from the model's, so a decoder that codes with the model
     instead of the draft fails."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if not (DRAFT_DIR / "model.safetensors").is_file():
-        torch.manual_seed(20261201)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-        LlamaForCausalLM(cfg).save_pretrained(DRAFT_DIR)
-    return LlamaForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
+    return _llama(DRAFT_DIR, 20261201, vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
 
 
 def order2_tokens(rng, n: int, symbols=(3, 17, 42, 9, 58)) -> list[int]:

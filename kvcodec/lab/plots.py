@@ -121,6 +121,14 @@ def _axis_lines(ax, out, xlabel, ylabel, xticks, yticks, xnames=None):
                    f'{escape(ylabel)}</text>')
 
 
+def _vlines(ax, out, vlines):
+    """Dashed vertical reference lines at the (value, label) pairs, each labelled at its top."""
+    for v, label in vlines:
+        out.append(f'<line x1="{ax.X(v):.1f}" y1="{ax.y0}" x2="{ax.X(v):.1f}" y2="{ax.y1}" stroke="#555" '
+                   'stroke-dasharray="2,3"/>')
+        out.append(f'<text x="{ax.X(v) + 4:.1f}" y="{ax.y0 + 14}" fill="#555">{escape(label)}</text>')
+
+
 def _legend(out, x, y, entries):
     """entries: (label, colour, dashed, marker)."""
     for i, (label, colour, dashed, kind) in enumerate(entries):
@@ -156,10 +164,7 @@ def line_plot(path, series, *, title, subtitle="", xlabel, ylabel, xlog=False, y
         out.append(f'<line x1="{ax.x0}" y1="{ax.Y(v):.1f}" x2="{ax.x1}" y2="{ax.Y(v):.1f}" stroke="#555" '
                    'stroke-dasharray="2,3"/>')
         out.append(f'<text x="{ax.x0 + 4}" y="{ax.Y(v) - 4:.1f}" fill="#555">{escape(label)}</text>')
-    for v, label in vlines:
-        out.append(f'<line x1="{ax.X(v):.1f}" y1="{ax.y0}" x2="{ax.X(v):.1f}" y2="{ax.y1}" stroke="#555" '
-                   'stroke-dasharray="2,3"/>')
-        out.append(f'<text x="{ax.X(v) + 4:.1f}" y="{ax.y0 + 14}" fill="#555">{escape(label)}</text>')
+    _vlines(ax, out, vlines)
     legend = []
     for i, s in enumerate(series):
         c = s.get("colour") or COLOURS[i % len(COLOURS)]
@@ -196,10 +201,7 @@ def bar_plot(path, categories, series, *, title, subtitle="", xlabel, xlog=True,
     for i, cat in enumerate(categories):
         y = ax.y0 + 8 + row * i + bar * len(series) / 2
         out.append(f'<text x="{ax.x0 - 8}" y="{y + 4:.1f}" text-anchor="end">{escape(cat)}</text>')
-    for v, label in vlines:
-        out.append(f'<line x1="{ax.X(v):.1f}" y1="{ax.y0}" x2="{ax.X(v):.1f}" y2="{ax.y1}" stroke="#555" '
-                   'stroke-dasharray="2,3"/>')
-        out.append(f'<text x="{ax.X(v) + 4:.1f}" y="{ax.y0 + 14}" fill="#555">{escape(label)}</text>')
+    _vlines(ax, out, vlines)
     legend = []
     for j, s in enumerate(series):
         c = s.get("colour") or COLOURS[j % len(COLOURS)]
