@@ -64,14 +64,21 @@ def weights(model) -> str:
     return _memo(_WEIGHTS_FP, model, sum(p._version for p in model.parameters()), weights_fingerprint)
 
 
-def model_record(model) -> dict | None:
-    """The header's ``model`` object for ``model`` (None for None)."""
+def _tokenizer(tok) -> str:
+    return _memo(_TOKENIZER_FP, tok, len(tok), tokenizer_fingerprint)
+
+
+def model_record(model, *, with_weights: bool = False) -> dict | None:
+    """The header's ``model`` object for ``model`` (None for None); ``with_weights``: also ``weights`` (format
+    1.12: what the token tiers' files carry; hashing them is a second pass over every weight)."""
     if model is None:
         return None
     model, tok = split_model(model)
-    rec = {"fingerprint": fingerprint(model), "weights": weights(model)}
+    rec = {"fingerprint": fingerprint(model)}
+    if with_weights:
+        rec["weights"] = weights(model)
     if tok is not None:
-        rec["tokenizer"] = _memo(_TOKENIZER_FP, tok, len(tok), tokenizer_fingerprint)
+        rec["tokenizer"] = _tokenizer(tok)
     arch = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(arch, str):
         rec["architecture"] = arch
@@ -85,18 +92,19 @@ def check_model(recorded: dict | None, model, what: str = "model") -> None:
     """Raise :class:`ModelMismatch` if ``model`` is not the one ``recorded`` (a header's ``model`` object)."""
     if recorded is None:
         return
-    rec = model_record(model)
+    mdl, tok = split_model(model)
     if "weights" in recorded:  # (1.12) what any implementation computes; the configuration's serialisation that
-        # `fingerprint` hashes depends on the library that loaded the model, so it is not compared then
-        if rec["weights"] != recorded["weights"]:
+        # `fingerprint` hashes depends on the library that loaded the model, so it is not compared (or computed)
+        have = weights(mdl)
+        if have != recorded["weights"]:
             raise ModelMismatch(f"file was made with {what} weights {recorded['weights'][:16]}…, the {what} given "
-                                f"has {rec['weights'][:16]}… (another model, another dtype or modified weights)",
+                                f"has {have[:16]}… (another model, another dtype or modified weights)",
                                 field=f"Header.{what}.weights", offset=L.PREAMBLE.size)
-    elif rec["fingerprint"] != recorded["fingerprint"]:
+    elif (have := fingerprint(mdl)) != recorded["fingerprint"]:
         raise ModelMismatch(f"file was made with {what} {recorded['fingerprint'][:16]}…, "
-                            f"the {what} given is {rec['fingerprint'][:16]}… (another model, another dtype or "
+                            f"the {what} given is {have[:16]}… (another model, another dtype or "
                             "modified weights)", field=f"Header.{what}.fingerprint", offset=L.PREAMBLE.size)
-    if "tokenizer" in rec and "tokenizer" in recorded and rec["tokenizer"] != recorded["tokenizer"]:
+    if tok is not None and "tokenizer" in recorded and _tokenizer(tok) != recorded["tokenizer"]:
         raise ModelMismatch(f"file was made with a {what} whose tokenizer differs from the one given",
                             field=f"Header.{what}.tokenizer", offset=L.PREAMBLE.size)
 

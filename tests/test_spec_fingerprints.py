@@ -141,7 +141,7 @@ def test_weights_decide_where_present():
     from kvcodec.identity import check_model, model_record
 
     m = tiny_model("llama")
-    rec = model_record(m)
+    rec = model_record(m, with_weights=True)
     check_model({**rec, "fingerprint": "0" * 64}, m)  # weights match: fingerprint informative
     with pytest.raises(kvcodec.ModelMismatch) as err:
         check_model({**rec, "weights": "0" * 64}, m)

@@ -115,9 +115,9 @@ def build_header(kv: KVCache, tier_id: str, codec: dict, chunk_tokens: int, mode
                  predict: dict | None = None) -> dict:
     """The header object every tier writes; ``extra`` is the tier's own ``(header_key, object)``.  Files with
     such an object (format 1.1) write runs of identical layers once, with ``repeat``."""
-    rec = model_record(model)
-    if rec is not None and extra is None:  # the direct tiers decode without the model: their files keep the
-        rec.pop("weights", None)  # fingerprint they always had, not a 1.12 key older decoders refuse
+    # (1.12) model.weights in the token tiers' files (``extra``); the direct tiers decode without the model: their
+    # files keep the record they always had, not a 1.12 key older decoders refuse
+    rec = model_record(model, with_weights=extra is not None)
     h = {
         "format": "kvz",
         "tier": tier_id,

@@ -471,7 +471,7 @@ def _code(job, tolerance, kv, opts, mdl, tok, token_model, tokens, vocab, n, att
                 raise ConfigError("the draft model's vocabulary is smaller than the tokens need")
             coder = LMTokenCoder(dm, lm.CHUNK_TOKENS)
             vocab = coder.vocab
-            procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft)
+            procedure, draft_rec = coder.procedure(lm.INCREMENTAL), model_record(opts.draft, with_weights=True)
             streams = [coder.encode(x) for x in rows]
     procedure = {**procedure, "numerics": {**numerics.profile(mdl), "step_threads": plan.step_threads}}
     if token_model == "draft":
