@@ -447,7 +447,9 @@ def cmd_store(args) -> int:
             raise ConfigError("kvz store get URL KEY -o OUT.safetensors (a reduced cache's key: -o OUT.kvz)")
         if Path(args.output).exists() and not args.force:
             raise ConfigError(f"{args.output} exists (use -f to replace it)")
-        if args.keys[0].count(":") == 2:  # a reduced object: entries with masses, kept as a .kvz file
+        from .store.keys import split_reduced_key
+
+        if split_reduced_key(args.keys[0]) is not None:  # a reduced object: entries with masses, kept as a .kvz
             from .api import save
 
             if not args.output.endswith(".kvz"):
