@@ -221,8 +221,14 @@ def weights_fingerprint(model) -> str:
     arch = getattr(cfg, "model_type", None)
     if not isinstance(arch, str) or not arch:
         raise ValueError("a weights fingerprint needs the model's model_type")
+    seen, found = set(), set()
     with torch.no_grad():
-        digests = sorted({tensor_digest(t) for t in model.state_dict().values()})
+        for t in model.state_dict().values():
+            view = (t.data_ptr(), tuple(t.shape), t.dtype, t.stride())  # a tied tensor, named twice: hashed once
+            if view not in seen:
+                seen.add(view)
+                found.add(tensor_digest(t))
+    digests = sorted(found)
     h = hashlib.sha256(b"kvcodec-model-weights-v2\0" + arch.encode() + b"\0")
     for d in digests:
         h.update(d)
